@@ -1,0 +1,35 @@
+"""Test set-up: 8 simulated CPU devices and strict dtype promotion, before JAX starts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+CORPUS = SHARED / "corpus"
+
+
+def require_devices(n: int) -> list:
+    """The first ``n`` devices, or skip the test when fewer exist."""
+    devices = jax.devices()
+    if len(devices) < n:
+        pytest.skip(f"needs {n} devices, have {len(devices)}")
+    return devices[:n]
+
+
+@pytest.fixture
+def corpus_dir() -> Path:
+    """``../shared/corpus``; skips when it is not beside the checkout."""
+    if not CORPUS.is_dir():
+        pytest.skip(f"corpus not found at {CORPUS}")
+    return CORPUS

@@ -1,0 +1,73 @@
+"""torsh_jax: data-, fully-sharded-, tensor- and pipeline-parallel training on JAX.
+
+The public API is re-exported here and loaded lazily, so that importing
+``torsh_jax`` (or running ``torsh-jax translate``) does not import JAX.
+
+Example:
+    >>> import torsh_jax as tj
+    >>> tj.load_plan("ddp").mesh.data.ici
+    -1
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+#: public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    # errors
+    "TorshError": "torsh_jax.errors",
+    "PlanError": "torsh_jax.errors",
+    "PresetNotFoundError": "torsh_jax.errors",
+    "MeshError": "torsh_jax.errors",
+    "ShardingError": "torsh_jax.errors",
+    "NotSupportedYetError": "torsh_jax.errors",
+    "TranslationError": "torsh_jax.errors",
+    "DistributedError": "torsh_jax.errors",
+    "CompressionError": "torsh_jax.errors",
+    # plans
+    "ParallelPlan": "torsh_jax.plan",
+    "MeshSpec": "torsh_jax.plan",
+    "AxisSize": "torsh_jax.plan",
+    "ZeroSpec": "torsh_jax.plan",
+    "PrecisionSpec": "torsh_jax.plan",
+    "LossScaleSpec": "torsh_jax.plan",
+    "BatchSpec": "torsh_jax.plan",
+    "CommunicationSpec": "torsh_jax.plan",
+    "CompressorSpec": "torsh_jax.plan",
+    "AxisCompression": "torsh_jax.plan",
+    "PipelineSpec": "torsh_jax.plan",
+    "TensorSpec": "torsh_jax.plan",
+    "OptimizerSpec": "torsh_jax.plan",
+    "ScheduleSpec": "torsh_jax.plan",
+    "load_plan": "torsh_jax.plan",
+    "save_plan": "torsh_jax.plan",
+    "load_compressor": "torsh_jax.plan",
+    "plan_from_dict": "torsh_jax.plan",
+    "plan_to_dict": "torsh_jax.plan",
+    "plan_from_toml": "torsh_jax.plan",
+    "plan_to_toml": "torsh_jax.plan",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torsh_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torsh_jax.errors import *  # noqa: F403
+    from torsh_jax.plan import *  # noqa: F403

@@ -1,0 +1,1 @@
+"""The ``torsh-jax`` command line."""

@@ -1,0 +1,86 @@
+"""Typed errors raised by torsh_jax.
+
+Every error says what is wrong, where (config key path, parameter path or
+mesh shape) and how to fix it. All inherit from :class:`TorshError`, so a
+caller can catch one type.
+
+Example:
+    >>> from torsh_jax.errors import PlanError
+    >>> err = PlanError("must be >= 1", key="batch.micro_batch_size", fix="use 8")
+    >>> str(err)
+    'batch.micro_batch_size: must be >= 1. Fix: use 8'
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TorshError",
+    "PlanError",
+    "PresetNotFoundError",
+    "MeshError",
+    "ShardingError",
+    "NotSupportedYetError",
+    "TranslationError",
+    "DistributedError",
+    "CompressionError",
+    "CheckpointError",
+]
+
+
+class TorshError(Exception):
+    """Base of all torsh_jax errors.
+
+    Args:
+        message: what is wrong.
+        key: where: a config key path (``zero_optimization.stage``), a
+            parameter path (``layers/wq``) or another locator.
+        fix: how to fix it, phrased as an instruction.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, fix: str | None = None):
+        self.message = message
+        self.key = key
+        self.fix = fix
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        text = f"{self.key}: {self.message}" if self.key else self.message
+        if self.fix:
+            text += f". Fix: {self.fix}"
+        return text
+
+
+class PlanError(TorshError, ValueError):
+    """A plan (TOML/JSON or dataclass fields) is invalid."""
+
+
+class PresetNotFoundError(TorshError, FileNotFoundError):
+    """A preset name or path does not exist."""
+
+
+class MeshError(TorshError, ValueError):
+    """The plan's mesh does not fit the available devices."""
+
+
+class ShardingError(TorshError, ValueError):
+    """A parameter or batch cannot be sharded as the plan asks."""
+
+
+class NotSupportedYetError(TorshError, NotImplementedError):
+    """A valid plan asks for something this version cannot run yet."""
+
+
+class TranslationError(TorshError, ValueError):
+    """A foreign config (DeepSpeed, Horovod, env, FSDP) cannot be translated."""
+
+
+class DistributedError(TorshError, RuntimeError):
+    """Multi-process start-up failed or is misconfigured."""
+
+
+class CompressionError(TorshError, ValueError):
+    """A compressor is misconfigured or given an unsupported input."""
+
+
+class CheckpointError(TorshError, RuntimeError):
+    """A checkpoint cannot be saved or restored for this plan."""

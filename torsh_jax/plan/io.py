@@ -1,0 +1,249 @@
+"""Plans to and from plain dicts, TOML and JSON; presets by name or path.
+
+The dict form is strict: unknown keys are errors naming their key path and
+the keys that are allowed. An axis size may be written as a number (the
+in-slice size) or as a table ``{ici = 4, dcn = 2}``. A compressor may be
+written as a preset name from ``compression/`` (``gradients = "int8"``).
+
+Example:
+    >>> from torsh_jax.plan.io import plan_from_dict, plan_to_dict
+    >>> plan = plan_from_dict({"mesh": {"data": -1}, "zero": {"stage": 1}})
+    >>> plan.zero.stage, plan.mesh.data.ici
+    (1, -1)
+    >>> plan_from_dict(plan_to_dict(plan)) == plan
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+
+from torsh_jax.errors import PlanError, PresetNotFoundError, TorshError
+from torsh_jax.plan import presets
+from torsh_jax.plan.spec import AxisSize, CompressorSpec, ParallelPlan
+
+__all__ = [
+    "plan_from_dict",
+    "plan_to_dict",
+    "plan_from_toml",
+    "plan_to_toml",
+    "plan_from_json",
+    "plan_to_json",
+    "load_plan",
+    "save_plan",
+    "load_compressor",
+]
+
+
+def _join(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    """Convert plain data ``value`` to type ``tp``, naming ``path`` on error."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = [t for t in typing.get_args(tp) if t is not type(None)]
+        if value is None:
+            return None
+        errors = []
+        for option in options:
+            try:
+                return _convert(option, value, path)
+            except PlanError as err:
+                errors.append(err)
+        raise errors[-1]
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise PlanError(f"must be one of {list(typing.get_args(tp))}, got {value!r}", key=path)
+        return value
+    if origin is tuple:
+        return _convert_tuple(tp, value, path)
+    if origin is dict:
+        return _convert_mapping(value, path)
+    if dataclasses.is_dataclass(tp):
+        return _convert_dataclass(tp, value, path)
+    return _convert_scalar(tp, value, path)
+
+
+def _convert_scalar(tp: Any, value: Any, path: str) -> Any:
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float) and isinstance(value, bool):
+        raise PlanError(f"must be a number, got {value!r}", key=path)
+    if not isinstance(value, tp):
+        raise PlanError(f"must be {_type_name(tp)}, got {type(value).__name__} {value!r}", key=path)
+    return value
+
+
+def _convert_tuple(tp: Any, value: Any, path: str) -> tuple:
+    if not isinstance(value, (list, tuple)):
+        raise PlanError(f"must be a list, got {type(value).__name__}", key=path)
+    args = typing.get_args(tp)
+    if len(args) == 2 and args[1] is Ellipsis:
+        return tuple(_convert(args[0], v, _join(path, i)) for i, v in enumerate(value))
+    if len(args) != len(value):
+        raise PlanError(f"must have {len(args)} items, got {len(value)}", key=path)
+    return tuple(_convert(t, v, _join(path, i)) for i, (t, v) in enumerate(zip(args, value)))
+
+
+def _convert_mapping(value: Any, path: str) -> dict:
+    if not isinstance(value, dict):
+        raise PlanError(f"must be a table, got {type(value).__name__}", key=path)
+    for key, item in value.items():
+        if not isinstance(item, (int, float, str, bool)):
+            raise PlanError(f"must be a number, string or boolean, got {item!r}", key=_join(path, key))
+    return dict(value)
+
+
+def _convert_dataclass(cls: Any, value: Any, path: str) -> Any:
+    if cls is AxisSize and isinstance(value, int) and not isinstance(value, bool):
+        value = {"ici": value}
+    if cls is CompressorSpec and isinstance(value, str):
+        return _compressor_preset(value, path)
+    if not isinstance(value, dict):
+        raise PlanError(f"must be a table, got {type(value).__name__} {value!r}", key=path or "plan")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in value if k not in names]
+    if unknown:
+        raise PlanError(
+            f"unknown key {unknown[0]!r}",
+            key=_join(path, unknown[0]),
+            fix=f"use one of {names}",
+        )
+    kwargs = {k: _convert(hints[k], v, _join(path, k)) for k, v in value.items()}
+    try:
+        return cls(**kwargs)
+    except PlanError as err:
+        if path and err.key and not err.key.startswith(path.split(".")[0]):
+            raise PlanError(err.message, key=_join(path, err.key), fix=err.fix) from None
+        raise
+
+
+def _compressor_preset(name: str, path: str) -> CompressorSpec:
+    try:
+        return load_compressor(name)
+    except PresetNotFoundError as err:
+        raise PresetNotFoundError(err.message, key=path, fix=err.fix) from None
+
+
+def _strip_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _strip_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_strip_none(v) for v in value]
+    return value
+
+
+def plan_from_dict(data: dict, *, name: str | None = None) -> ParallelPlan:
+    """Build a validated plan from plain data (parsed TOML or JSON)."""
+    plan = _convert_dataclass(ParallelPlan, data, "")
+    return plan.replace(name=name) if name and "name" not in data else plan
+
+
+def _non_default(obj: Any) -> dict:
+    """Fields of dataclass ``obj`` that differ from its class defaults, recursively."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            default = dataclasses.MISSING
+        if value == default:
+            continue
+        if dataclasses.is_dataclass(value) and dataclasses.is_dataclass(default):
+            out[f.name] = _non_default(value)
+        else:
+            out[f.name] = _strip_none(_as_plain(value))
+    return out
+
+
+def _as_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    if isinstance(value, tuple):
+        return [_as_plain(v) for v in value]
+    return value
+
+
+def plan_to_dict(plan: ParallelPlan, *, full: bool = False) -> dict:
+    """Plain data for ``plan``: only fields that differ from the defaults
+    (all fields with ``full=True``); no ``None`` values, tuples as lists."""
+    if full:
+        return _strip_none(dataclasses.asdict(plan))
+    return _non_default(plan)
+
+
+def plan_from_toml(text: str, *, name: str | None = None, source: str = "<toml>") -> ParallelPlan:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise PlanError(f"not valid TOML: {err}", key=source) from None
+    return plan_from_dict(data, name=name)
+
+
+def plan_to_toml(plan: ParallelPlan) -> str:
+    return tomli_w.dumps(plan_to_dict(plan))
+
+
+def plan_from_json(text: str, *, name: str | None = None, source: str = "<json>") -> ParallelPlan:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise PlanError(f"not valid JSON: {err}", key=source) from None
+    return plan_from_dict(data, name=name)
+
+
+def plan_to_json(plan: ParallelPlan) -> str:
+    return json.dumps(plan_to_dict(plan), indent=2)
+
+
+def load_plan(name_or_path: str | Path) -> ParallelPlan:
+    """Load a plan preset by name (``ddp``) or from a ``.toml``/``.json`` path.
+
+    Raises:
+        PresetNotFoundError: no such preset or file; the message lists presets.
+        PlanError: the file is not a valid plan; the message names the key.
+    """
+    path = presets.find("meshes", str(name_or_path))
+    text = path.read_text()
+    try:
+        if path.suffix == ".json":
+            return plan_from_json(text, name=path.stem, source=str(path))
+        return plan_from_toml(text, name=path.stem, source=str(path))
+    except TorshError as err:
+        err.args = (f"{path}: {err}",)
+        raise
+
+
+def save_plan(plan: ParallelPlan, path: str | Path) -> Path:
+    """Write ``plan`` as TOML (or JSON for a ``.json`` suffix)."""
+    path = Path(path)
+    path.write_text(plan_to_json(plan) if path.suffix == ".json" else plan_to_toml(plan))
+    return path
+
+
+def load_compressor(name_or_path: str | Path) -> CompressorSpec:
+    """Load a compressor preset from ``compression/`` by name or path."""
+    path = presets.find("compression", str(name_or_path))
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise PlanError(f"not valid TOML: {err}", key=str(path)) from None
+    data.pop("description", None)
+    return _convert_dataclass(CompressorSpec, data, path.stem)

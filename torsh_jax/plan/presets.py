@@ -1,0 +1,58 @@
+"""Find preset files (``meshes/*.toml``, ``compression/*.toml``) by name or path.
+
+Presets ship inside the wheel (``torsh_jax/_presets/<kind>/``) and are read
+from the checkout's top-level folders when running from source.
+
+Example:
+    >>> from torsh_jax.plan import presets
+    >>> "ddp" in presets.names("meshes")
+    True
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from torsh_jax.errors import PresetNotFoundError
+
+__all__ = ["find", "names", "preset_dirs"]
+
+_SUFFIXES = (".toml", ".json")
+
+
+def preset_dirs(kind: str) -> list[Path]:
+    """Folders holding presets of ``kind`` (``meshes`` or ``compression``)."""
+    dirs = []
+    packaged = Path(str(resources.files("torsh_jax"))) / "_presets" / kind
+    checkout = Path(__file__).resolve().parents[2] / kind
+    for folder in (packaged, checkout):
+        if folder.is_dir() and folder not in dirs:
+            dirs.append(folder)
+    return dirs
+
+
+def names(kind: str) -> list[str]:
+    """Sorted preset names of ``kind``."""
+    return sorted({p.stem for d in preset_dirs(kind) for p in d.iterdir() if p.suffix in _SUFFIXES})
+
+
+def find(kind: str, name_or_path: str) -> Path:
+    """The file for a preset name or an explicit path.
+
+    Raises:
+        PresetNotFoundError: neither a file nor a known preset name.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.suffix in _SUFFIXES and path.is_file():
+        return path
+    for folder in preset_dirs(kind):
+        for suffix in _SUFFIXES:
+            candidate = folder / f"{name_or_path}{suffix}"
+            if candidate.is_file():
+                return candidate
+    raise PresetNotFoundError(
+        f"no {kind} preset or file named {name_or_path!r}",
+        key=kind,
+        fix=f"use one of {names(kind)} or a path to a .toml/.json file",
+    )

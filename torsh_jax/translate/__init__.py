@@ -1,0 +1,1 @@
+"""Translate foreign configs into plans (no JAX import)."""
