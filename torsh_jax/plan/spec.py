@@ -388,12 +388,13 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 #: Parameter path regex -> logical dimension names (first match wins).
 DEFAULT_PARAM_DIMS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (r"(^|/)embed(ding)?(/|$)", ("vocab", "embed")),
-    (r"(^|/)layers/.*(wq|wk|wv)$", ("layers", "embed", "heads")),
-    (r"(^|/)layers/.*wo$", ("layers", "heads", "embed")),
-    (r"(^|/)layers/.*(w_in|w_up|w_gate)$", ("layers", "embed", "mlp")),
-    (r"(^|/)layers/.*(w_out|w_down)$", ("layers", "mlp", "embed")),
-    (r"(^|/)head(/|$)", ("embed", "vocab")),
+    (r"(^|/)embedding$", ("vocab", "embed")),
+    (r"(^|/)position$", ("length", "embed")),
+    (r"(^|/)layers/(.*/)?(wq|wk|wv)(/kernel)?$", ("layers", "embed", "heads", "kv")),
+    (r"(^|/)layers/(.*/)?wo(/kernel)?$", ("layers", "heads", "kv", "embed")),
+    (r"(^|/)layers/(.*/)?(w_in|w_up|w_gate)(/kernel)?$", ("layers", "embed", "mlp")),
+    (r"(^|/)layers/(.*/)?(w_out|w_down)(/kernel)?$", ("layers", "mlp", "embed")),
+    (r"(^|/)head(/kernel)?$", ("embed", "vocab")),
 )
 
 

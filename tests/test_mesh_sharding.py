@@ -1,0 +1,72 @@
+"""Mesh building and parameter shardings on 8 simulated devices."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from conftest import require_devices
+from helpers import SMALL
+from jax.sharding import PartitionSpec as P
+
+from torsh_jax.demo.model import init_params, loss_fn, synthetic_tokens
+from torsh_jax.errors import MeshError, NotSupportedYetError, ShardingError
+from torsh_jax.parallel.mesh import build_mesh
+from torsh_jax.parallel.sharding import logical_dims, param_specs
+from torsh_jax.plan import AxisSize, MeshSpec, ParallelPlan, load_plan, plan_from_dict
+from torsh_jax.train.step import make_train_step
+
+
+def test_single_slice_mesh_axes_and_types():
+    mesh = build_mesh(ParallelPlan(mesh=MeshSpec(data=AxisSize(ici=2), fsdp=AxisSize(ici=4))), require_devices(8))
+    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 4, "tensor": 1}
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+
+
+def test_simulated_two_slice_mesh_keeps_slices_contiguous():
+    mesh = build_mesh(load_plan("ddp_2slice"), require_devices(8))
+    ids = [[d.id for d in row.flat] for row in mesh.devices.reshape(2, 4)]
+    assert ids == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_wrong_device_count_lists_factorisations():
+    plan = plan_from_dict({"mesh": {"data": 3}})
+    with pytest.raises(MeshError) as err:
+        build_mesh(plan, require_devices(8))
+    assert "data=8" in str(err.value)
+
+
+def test_tensor_rules_and_divisibility():
+    plan = ParallelPlan(mesh=MeshSpec(data=AxisSize(ici=4), tensor=AxisSize(ici=2)))
+    mesh = build_mesh(plan, require_devices(8))
+    specs = param_specs(init_params(SMALL, jax.random.key(0)), plan, mesh)
+    assert specs["layers"]["wq"] == P(None, None, "tensor", None)
+    assert specs["layers"]["w_out"] == P(None, "tensor", None)
+    assert specs["layers"]["attn_norm"] == P(None, None)
+    bad = {"layers": {"wq": jnp.zeros((2, 32, 3, 16))}}
+    with pytest.raises(ShardingError) as err:
+        param_specs(bad, plan, mesh)
+    message = str(err.value)
+    assert "layers/wq" in message and "(2, 32, 3, 16)" in message and "tensor=2" in message
+
+
+def test_param_dims_rank_mismatch_names_the_path():
+    with pytest.raises(ShardingError, match="layers/wq"):
+        logical_dims("layers/wq", jnp.zeros((3, 4)), ParallelPlan())
+
+
+def test_indivisible_batch_names_the_leaf():
+    plan = load_plan("ddp")
+    train = make_train_step(loss_fn(SMALL), optax.sgd(0.1), plan, build_mesh(plan, require_devices(8)))
+    state = train.init(init_params(SMALL, jax.random.key(0)))
+    with pytest.raises(ShardingError) as err:
+        train.step(state, synthetic_tokens(SMALL, batch_size=60, seed=0))
+    assert "batch/" in str(err.value) and "64" in str(err.value)
+
+
+@pytest.mark.parametrize("axis", ["tensor", "stage"])
+def test_unbuilt_axes_raise_not_supported_yet(axis):
+    plan = plan_from_dict({"mesh": {"data": 4, axis: 2}})
+    with pytest.raises(NotSupportedYetError, match=f"mesh.{axis}"):
+        make_train_step(loss_fn(SMALL), optax.sgd(0.1), plan, build_mesh(plan, require_devices(8)))

@@ -1,0 +1,116 @@
+"""Distributed data parallel as a per-device ``shard_map`` program.
+
+``In[B_(data,fsdp), ...] · W[replicated] -> grads all-reduced over (data, fsdp)``
+
+Each device computes gradients on its batch shard (accumulating micro-steps
+locally), the gradients cross the wire once per optimizer step as fused
+buckets in the plan's reduction dtype, and every device applies the same
+optax update to its replica.
+
+Example:
+    >>> from torsh_jax.plan import ParallelPlan
+    >>> gradient_factors(ParallelPlan(), data_parallel_size=8)
+    (1.0, 0.125)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+from torsh_jax.parallel.accumulate import local_gradients
+from torsh_jax.parallel.buckets import reduce_in_buckets
+from torsh_jax.plan.spec import ParallelPlan
+from torsh_jax.train.precision import cast_tree, dtype_of
+from torsh_jax.train.state import TrainState
+from torsh_jax.train.update import apply_optimizer
+
+__all__ = ["gradient_factors", "all_reduce_gradients", "ddp_local_step", "mark_varying"]
+
+PyTree = Any
+
+
+def gradient_factors(plan: ParallelPlan, *, data_parallel_size: int) -> tuple[float, float]:
+    """``(pre, post)`` multipliers around the gradient sum over data-parallel ranks.
+
+    ``prescale_gradients`` divides before the sum; otherwise
+    ``gradient_predivide_factor`` f divides by f before and multiplies by
+    f / n after (DeepSpeed and Horovod semantics). ``reduce_op = "sum"``
+    keeps the sum.
+    """
+    comm = plan.communication
+    n = float(data_parallel_size)
+    if comm.reduce_op == "sum":
+        return 1.0 / comm.gradient_predivide_factor, comm.gradient_predivide_factor
+    if comm.prescale_gradients:
+        return 1.0 / n, 1.0
+    f = comm.gradient_predivide_factor
+    return 1.0 / f, f / n
+
+
+def mark_varying(tree: PyTree, axes: tuple[str, ...]) -> PyTree:
+    """Mark replicated values as per-device along ``axes``.
+
+    Differentiating a replicated value against a per-device batch would make
+    JAX insert the gradient sum itself; marking it varying first keeps the
+    gradients per-device so that the program places the reduction.
+    """
+    if not axes:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree)
+
+
+def all_reduce_gradients(grads: PyTree, plan: ParallelPlan, *, axes: tuple[str, ...], size: int) -> PyTree:
+    """Bucketed all-reduce of per-device gradients over ``axes`` (mean by default)."""
+    pre, post = gradient_factors(plan, data_parallel_size=size)
+    reduce_dtype = dtype_of(plan.precision.reduce_dtype)
+    bucket_bytes = int(plan.communication.bucket_mb * 1e6)
+
+    def reduce(flat):
+        if pre != 1.0:
+            flat = flat * jax.numpy.asarray(pre, flat.dtype)
+        total = jax.lax.psum(flat, axes)
+        return total if post == 1.0 else total * jax.numpy.asarray(post, total.dtype)
+
+    return reduce_in_buckets(cast_tree(grads, reduce_dtype), bucket_bytes=bucket_bytes, reduce=reduce)
+
+
+def ddp_local_step(
+    loss_fn: Callable[[PyTree, PyTree], jax.Array],
+    optimizer: optax.GradientTransformation,
+    plan: ParallelPlan,
+    *,
+    axes: tuple[str, ...],
+    size: int,
+) -> Callable[[TrainState, PyTree], tuple[TrainState, dict]]:
+    """The per-device DDP step ``(state, local_batch) -> (state, metrics)``.
+
+    Args:
+        loss_fn: ``(params, batch) -> scalar`` on a local batch.
+        optimizer: optax transformation.
+        plan: the plan (precision, batch, communication).
+        axes: data-parallel mesh axes to reduce over.
+        size: product of their sizes.
+    """
+    precision = plan.precision
+    param_dtype = dtype_of(precision.param_dtype)
+
+    def step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
+        params_c = mark_varying(cast_tree(state.params, precision.compute_dtype), axes)
+        grads, loss = local_gradients(
+            loss_fn,
+            params_c,
+            batch,
+            steps=plan.batch.accumulation_steps,
+            reduce=plan.batch.accumulation_reduce,
+            accum_dtype=param_dtype,
+        )
+        grads = cast_tree(all_reduce_gradients(grads, plan, axes=axes, size=size), param_dtype)
+        params, opt_state = apply_optimizer(optimizer, grads, state.opt_state, state.params)
+        metrics = {"loss": jax.lax.pmean(loss, axes), "grad_norm": optax.tree.norm(grads)}
+        return state._replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return step

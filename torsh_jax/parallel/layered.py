@@ -1,0 +1,82 @@
+"""A model split into embed -> stacked layers -> head, so strategies can gather one layer at a time.
+
+ZeRO-3 needs to see layer boundaries to keep only about one layer's full
+parameters alive. A :class:`LayeredModel` names the three pure functions and
+the pytree key of the stacked layer parameters (leading dim = layer count);
+:func:`layered_loss` composes them into an ordinary ``loss_fn(params, batch)``.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> model = LayeredModel(
+    ...     embed=lambda p, batch: batch * p["in"]["w"],
+    ...     layer=lambda p, h: h + p["b"],
+    ...     head=lambda p, h, batch: jnp.mean(h * p["out"]["v"]),
+    ...     embed_keys=("in",), head_keys=("out",))
+    >>> params = {"in": {"w": 2.0}, "layers": {"b": jnp.ones(3)}, "out": {"v": 1.0}}
+    >>> float(layered_loss(model)(params, jnp.ones(4)))
+    5.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+
+__all__ = ["LayeredModel", "layered_loss", "split_params", "scan_layers"]
+
+PyTree = Any
+
+
+class LayeredModel(NamedTuple):
+    """Three pure functions and where their parameters live.
+
+    Args:
+        embed: ``(embed_params, batch) -> hidden``.
+        layer: ``(one_layer_params, hidden) -> hidden``; applied to each slice
+            of ``params[layers_key]`` along its leading dim.
+        head: ``(head_params, hidden, batch) -> scalar loss``.
+        embed_keys: top-level parameter keys passed to ``embed``.
+        head_keys: top-level parameter keys passed to ``head``.
+        layers_key: top-level key of the stacked layer parameters.
+        remat: recompute each layer's activations in the backward pass.
+    """
+
+    embed: Callable[[PyTree, PyTree], jax.Array]
+    layer: Callable[[PyTree, jax.Array], jax.Array]
+    head: Callable[[PyTree, jax.Array, PyTree], jax.Array]
+    embed_keys: tuple[str, ...] = ("embed",)
+    head_keys: tuple[str, ...] = ("head",)
+    layers_key: str = "layers"
+    remat: bool = False
+
+
+def split_params(model: LayeredModel, params: dict) -> tuple[dict, PyTree, dict]:
+    """``(embed_params, stacked_layer_params, head_params)`` of ``params``."""
+    embed = {k: params[k] for k in model.embed_keys}
+    head = {k: params[k] for k in model.head_keys}
+    return embed, params[model.layers_key], head
+
+
+def scan_layers(layer: Callable, stacked: PyTree, hidden: jax.Array, *, remat: bool = False) -> jax.Array:
+    """Apply ``layer`` for every slice of ``stacked`` with ``lax.scan``."""
+    body = jax.checkpoint(layer) if remat else layer
+
+    def step(h, layer_params):
+        return body(layer_params, h), None
+
+    hidden, _ = jax.lax.scan(step, hidden, stacked)
+    return hidden
+
+
+def layered_loss(model: LayeredModel) -> Callable[[dict, PyTree], jax.Array]:
+    """The plain ``loss_fn(params, batch)`` of a layered model."""
+
+    def loss_fn(params, batch):
+        embed, stacked, head = split_params(model, params)
+        hidden = model.embed(embed, batch)
+        hidden = scan_layers(model.layer, stacked, hidden, remat=model.remat)
+        return model.head(head, hidden, batch)
+
+    return loss_fn

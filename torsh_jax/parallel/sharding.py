@@ -1,0 +1,153 @@
+"""Logical axis rules -> ``PartitionSpec`` for every parameter of a pytree.
+
+A parameter's logical dimension names come from flax partitioning metadata
+(``nn.with_logical_partitioning`` / ``nnx`` ``sharding``) when present,
+otherwise from the plan's ``param_dims`` (regex on the ``/``-joined pytree
+path, first match wins). The plan's ``rules`` map each logical name to mesh
+axes; a mesh axis is used at most once per parameter, and axes of size 1 are
+left out (they shard nothing).
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from torsh_jax.plan import ParallelPlan
+    >>> from torsh_jax.parallel.mesh import build_mesh
+    >>> mesh = build_mesh(ParallelPlan(), jax.devices()[:1])
+    >>> param_specs({"embed": {"embedding": jnp.zeros((256, 64))}}, ParallelPlan(), mesh)
+    {'embed': {'embedding': PartitionSpec(None, None)}}
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from torsh_jax.errors import ShardingError
+from torsh_jax.parallel.mesh import mesh_shape_str
+from torsh_jax.plan.spec import ParallelPlan
+
+__all__ = [
+    "path_str",
+    "logical_dims",
+    "param_specs",
+    "named_shardings",
+    "batch_spec",
+    "check_divisible",
+]
+
+PyTree = object
+
+
+def path_str(path: Sequence) -> str:
+    """``layers/wq`` for a pytree key path."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def _metadata_names(leaf: object) -> tuple[str | None, ...] | None:
+    """Logical names from flax partitioning metadata, if the leaf carries any."""
+    names = getattr(leaf, "names", None) or getattr(leaf, "sharding", None)
+    if isinstance(names, (tuple, list)) and all(n is None or isinstance(n, str) for n in names):
+        return tuple(names)
+    return None
+
+
+def logical_dims(path: str, leaf: object, plan: ParallelPlan) -> tuple[str | None, ...]:
+    """Logical dimension names of one parameter (``None`` = unnamed dim).
+
+    Raises:
+        ShardingError: a ``param_dims`` rule matches but names a different
+            number of dims than the parameter has.
+    """
+    ndim = len(getattr(leaf, "shape", ()))
+    names = _metadata_names(leaf)
+    if names is None:
+        for pattern, dims in plan.param_dims:
+            if re.search(pattern, path):
+                names = tuple(dims)
+                break
+    if names is None:
+        return (None,) * ndim
+    if len(names) != ndim:
+        raise ShardingError(
+            f"logical dims {list(names)} name {len(names)} dims but the parameter has shape "
+            f"{tuple(leaf.shape)}",
+            key=path,
+            fix="correct the matching param_dims entry (one name per dim, '' or null for none)",
+        )
+    return tuple(n or None for n in names)
+
+
+def _rule_axes(plan: ParallelPlan) -> dict[str, tuple[str, ...]]:
+    out: dict[str, tuple[str, ...]] = {}
+    for logical, axes in plan.rules:
+        out.setdefault(logical, tuple(axes))
+    return out
+
+
+def _spec_for(names: tuple[str | None, ...], rules: dict[str, tuple[str, ...]], mesh: Mesh) -> P:
+    used: set[str] = set()
+    entries = []
+    for name in names:
+        axes = tuple(
+            a for a in rules.get(name, ()) if a in mesh.axis_names and mesh.shape[a] > 1 and a not in used
+        )
+        used.update(axes)
+        entries.append(axes[0] if len(axes) == 1 else (axes or None))
+    return P(*entries)
+
+
+def check_divisible(path: str, shape: tuple[int, ...], spec: P, mesh: Mesh) -> None:
+    """Raise :class:`ShardingError` when a dim does not divide its mesh axes."""
+    for dim, entry in enumerate(spec):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        size = 1
+        for axis in axes:
+            size *= mesh.shape[axis]
+        if size > 1 and shape[dim] % size:
+            raise ShardingError(
+                f"dim {dim} of shape {shape} is not divisible by {size} (mesh axes {list(axes)}; "
+                f"mesh {mesh_shape_str(mesh)})",
+                key=path,
+                fix=f"make dim {dim} a multiple of {size}, or map its logical name to other mesh axes "
+                "in the plan's rules",
+            )
+
+
+def param_specs(params: PyTree, plan: ParallelPlan, mesh: Mesh) -> PyTree:
+    """A ``PartitionSpec`` per parameter leaf, validated against ``mesh``.
+
+    Raises:
+        ShardingError: a dim does not divide its mesh axes (names the path).
+    """
+    rules = _rule_axes(plan)
+
+    def one(path, leaf):
+        where = path_str(path)
+        spec = _spec_for(logical_dims(where, leaf, plan), rules, mesh)
+        check_divisible(where, tuple(leaf.shape), spec, mesh)
+        return spec
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def named_shardings(specs: PyTree, mesh: Mesh) -> PyTree:
+    """``NamedSharding`` for every ``PartitionSpec`` leaf of ``specs``."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def batch_spec(mesh: Mesh, ndim: int = 1) -> P:
+    """Leading (batch) dim split over the data-parallel axes, the rest replicated."""
+    from torsh_jax.parallel.mesh import data_axes
+
+    return P(data_axes(mesh), *([None] * (ndim - 1)))

@@ -1,0 +1,66 @@
+"""Report a train step's collectives and memory from its compiled program.
+
+Example:
+    >>> import jax, optax
+    >>> from torsh_jax.demo.model import LMConfig, init_params, loss_fn, synthetic_tokens
+    >>> from torsh_jax.parallel.mesh import build_mesh
+    >>> from torsh_jax.plan import load_plan
+    >>> from torsh_jax.train.step import make_train_step
+    >>> cfg, plan = LMConfig(layers=1), load_plan("ddp")
+    >>> train = make_train_step(loss_fn(cfg), optax.adamw(1e-3), plan, build_mesh(plan, jax.devices()[:1]))
+    >>> state = train.init(init_params(cfg, jax.random.key(0)))
+    >>> report = inspect_step(train, state, synthetic_tokens(cfg, batch_size=8, seed=0))
+    >>> report["theory"]["description"]
+    'DDP over data=1'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from torsh_jax.analysis import summarize
+from torsh_jax.analysis.theory import plan_theory
+from torsh_jax.parallel.mesh import default_num_slices
+from torsh_jax.train.state import TrainState
+from torsh_jax.train.step import TrainStep
+
+__all__ = ["inspect_step", "headline"]
+
+
+def _param_count(params: Any) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+def inspect_step(train: TrainStep, state: TrainState, batch: Any) -> dict:
+    """Summary of the compiled step: collectives, totals, memory and theory.
+
+    See :func:`torsh_jax.analysis.summarize` for the keys; adds
+    ``param_count`` and ``plan``.
+    """
+    compiled = train.lower(state, batch).compile()
+    theory = plan_theory(
+        train.plan,
+        param_count=_param_count(state.params),
+        num_devices=train.mesh.size,
+        num_slices=default_num_slices(train.plan),
+    )
+    summary = summarize(compiled, train.mesh, theory=theory)
+    summary["param_count"] = _param_count(state.params)
+    summary["plan"] = train.plan.name
+    return summary
+
+
+def headline(summary: dict) -> dict:
+    """The few numbers a training log shows: wire bytes (measured and theory) and memory."""
+    theory = summary.get("theory") or {}
+    memory = summary.get("memory") or {}
+    return {
+        "wire_bytes_per_step": summary["totals"]["wire_bytes"],
+        "theoretical_wire_bytes_per_step": theory.get("wire_bytes"),
+        "wire_ratio": theory.get("wire_ratio"),
+        "payload_bytes_per_step": summary["totals"]["payload_bytes"],
+        "memory_per_device_bytes": memory.get("peak_estimate_bytes"),
+    }
