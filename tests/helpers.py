@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import optax
 
-from torsh_jax.demo.model import LMConfig, init_params, loss_fn, synthetic_tokens
+from torsh_jax.demo.model import LMConfig, init_params, layered_model, loss_fn, synthetic_tokens
 from torsh_jax.parallel.mesh import build_mesh
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.train.reference import make_reference_step
@@ -23,7 +23,7 @@ def twin_report(plan: ParallelPlan, *, devices=None, steps: int = 5, cfg: LMConf
     """Run ``plan`` and its single-device twin for ``steps`` steps on the demo model."""
     optimizer = optimizer or recording_optimizer()
     mesh = build_mesh(plan, devices)
-    train = make_train_step(loss_fn(cfg), optimizer, plan, mesh)
+    train = make_train_step(layered_model(cfg), optimizer, plan, mesh)
     twin = make_reference_step(loss_fn(cfg), optimizer, plan)
     params = init_params(cfg, jax.random.key(0))
     batches = [synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=i) for i in range(steps)]

@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
 
     from torsh_jax.analysis import render_text
     from torsh_jax.demo.devices import select_devices
-    from torsh_jax.demo.model import init_params, loss_fn, synthetic_tokens
+    from torsh_jax.demo.model import init_params, layered_model, synthetic_tokens
     from torsh_jax.demo.run import DemoConfig, model_config
     from torsh_jax.optim import build_optimizer
     from torsh_jax.parallel.mesh import build_mesh
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     mesh = build_mesh(plan, select_devices(args.devices))
     cfg = model_config(DemoConfig(layers=args.layers, d_model=args.d_model))
-    train = make_train_step(loss_fn(cfg), build_optimizer(plan.optimizer), plan, mesh)
+    train = make_train_step(layered_model(cfg), build_optimizer(plan.optimizer), plan, mesh)
     state = train.init(init_params(cfg, jax.random.key(0)))
     summary = inspect_step(train, state, synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=0))
     print(json.dumps(summary, indent=2) if args.json else render_text(summary))

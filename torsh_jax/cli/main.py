@@ -22,6 +22,8 @@ __all__ = ["main", "build_parser", "COMMANDS"]
 COMMANDS = (
     "torsh_jax.cli.demo_cmd",
     "torsh_jax.cli.inspect_cmd",
+    "torsh_jax.cli.launch_cmd",
+    "torsh_jax.cli.translate_cmd",
 )
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import jax
 
 from torsh_jax.demo.devices import select_devices
-from torsh_jax.demo.model import LMConfig, init_params, loss_fn, param_count, synthetic_tokens
+from torsh_jax.demo.model import LMConfig, init_params, layered_model, loss_fn, param_count, synthetic_tokens
 from torsh_jax.optim import build_optimizer
 from torsh_jax.parallel.mesh import build_mesh
 from torsh_jax.plan.io import load_plan
@@ -71,7 +71,7 @@ def run_demo(config: DemoConfig, *, emit: Callable[[dict], None]) -> dict:
     mesh = build_mesh(plan, devices)
     cfg = model_config(config)
     optimizer = build_optimizer(plan.optimizer)
-    train = make_train_step(loss_fn(cfg), optimizer, plan, mesh)
+    train = make_train_step(layered_model(cfg), optimizer, plan, mesh)
     params = init_params(cfg, jax.random.key(config.seed))
     batch_of = lambda i: synthetic_tokens(
         cfg, batch_size=train.global_batch_size, seed=config.seed * 100003 + i

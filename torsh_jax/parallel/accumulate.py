@@ -42,6 +42,7 @@ def local_gradients(
     reduce: str = "mean",
     accum_dtype: Any = jnp.float32,
     loss_scale: jax.Array | None = None,
+    per_step: Callable[[PyTree], PyTree] | None = None,
 ) -> tuple[PyTree, jax.Array]:
     """Gradients of ``loss_fn`` at ``params`` over ``steps`` micro-batches.
 
@@ -53,6 +54,9 @@ def local_gradients(
         reduce: ``mean`` or ``sum`` over micro-steps.
         accum_dtype: dtype of the gradient accumulator.
         loss_scale: multiply the loss by this before differentiating.
+        per_step: applied to each micro-step's gradients before they are
+            accumulated (e.g. ZeRO-2's reduce-scatter into a sharded
+            accumulator); default: none, so nothing is communicated here.
 
     Returns:
         ``(grads in accum_dtype, mean unscaled loss)``.
@@ -63,7 +67,11 @@ def local_gradients(
         return (loss if loss_scale is None else loss * loss_scale.astype(loss.dtype)), loss
 
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
-    to_acc = lambda tree: jax.tree.map(lambda g: g.astype(accum_dtype), tree)
+
+    def to_acc(tree):
+        tree = jax.tree.map(lambda g: g.astype(accum_dtype), tree)
+        return tree if per_step is None else jax.tree.map(lambda g: g.astype(accum_dtype), per_step(tree))
+
     if steps == 1:
         (_, loss), grads = grad_fn(params, batch)
         return to_acc(grads), loss.astype(jnp.float32)

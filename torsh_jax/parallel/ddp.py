@@ -19,14 +19,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import optax
+import optax  # noqa: F401  (types in signatures)
 
 from torsh_jax.parallel.accumulate import local_gradients
 from torsh_jax.parallel.buckets import reduce_in_buckets
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.train.precision import cast_tree, dtype_of
 from torsh_jax.train.state import TrainState
-from torsh_jax.train.update import apply_optimizer
+from torsh_jax.train.update import guarded_update, scaler_for
 
 __all__ = ["gradient_factors", "all_reduce_gradients", "ddp_local_step", "mark_varying"]
 
@@ -97,6 +97,7 @@ def ddp_local_step(
     """
     precision = plan.precision
     param_dtype = dtype_of(precision.param_dtype)
+    scaler = scaler_for(plan)
 
     def step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
         params_c = mark_varying(cast_tree(state.params, precision.compute_dtype), axes)
@@ -107,10 +108,14 @@ def ddp_local_step(
             steps=plan.batch.accumulation_steps,
             reduce=plan.batch.accumulation_reduce,
             accum_dtype=param_dtype,
+            loss_scale=None if scaler is None else state.loss_scale.scale,
         )
         grads = cast_tree(all_reduce_gradients(grads, plan, axes=axes, size=size), param_dtype)
-        params, opt_state = apply_optimizer(optimizer, grads, state.opt_state, state.params)
-        metrics = {"loss": jax.lax.pmean(loss, axes), "grad_norm": optax.tree.norm(grads)}
-        return state._replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        update = guarded_update(
+            optimizer, grads, state.opt_state, state.params, scaler=scaler, scale_state=state.loss_scale
+        )
+        metrics = {"loss": jax.lax.pmean(loss, axes), **update.metrics}
+        new_state = update.advance(state)
+        return new_state, metrics
 
     return step

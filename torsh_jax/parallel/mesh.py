@@ -37,8 +37,8 @@ _DATA_AXES = ("data", "fsdp")
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The data-parallel axes of ``mesh`` (``data``, ``fsdp``)."""
-    return tuple(a for a in _DATA_AXES if a in mesh.axis_names)
+    """The data-parallel axes of ``mesh`` (``data``, ``fsdp``) larger than 1."""
+    return tuple(a for a in _DATA_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
 
 
 def mesh_shape_str(mesh: Mesh) -> str:

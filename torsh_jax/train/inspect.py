@@ -23,6 +23,7 @@ import numpy as np
 
 from torsh_jax.analysis import summarize
 from torsh_jax.analysis.theory import plan_theory
+from torsh_jax.parallel.layered import LayeredModel
 from torsh_jax.parallel.mesh import default_num_slices
 from torsh_jax.train.state import TrainState
 from torsh_jax.train.step import TrainStep
@@ -32,6 +33,14 @@ __all__ = ["inspect_step", "headline"]
 
 def _param_count(params: Any) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+def _regathered_fraction(train: TrainStep, state: TrainState) -> float:
+    """Part of the parameters ZeRO-3 gathers again in the backward pass: the
+    stacked layers of a layered model, everything for a plain loss."""
+    if not isinstance(train.loss, LayeredModel):
+        return 1.0
+    return _param_count(state.params[train.loss.layers_key]) / _param_count(state.params)
 
 
 def inspect_step(train: TrainStep, state: TrainState, batch: Any) -> dict:
@@ -46,6 +55,7 @@ def inspect_step(train: TrainStep, state: TrainState, batch: Any) -> dict:
         param_count=_param_count(state.params),
         num_devices=train.mesh.size,
         num_slices=default_num_slices(train.plan),
+        regathered_fraction=_regathered_fraction(train, state),
     )
     summary = summarize(compiled, train.mesh, theory=theory)
     summary["param_count"] = _param_count(state.params)

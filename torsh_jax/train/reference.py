@@ -25,18 +25,26 @@ import optax
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.train.precision import cast_tree
 from torsh_jax.train.state import TrainState
-from torsh_jax.train.update import apply_optimizer
+from torsh_jax.train.update import guarded_update, scaler_for
 
 __all__ = ["make_reference_step", "reference_gradients"]
 
 PyTree = Any
 
 
-def reference_gradients(loss_fn: Callable, params: PyTree, batch: PyTree, plan: ParallelPlan):
-    """``(loss, grads)`` on the whole batch with the plan's precision policy."""
+def reference_gradients(
+    loss_fn: Callable, params: PyTree, batch: PyTree, plan: ParallelPlan, scale: jax.Array | None = None
+):
+    """``(loss, grads)`` on the whole batch with the plan's precision policy
+    (gradients of the loss times ``scale`` when given)."""
     precision = plan.precision
     params_c = cast_tree(params, precision.compute_dtype)
-    loss, grads = jax.value_and_grad(loss_fn)(params_c, batch)
+
+    def scaled(p, b):
+        loss = loss_fn(p, b)
+        return (loss if scale is None else loss * scale.astype(loss.dtype)), loss
+
+    (_, loss), grads = jax.value_and_grad(scaled, has_aux=True)(params_c, batch)
     if plan.batch.accumulation_reduce == "sum":
         grads = jax.tree.map(lambda g: g * plan.batch.accumulation_steps, grads)
     grads = cast_tree(cast_tree(grads, precision.reduce_dtype), precision.param_dtype)
@@ -46,15 +54,21 @@ def reference_gradients(loss_fn: Callable, params: PyTree, batch: PyTree, plan: 
 def make_reference_step(loss_fn: Callable, optimizer: optax.GradientTransformation, plan: ParallelPlan):
     """``(init, step)`` of the single-device twin (jitted, no sharding)."""
 
+    scaler = scaler_for(plan)
+
     def init(params: PyTree) -> TrainState:
         params = cast_tree(params, plan.precision.param_dtype)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+        scale_state = None if scaler is None else scaler.init()
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), scale_state)
 
     @jax.jit
     def step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
-        loss, grads = reference_gradients(loss_fn, state.params, batch, plan)
-        params, opt_state = apply_optimizer(optimizer, grads, state.opt_state, state.params)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-        return state._replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        scale = None if scaler is None else state.loss_scale.scale
+        loss, grads = reference_gradients(loss_fn, state.params, batch, plan, scale)
+        update = guarded_update(
+            optimizer, grads, state.opt_state, state.params, scaler=scaler, scale_state=state.loss_scale
+        )
+        new_state = update.advance(state)
+        return new_state, {"loss": loss, **update.metrics}
 
     return init, step

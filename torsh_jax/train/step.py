@@ -31,14 +31,16 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from torsh_jax.errors import NotSupportedYetError, ShardingError
-from torsh_jax.parallel.ddp import ddp_local_step
+from torsh_jax.parallel.layered import LayeredModel
 from torsh_jax.parallel.mesh import data_axes, mesh_shape_str
-from torsh_jax.parallel.sharding import named_shardings, param_specs, path_str
+from torsh_jax.parallel.sharding import named_shardings, path_str
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.train.precision import cast_tree
+from torsh_jax.train.programs import build_program
 from torsh_jax.train.state import TrainState
+from torsh_jax.train.update import scaler_for
 
-__all__ = ["TrainStep", "make_train_step", "check_supported", "opt_state_specs"]
+__all__ = ["TrainStep", "make_train_step", "check_supported"]
 
 PyTree = Any
 
@@ -53,36 +55,12 @@ def check_supported(plan: ParallelPlan, mesh: Mesh) -> None:
                 key=f"mesh.{axis}",
                 fix=f"set mesh.{axis} = 1 and use data/fsdp axes",
             )
-    if plan.zero.stage > 0 and mesh.shape["fsdp"] > 1:
-        raise NotSupportedYetError(
-            f"ZeRO stage {plan.zero.stage} over fsdp={mesh.shape['fsdp']} is not supported yet",
-            key="zero.stage",
-            fix="use zero.stage = 0 (DDP) or mesh.fsdp = 1",
-        )
     if plan.compression:
         raise NotSupportedYetError(
             "compressed gradient collectives are not wired into the train step yet",
             key="compression",
             fix="remove the compression sections",
         )
-    if plan.precision.loss_scale.mode != "none":
-        raise NotSupportedYetError(
-            "loss scaling is not wired into the train step yet",
-            key="precision.loss_scale.mode",
-            fix='set mode = "none" (use bfloat16 compute, which needs no loss scaling)',
-        )
-
-
-def opt_state_specs(optimizer: optax.GradientTransformation, abstract_opt_state: PyTree, specs: PyTree):
-    """Specs for optimizer state: parameter-shaped leaves follow their parameter."""
-    return optax.tree_map_params(
-        optimizer,
-        lambda _, spec: spec,
-        abstract_opt_state,
-        specs,
-        transform_non_params=lambda _: P(),
-        is_leaf=lambda x: isinstance(x, P),
-    )
 
 
 def _validate_batch(batch: PyTree, *, global_batch: int, plan: ParallelPlan, mesh: Mesh) -> None:
@@ -115,6 +93,7 @@ class TrainStep:
         plan, mesh: what it was built for.
         batch_spec: ``PartitionSpec`` of every batch leaf's leading dim.
         global_batch_size: examples per optimizer step.
+        loss: the loss function or layered model the step was built from.
     """
 
     init: Callable[[PyTree], TrainState]
@@ -123,6 +102,7 @@ class TrainStep:
     mesh: Mesh
     batch_spec: P
     global_batch_size: int
+    loss: Any = None
     _built: dict = field(repr=False, default_factory=dict)
 
     def __iter__(self) -> Iterator[Callable]:
@@ -164,7 +144,7 @@ def _leaf_batch_spec(spec: P, leaf: Any) -> P:
 
 
 def make_train_step(
-    loss_fn: Callable[[PyTree, PyTree], jax.Array],
+    loss_fn: Callable[[PyTree, PyTree], jax.Array] | LayeredModel,
     optimizer: optax.GradientTransformation,
     plan: ParallelPlan,
     mesh: Mesh,
@@ -174,7 +154,9 @@ def make_train_step(
     """Build the jitted train step for ``plan`` on ``mesh``.
 
     Args:
-        loss_fn: ``(params, batch) -> scalar mean loss`` over a batch.
+        loss_fn: ``(params, batch) -> scalar mean loss`` over a batch, or a
+            :class:`~torsh_jax.parallel.layered.LayeredModel` (lets ZeRO-3
+            gather one layer at a time).
         optimizer: optax transformation.
         plan: the parallel plan.
         mesh: from :func:`torsh_jax.parallel.mesh.build_mesh`.
@@ -196,22 +178,13 @@ def make_train_step(
     built: dict[str, Any] = {"traces": 0}
 
     def build(params_like: PyTree) -> None:
-        specs = param_specs(params_like, plan, mesh)
-        abstract_opt = jax.eval_shape(optimizer.init, params_like)
-        state_specs = TrainState(
-            step=P(), params=specs, opt_state=opt_state_specs(optimizer, abstract_opt, specs)
-        )
-        local = ddp_local_step(loss_fn, optimizer, plan, axes=axes, size=dp_size)
+        program = build_program(loss_fn, optimizer, plan, mesh, params_like)
 
         def traced(state, batch):
             built["traces"] += 1
-            batch_specs = jax.tree.map(lambda x: _leaf_batch_spec(batch_p, x), batch)
-            program = jax.shard_map(
-                local, mesh=mesh, in_specs=(state_specs, batch_specs), out_specs=(state_specs, P())
-            )
-            return program(state, batch)
+            return program.run(state, batch)
 
-        shardings = named_shardings(state_specs, mesh)
+        shardings = named_shardings(program.state_specs, mesh)
         built["shardings"] = shardings
         built["jitted"] = jax.jit(
             traced, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0
@@ -240,14 +213,22 @@ def make_train_step(
         mesh=mesh,
         batch_spec=batch_p,
         global_batch_size=global_batch,
+        loss=loss_fn,
         _built=built,
     )
     return train_step
 
 
 def _init_state(optimizer: optax.GradientTransformation, plan: ParallelPlan) -> Callable:
+    scaler = scaler_for(plan)
+
     def init(params: PyTree) -> TrainState:
         params = cast_tree(params, plan.precision.param_dtype)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=optimizer.init(params),
+            loss_scale=None if scaler is None else scaler.init(),
+        )
 
     return init

@@ -1,0 +1,111 @@
+"""Train the demo language model for a few steps on a plan's mesh; write the losses as JSON.
+
+Run by tests/test_multiprocess_train.py both under
+``torsh-jax launch -n 2 --devices-per-process 2`` and as one process with
+``--devices 4``; the losses of both runs must agree.
+
+Every process builds the same parameters (same PRNG key) and the mesh over all
+global devices. By default every process generates the same global batch and
+the train step places it; with ``--local-batches`` each process generates only
+its own rows and assembles the global arrays with ``global_batch_from_local``.
+Process 0 writes ``{"losses", "grad_norms", "mesh", "mesh_processes",
+"process_count", "devices", ...}`` to ``--out``; process ``k > 0`` writes the
+same to ``OUT.rank{k}`` so a test can check that every process saw the same
+values. ``mesh_processes`` is the owning process of every mesh position.
+
+Example:
+    $ python tests/scripts/train_multiprocess.py --plan ddp --steps 3 --devices 4 --out /tmp/ref.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from torsh_jax.distributed import global_batch_from_local, initialize, local_batch_slice
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plan", required=True, help="plan preset name or path (e.g. ddp, zero3, hsdp)")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
+    parser.add_argument("--out", type=Path, required=True, help="JSON file process 0 writes")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    parser.add_argument(
+        "--devices", type=int, default=None, help="simulated CPU devices (default: the launcher's count)"
+    )
+    parser.add_argument(
+        "--local-batches",
+        action="store_true",
+        help="each process loads only its rows; global arrays come from global_batch_from_local",
+    )
+    return parser.parse_args()
+
+
+def model_config(layers: int):
+    from torsh_jax.demo.model import LMConfig
+
+    return LMConfig(vocab=64, d_model=32, heads=2, head_dim=16, mlp=64, layers=layers, seq_len=16)
+
+
+def local_rows(batch: dict, *, process_index: int, process_count: int) -> dict:
+    """This process's contiguous share of a global numpy batch."""
+    rows = local_batch_slice(len(batch["inputs"]), process_index=process_index, process_count=process_count)
+    return {name: value[rows] for name, value in batch.items()}
+
+
+def scalar(value) -> float:
+    """A replicated (possibly multi-process) scalar as a Python float."""
+    return float(np.asarray(value.addressable_data(0)))
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+    env = initialize(num_cpu_devices=args.devices, timeout_s=60)
+
+    import jax
+    import optax
+
+    from torsh_jax.demo.model import init_params, layered_model, synthetic_tokens
+    from torsh_jax.parallel.mesh import build_mesh
+    from torsh_jax.plan import load_plan
+    from torsh_jax.train.step import make_train_step
+
+    plan = load_plan(args.plan)
+    cfg = model_config(args.layers)
+    mesh = build_mesh(plan, jax.devices())
+    train = make_train_step(layered_model(cfg), optax.adamw(1e-2), plan, mesh)
+    state = train.init(init_params(cfg, jax.random.key(0)))
+
+    losses, grad_norms = [], []
+    for step in range(args.steps):
+        batch = synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=step)
+        if args.local_batches:
+            mine = local_rows(batch, process_index=jax.process_index(), process_count=jax.process_count())
+            batch = global_batch_from_local(mine, mesh=mesh, spec=train.batch_spec)
+        state, metrics = train.step(state, batch)
+        losses.append(scalar(metrics["loss"]))
+        grad_norms.append(scalar(metrics["grad_norm"]))
+        print(f"step {step} loss {losses[-1]:.6f}", flush=True)
+
+    result = {
+        "plan": args.plan,
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "mesh": {axis: int(size) for axis, size in mesh.shape.items()},
+        "mesh_processes": np.vectorize(lambda d: d.process_index)(mesh.devices).tolist(),
+        "process_count": jax.process_count(),
+        "devices": jax.device_count(),
+        "local_batches": args.local_batches,
+    }
+    out = args.out if env.process_id == 0 else args.out.with_name(f"{args.out.name}.rank{env.process_id}")
+    out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Per-device memory of a compiled program, from ``compiled.memory_analysis()``.
+
+XLA reports, for one device's program: argument, output, temporary
+(scratch) and generated-code bytes, and the bytes shared between
+arguments and outputs through donation (alias). Some backends return
+``None`` or leave fields out; those read as ``None`` here.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> compiled = jax.jit(lambda x: x * 2).lower(jnp.ones((256,), jnp.float32)).compile()
+    >>> report = memory_report(compiled)
+    >>> report.argument_bytes
+    1024
+    >>> report.peak_estimate_bytes >= 2048
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["MemoryReport", "memory_report"]
+
+_FIELDS = {
+    "argument_bytes": "argument_size_in_bytes",
+    "output_bytes": "output_size_in_bytes",
+    "temp_bytes": "temp_size_in_bytes",
+    "alias_bytes": "alias_size_in_bytes",
+    "generated_code_bytes": "generated_code_size_in_bytes",
+    "host_argument_bytes": "host_argument_size_in_bytes",
+    "host_output_bytes": "host_output_size_in_bytes",
+    "host_temp_bytes": "host_temp_size_in_bytes",
+    "host_alias_bytes": "host_alias_size_in_bytes",
+}
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes of one device's compiled program; ``None`` where the backend is silent.
+
+    Attributes:
+        argument_bytes: inputs (parameters, optimizer state, batch shards).
+        output_bytes: outputs, including XLA's tuple index tables (8 bytes
+            per tuple element on CPU).
+        temp_bytes: scratch buffers live during the program.
+        alias_bytes: output bytes that reuse donated argument buffers.
+        generated_code_bytes: compiled code (0 on CPU).
+        host_*: the same for host (pinned) memory, when offloading.
+    """
+
+    argument_bytes: int | None = None
+    output_bytes: int | None = None
+    temp_bytes: int | None = None
+    alias_bytes: int | None = None
+    generated_code_bytes: int | None = None
+    host_argument_bytes: int | None = None
+    host_output_bytes: int | None = None
+    host_temp_bytes: int | None = None
+    host_alias_bytes: int | None = None
+
+    @property
+    def available(self) -> bool:
+        """The backend reported argument, output and temp bytes."""
+        return None not in (self.argument_bytes, self.output_bytes, self.temp_bytes)
+
+    @property
+    def peak_estimate_bytes(self) -> int | None:
+        """``argument + output + temp − alias``: everything live at the peak, donated buffers once.
+
+        An upper bound of the device's peak (XLA may free arguments or
+        temporaries early); ``None`` when the backend did not report the
+        parts. Missing alias bytes count as 0.
+        """
+        if not self.available:
+            return None
+        return self.argument_bytes + self.output_bytes + self.temp_bytes - (self.alias_bytes or 0)
+
+    def to_dict(self) -> dict[str, int | None]:
+        """Fields plus ``peak_estimate_bytes``, JSON-able."""
+        return {**asdict(self), "peak_estimate_bytes": self.peak_estimate_bytes}
+
+
+def _read(stats, attribute: str) -> int | None:
+    value = getattr(stats, attribute, None)
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def memory_report(compiled) -> MemoryReport:
+    """Per-device memory of ``compiled`` (``jax.jit(f).lower(...).compile()``).
+
+    Returns:
+        A :class:`MemoryReport`; every field is ``None`` when the backend
+        offers no memory analysis.
+    """
+    try:
+        stats = compiled.memory_analysis()
+    except (NotImplementedError, RuntimeError, AttributeError):
+        stats = None
+    if isinstance(stats, list | tuple):
+        stats = stats[0] if stats else None
+    if stats is None:
+        return MemoryReport()
+    return MemoryReport(**{field: _read(stats, attr) for field, attr in _FIELDS.items()})

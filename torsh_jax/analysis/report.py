@@ -1,0 +1,199 @@
+"""The inspect report: collectives, bytes per axis and kind, memory, and the theory.
+
+:func:`summarize` turns a compiled program into a JSON-able dict;
+:func:`render_text` draws it as tables. Bytes are per device; ``*_per_step``
+totals multiply each collective by its executions (loop trip counts).
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((len(jax.devices()),), ("data",),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
+    >>> f = jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
+    ...                   in_specs=P("data"), out_specs=P(), check_vma=False)
+    >>> summary = summarize(jax.jit(f).lower(jnp.ones((mesh.size, 4))).compile(), mesh)
+    >>> sorted(summary)
+    ['collectives', 'memory', 'mesh', 'theory', 'totals']
+    >>> "Collectives" in render_text(summary)
+    True
+"""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+from rich.table import Table
+
+from torsh_jax.analysis.hlo import Collective, collectives
+from torsh_jax.analysis.memory import memory_report
+from torsh_jax.analysis.theory import Theory
+
+__all__ = ["summarize", "render_text", "axis_key"]
+
+
+def axis_key(axes: tuple[str, ...] | None) -> str:
+    """``("data", "fsdp")`` -> ``"data+fsdp"``; ``()`` -> ``"-"`` (one device); ``None`` -> ``"?"``."""
+    if axes is None:
+        return "?"
+    return "+".join(axes) if axes else "-"
+
+
+def _row(c: Collective) -> dict:
+    return {
+        "kind": c.kind,
+        "opcode": c.opcode,
+        "name": c.name,
+        "axes": None if c.axes is None else list(c.axes),
+        "dtype": c.dtype,
+        "operand_shapes": list(c.operand_shapes),
+        "result_shapes": list(c.result_shapes),
+        "operand_bytes": c.operand_bytes,
+        "result_bytes": c.result_bytes,
+        "payload_bytes": c.payload_bytes,
+        "wire_bytes": c.wire_bytes,
+        "widened_from": c.widened_from,
+        "unwidened_payload_bytes": c.unwidened_payload_bytes,
+        "group_size": c.group_size,
+        "replica_groups": [list(g) for g in c.replica_groups],
+        "executions": c.executions,
+        "in_loop": c.in_loop,
+        "trip_count": c.trip_count,
+        "computation": c.computation,
+        "op_name": c.op_name,
+    }
+
+
+def _empty_entry() -> dict:
+    return {"count": 0, "payload_bytes": 0, "unwidened_payload_bytes": 0, "wire_bytes": 0.0}
+
+
+def _totals(found: list[Collective]) -> dict:
+    by_axis: dict[str, dict] = {}
+    by_kind: dict[str, dict] = {}
+    for c in found:
+        for table, key in ((by_axis, axis_key(c.axes)), (by_kind, c.kind)):
+            entry = table.setdefault(key, _empty_entry())
+            entry["count"] += c.executions
+            entry["payload_bytes"] += c.payload_bytes_per_step
+            entry["unwidened_payload_bytes"] += c.unwidened_payload_bytes * c.executions
+            entry["wire_bytes"] += c.wire_bytes_per_step
+    return {
+        "payload_bytes": sum(c.payload_bytes_per_step for c in found),
+        "unwidened_payload_bytes": sum(c.unwidened_payload_bytes * c.executions for c in found),
+        "wire_bytes": sum(c.wire_bytes_per_step for c in found),
+        "by_axis": by_axis,
+        "by_kind": by_kind,
+    }
+
+
+def _theory_section(theory: Theory | None, totals: dict) -> dict | None:
+    if theory is None:
+        return None
+    section = theory.to_dict()
+    section["wire_ratio"] = totals["wire_bytes"] / theory.wire_bytes if theory.wire_bytes else None
+    section["payload_ratio_by_kind"] = {
+        kind: totals["by_kind"].get(kind, {}).get("payload_bytes", 0) / want
+        for kind, want in theory.payload_bytes_by_kind.items()
+        if want
+    }
+    return section
+
+
+def summarize(compiled, mesh, *, theory: Theory | None = None) -> dict:
+    """A JSON-able summary of a compiled program's collectives and memory.
+
+    Args:
+        compiled: ``jax.jit(f).lower(*args).compile()``.
+        mesh: the mesh it was compiled for.
+        theory: the plan's minimum (:mod:`torsh_jax.analysis.theory`), to
+            report measured/theory ratios.
+
+    Returns:
+        ``{"mesh": {axis: size}, "collectives": [...], "totals": {...},
+        "memory": {...}, "theory": {...} | None}``. ``totals`` has per-step
+        ``payload_bytes``, ``unwidened_payload_bytes`` (payload in the
+        data's own dtype where the backend widened it, see
+        :attr:`~torsh_jax.analysis.Collective.widened_from`) and
+        ``wire_bytes``, and the same per ``by_axis`` and ``by_kind`` entry
+        (with ``count`` = executions per step).
+    """
+    found = collectives(compiled, mesh)
+    totals = _totals(found)
+    return {
+        "mesh": {name: int(size) for name, size in mesh.shape.items()},
+        "collectives": [_row(c) for c in found],
+        "totals": totals,
+        "memory": memory_report(compiled).to_dict(),
+        "theory": _theory_section(theory, totals),
+    }
+
+
+def _bytes(value: float | int | None) -> str:
+    if value is None:
+        return "n/a"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(value) >= size:
+            return f"{value / size:,.2f} {unit}"
+    return f"{value:,.0f} B"
+
+
+def _shapes(shapes: list[str], *, limit: int = 3) -> str:
+    shown = " ".join(shapes[:limit])
+    return f"{shown} +{len(shapes) - limit} more" if len(shapes) > limit else shown
+
+
+def _collectives_table(summary: dict) -> Table:
+    table = Table(title="Collectives (per device)")
+    for column in ("kind", "axes", "dtype", "shapes", "payload", "wire", "x/step", "where"):
+        table.add_column(column, justify="right" if column in ("payload", "wire", "x/step") else "left")
+    for c in summary["collectives"]:
+        axes = axis_key(None if c["axes"] is None else tuple(c["axes"]))
+        loop = f"loop x{c['trip_count'] or '?'}" if c["in_loop"] else "top"
+        dtype = f"{c['dtype']} (from {c['widened_from']})" if c["widened_from"] else c["dtype"]
+        shapes = f"{_shapes(c['operand_shapes'])} -> {_shapes(c['result_shapes'])}"
+        table.add_row(
+            c["kind"], axes, dtype, shapes, _bytes(c["payload_bytes"]),
+            _bytes(c["wire_bytes"]), str(c["executions"]), loop,
+        )  # fmt: skip
+    return table
+
+
+def _totals_table(summary: dict) -> Table:
+    table = Table(title="Bytes per step (per device)")
+    for column in ("group", "count", "payload", "wire"):
+        table.add_column(column, justify="left" if column == "group" else "right")
+    totals = summary["totals"]
+    for prefix, section in (("axis", "by_axis"), ("kind", "by_kind")):
+        for key, entry in totals[section].items():
+            row = (f"{prefix} {key}", str(entry["count"]), _bytes(entry["payload_bytes"]))
+            table.add_row(*row, _bytes(entry["wire_bytes"]))
+    table.add_row("total", "", _bytes(totals["payload_bytes"]), _bytes(totals["wire_bytes"]))
+    theory = summary.get("theory")
+    if theory:
+        table.add_row(f"theory: {theory['description']}", "", _bytes(theory["payload_bytes"]),
+                      _bytes(theory["wire_bytes"]))  # fmt: skip
+        ratio = theory["wire_ratio"]
+        table.add_row("measured / theory", "", "", "n/a" if ratio is None else f"{ratio:.2f}")
+    return table
+
+
+def _memory_table(summary: dict) -> Table:
+    table = Table(title="Memory (per device)")
+    table.add_column("part")
+    table.add_column("bytes", justify="right")
+    for key, value in summary["memory"].items():
+        if key.startswith("host_") and not value:
+            continue
+        table.add_row(key.removesuffix("_bytes"), _bytes(value))
+    return table
+
+
+def render_text(summary: dict, *, width: int = 140) -> str:
+    """The summary as plain-text tables (collectives, bytes per step, memory)."""
+    console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
+    mesh = " x ".join(f"{name}={size}" for name, size in summary["mesh"].items())
+    console.print(f"mesh: {mesh}")
+    for table in (_collectives_table(summary), _totals_table(summary), _memory_table(summary)):
+        console.print(table)
+    return console.file.getvalue()

@@ -1,0 +1,58 @@
+"""``torsh-jax launch``: run a script as N local processes, like ``torchrun --standalone``.
+
+Example:
+    $ torsh-jax launch -n 2 --devices-per-process 4 train.py --steps 10
+    [rank 0] ...
+    [rank 1] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["register", "run"]
+
+_EPILOG = """\
+Each process gets TORSH_JAX_COORDINATOR=127.0.0.1:PORT, TORSH_JAX_NUM_PROCESSES,
+TORSH_JAX_PROCESS_ID and (with --devices-per-process) TORSH_JAX_DEVICES_PER_PROCESS;
+torsh_jax.distributed.initialize() reads them. If any process fails, the others are
+stopped and the exit code is non-zero.
+"""
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "launch",
+        help="run a script as N local processes (like torchrun --standalone)",
+        description="Run `python SCRIPT ARGS` as N processes on 127.0.0.1 and supervise them.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-n", "--num-processes", type=int, required=True, help="processes to start")
+    parser.add_argument(
+        "--devices-per-process", type=int, default=None, help="simulated CPU devices in each process"
+    )
+    parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="stop everything and exit 124 after this many seconds"
+    )
+    parser.add_argument(
+        "--grace-period", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping"
+    )
+    parser.add_argument("script", help="Python script to run")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the processes described by ``args``; returns the job's exit code."""
+    from torsh_jax.distributed.launcher import launch
+
+    return launch(
+        [args.script, *args.script_args],
+        num_processes=args.num_processes,
+        devices_per_process=args.devices_per_process,
+        port=args.port,
+        timeout_s=args.timeout,
+        grace_period_s=args.grace_period,
+    )

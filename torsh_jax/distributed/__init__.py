@@ -1,0 +1,49 @@
+"""Multi-process start-up and process-local data.
+
+``torsh_jax.distributed.env`` reads launcher variables without importing JAX;
+``initialize`` and the batch helpers import JAX and are loaded on first use.
+
+Example:
+    >>> from torsh_jax.distributed import detect_environment
+    >>> detect_environment({"WORLD_SIZE": "1", "RANK": "0"}).num_processes
+    1
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+#: public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    "ProcessEnv": "torsh_jax.distributed.env",
+    "detect_environment": "torsh_jax.distributed.env",
+    "expand_hostlist": "torsh_jax.distributed.env",
+    "initialize": "torsh_jax.distributed.init",
+    "initialized_environment": "torsh_jax.distributed.init",
+    "global_batch_from_local": "torsh_jax.distributed.data",
+    "local_batch_slice": "torsh_jax.distributed.data",
+    "launch": "torsh_jax.distributed.launcher",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torsh_jax.distributed' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torsh_jax.distributed.data import global_batch_from_local, local_batch_slice  # noqa: F401
+    from torsh_jax.distributed.env import ProcessEnv, detect_environment, expand_hostlist  # noqa: F401
+    from torsh_jax.distributed.init import initialize, initialized_environment  # noqa: F401
+    from torsh_jax.distributed.launcher import launch  # noqa: F401

@@ -1,0 +1,139 @@
+"""Pick the right translator for a file and run it.
+
+- ``.json`` -> PyTorch FSDP when its top level is ``{"fsdp": ...}`` or
+  ``{"fully_shard": ...}``, else DeepSpeed;
+- ``.hjson`` / ``.yml`` / ``.yaml`` -> DeepSpeed (gpt-neox dialect included);
+- ``.txt`` / ``.sh`` / ``.bash`` / ``.py`` / anything else -> by content:
+  an ``FSDP(``/``fully_shard(`` call without Horovod markers is FSDP,
+  Horovod launchers, ``HOROVOD_*`` variables or ``hvd.`` calls are Horovod.
+
+Translators are imported lazily; none of them imports JAX.
+
+Example:
+    >>> import tempfile, pathlib
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "launch.sh"
+    >>> _ = path.write_text("horovodrun -np 4 python train.py")
+    >>> translate_file(path).kind
+    'horovod'
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torsh_jax.errors import NotSupportedYetError, TranslationError
+from torsh_jax.translate.result import TranslationResult
+
+__all__ = ["translate_file", "detect_kind", "KINDS"]
+
+KINDS = ("deepspeed", "horovod", "torch_fsdp")
+_DEEPSPEED_SUFFIXES = (".hjson", ".yml", ".yaml")
+
+
+def _json_kind(text: str) -> str:
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError, ValueError):
+        return "deepspeed"
+    if isinstance(data, dict) and data and set(data) <= {"fsdp", "fully_shard"}:
+        return "torch_fsdp"
+    return "deepspeed"
+
+
+def _text_kind(text: str, path: Path) -> str:
+    from torsh_jax.translate.horovod import looks_like_horovod
+    from torsh_jax.translate.torch_fsdp import looks_like_fsdp
+
+    if looks_like_fsdp(text) and "hvd." not in text and "horovodrun" not in text:
+        return "torch_fsdp"
+    if looks_like_horovod(text):
+        return "horovod"
+    raise TranslationError(
+        "cannot tell what this file configures (no DeepSpeed JSON, Horovod launch or FSDP call found)",
+        key=str(path),
+        fix="give a DeepSpeed .json/.yml, a horovodrun/mpirun line, or an FSDP(...) call",
+    )
+
+
+def detect_kind(path: str | Path, /) -> str:
+    """``deepspeed``, ``horovod`` or ``torch_fsdp`` for the file at ``path``.
+
+    Raises:
+        TranslationError: the file cannot be read or its kind cannot be told.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as err:
+        raise TranslationError(
+            f"cannot read file: {err.strerror or err}", key=str(path), fix="check the path"
+        ) from None
+    suffix = path.suffix.lower()
+    if suffix == ".json" or (suffix not in (".py", ".sh", ".txt", ".bash") and text.lstrip().startswith("{")):
+        return _json_kind(text)
+    if suffix in _DEEPSPEED_SUFFIXES:
+        return "deepspeed"
+    return _text_kind(text, path)
+
+
+def _deepspeed():
+    try:
+        from torsh_jax.translate.deepspeed import translate_deepspeed
+    except ImportError as err:
+        raise NotSupportedYetError(
+            f"DeepSpeed translation is not available: {err}", key="deepspeed", fix="install the full package"
+        ) from None
+    return translate_deepspeed
+
+
+def translate_file(
+    path: str | Path,
+    /,
+    *,
+    world_size: int | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    hf_trainer: Mapping[str, Any] | None = None,
+    lenient: bool = False,
+) -> TranslationResult:
+    """Translate a DeepSpeed, Horovod or PyTorch FSDP file into a plan.
+
+    Args:
+        path: the file.
+        world_size: number of devices/processes, where the input leaves it open.
+        overrides: ``--set`` values (key path -> value); their meaning depends
+            on the kind (see docs/translate.md).
+        hf_trainer: Hugging Face ``TrainingArguments`` values that fill
+            DeepSpeed's ``"auto"`` entries (DeepSpeed only).
+        lenient: note unsupported settings instead of raising.
+
+    Returns:
+        The :class:`TranslationResult`; ``kind`` says which translator ran.
+
+    Raises:
+        TranslationError: the file cannot be read, its kind cannot be told,
+            or a setting cannot be translated (the key names it).
+    """
+    path = Path(path)
+    kind = detect_kind(path)
+    overrides = dict(overrides or {})
+    if kind == "deepspeed":
+        translate = _deepspeed()
+        return translate(
+            path, world_size=world_size, overrides=overrides, hf_trainer=hf_trainer, lenient=lenient
+        )
+    if hf_trainer:
+        raise TranslationError(
+            f"Hugging Face Trainer values only apply to DeepSpeed configs, not {kind}",
+            key="--hf-trainer",
+            fix="drop --hf-trainer",
+        )
+    if kind == "horovod":
+        from torsh_jax.translate.horovod import translate_horovod
+
+        return translate_horovod(path, world_size=world_size, overrides=overrides, lenient=lenient)
+    from torsh_jax.translate.torch_fsdp import translate_torch_fsdp
+
+    return translate_torch_fsdp(path, world_size=world_size, overrides=overrides, lenient=lenient)

@@ -1,0 +1,109 @@
+"""How the Hugging Face Trainer fills ``"auto"`` values of a DeepSpeed config.
+
+The Trainer replaces each ``"auto"`` with a value from its
+``TrainingArguments`` (source: transformers
+``src/transformers/integrations/deepspeed.py``, ``HfTrainerDeepSpeedConfig``
+``trainer_config_process`` / ``trainer_config_finalize``). Arguments not given
+take the ``TrainingArguments`` defaults below. Values the Trainer derives from
+the model (``hidden_size``) or from the data (``max_steps``) must be passed.
+
+Example:
+    >>> values = hf_auto_values({"learning_rate": 3e-5, "max_steps": 100, "warmup_ratio": 0.1}, world_size=8)
+    >>> values["optimizer.params.lr"], values["scheduler.params.warmup_num_steps"], values["train_batch_size"]
+    (3e-05, 10, 64)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from torsh_jax.errors import TranslationError
+
+__all__ = ["hf_auto_values", "TRAINING_ARGUMENT_DEFAULTS"]
+
+#: ``transformers.TrainingArguments`` defaults for the arguments the DeepSpeed integration reads.
+TRAINING_ARGUMENT_DEFAULTS: dict[str, Any] = {
+    "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 1,
+    "learning_rate": 5e-5,
+    "weight_decay": 0.0,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.999,
+    "adam_epsilon": 1e-8,
+    "max_grad_norm": 1.0,
+    "warmup_steps": 0,
+    "warmup_ratio": 0.0,
+    "fp16": False,
+    "bf16": False,
+    "max_steps": None,
+    "hidden_size": None,
+}
+
+
+def _arguments(args: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(args) - set(TRAINING_ARGUMENT_DEFAULTS) - {"world_size", "num_training_steps"})
+    if unknown:
+        raise TranslationError(
+            f"unknown Trainer argument {unknown[0]!r}",
+            key=f"hf_trainer.{unknown[0]}",
+            fix=f"use one of {sorted(TRAINING_ARGUMENT_DEFAULTS)}",
+        )
+    merged = {**TRAINING_ARGUMENT_DEFAULTS, **args}
+    if merged.get("max_steps") is None and "num_training_steps" in args:
+        merged["max_steps"] = args["num_training_steps"]
+    return merged
+
+
+def _step_values(a: dict[str, Any]) -> dict[str, Any]:
+    steps = a["max_steps"]
+    if steps is None or steps <= 0:
+        return {}
+    warmup = a["warmup_steps"] if a["warmup_steps"] > 0 else math.ceil(steps * a["warmup_ratio"])
+    return {"scheduler.params.total_num_steps": steps, "scheduler.params.warmup_num_steps": warmup}
+
+
+def _model_values(a: dict[str, Any]) -> dict[str, Any]:
+    hidden = a["hidden_size"]
+    if hidden is None:
+        return {}
+    return {
+        "zero_optimization.reduce_bucket_size": hidden * hidden,
+        "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+        "zero_optimization.stage3_param_persistence_threshold": 10 * hidden,
+    }
+
+
+def hf_auto_values(args: Mapping[str, Any], *, world_size: int | None) -> dict[str, Any]:
+    """Dotted DeepSpeed key -> the value the Trainer would put in place of ``"auto"``.
+
+    Args:
+        args: ``TrainingArguments`` names -> values (``max_steps``: optimizer
+            steps; ``hidden_size``: the model's, for ZeRO bucket sizes).
+        world_size: data-parallel size; without it ``train_batch_size`` is
+            left out (the Trainer's value always agrees with the other two).
+
+    Raises:
+        TranslationError: an unknown argument name.
+    """
+    a = _arguments(args)
+    world = world_size if world_size is not None else a.get("world_size")
+    micro, accum = a["per_device_train_batch_size"], a["gradient_accumulation_steps"]
+    values: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": a["max_grad_norm"],
+        "optimizer.params.lr": a["learning_rate"],
+        "optimizer.params.betas": [a["adam_beta1"], a["adam_beta2"]],
+        "optimizer.params.eps": a["adam_epsilon"],
+        "optimizer.params.weight_decay": a["weight_decay"],
+        "scheduler.params.warmup_min_lr": 0,
+        "scheduler.params.warmup_max_lr": a["learning_rate"],
+        "fp16.enabled": bool(a["fp16"]),
+        "bf16.enabled": bool(a["bf16"]),
+        "bfloat16.enabled": bool(a["bf16"]),
+    }
+    if world is not None:
+        values["train_batch_size"] = world * micro * accum
+    return {**values, **_step_values(a), **_model_values(a)}
