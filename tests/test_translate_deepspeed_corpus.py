@@ -9,7 +9,6 @@ import pytest
 
 from torsh_jax.errors import TranslationError
 from torsh_jax.translate.deepspeed import load_deepspeed_config, translate_deepspeed
-from torsh_jax.translate.ds_neox import is_neox, normalize_neox
 from torsh_jax.translate.ds_values import leaf_paths
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "deepspeed"
@@ -29,8 +28,6 @@ def _config_keys(path: Path) -> tuple[dict | None, set[str]]:
         config = load_deepspeed_config(path)
     except TranslationError:
         return None, set()
-    if is_neox(config, str(path)):
-        config = normalize_neox(config)
     prefixes = set()
     for leaf in leaf_paths(config):
         parts = leaf.split(".")

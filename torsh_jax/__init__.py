@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "TranslationError": "torsh_jax.errors",
     "DistributedError": "torsh_jax.errors",
     "CompressionError": "torsh_jax.errors",
+    "CheckpointError": "torsh_jax.errors",
     # plans
     "ParallelPlan": "torsh_jax.plan",
     "MeshSpec": "torsh_jax.plan",
@@ -50,6 +51,47 @@ _EXPORTS: dict[str, str] = {
     "plan_to_dict": "torsh_jax.plan",
     "plan_from_toml": "torsh_jax.plan",
     "plan_to_toml": "torsh_jax.plan",
+    # runtime
+    "build_mesh": "torsh_jax.parallel.mesh",
+    "param_specs": "torsh_jax.parallel.sharding",
+    "LayeredModel": "torsh_jax.parallel.layered",
+    "make_train_step": "torsh_jax.train.step",
+    "TrainStep": "torsh_jax.train.step",
+    "TrainState": "torsh_jax.train.state",
+    "make_reference_step": "torsh_jax.train.reference",
+    "compare_with_twin": "torsh_jax.train.verify",
+    "record_gradients": "torsh_jax.train.verify",
+    "inspect_step": "torsh_jax.train.inspect",
+    # optimizers
+    "build_optimizer": "torsh_jax.optim",
+    "build_schedule": "torsh_jax.optim",
+    "loss_scaler": "torsh_jax.optim",
+    # analysis
+    "collectives": "torsh_jax.analysis",
+    "memory_report": "torsh_jax.analysis",
+    "summarize": "torsh_jax.analysis",
+    "render_text": "torsh_jax.analysis",
+    # compression
+    "make_compressor": "torsh_jax.compress",
+    "padded_length": "torsh_jax.compress",
+    "init_feedback": "torsh_jax.compress",
+    "FeedbackState": "torsh_jax.compress",
+    "compressed_all_reduce": "torsh_jax.compress",
+    "compressed_reduce_scatter": "torsh_jax.compress",
+    "compressed_all_gather": "torsh_jax.compress",
+    # translation
+    "translate_file": "torsh_jax.translate.detect",
+    "translate_deepspeed": "torsh_jax.translate.deepspeed",
+    "translate_horovod": "torsh_jax.translate.horovod",
+    "translate_torch_fsdp": "torsh_jax.translate.torch_fsdp",
+    "translate_environment": "torsh_jax.translate.environment",
+    "TranslationResult": "torsh_jax.translate.result",
+    # distributed
+    "initialize": "torsh_jax.distributed",
+    "detect_environment": "torsh_jax.distributed",
+    "ProcessEnv": "torsh_jax.distributed",
+    "global_batch_from_local": "torsh_jax.distributed",
+    "local_batch_slice": "torsh_jax.distributed",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -27,7 +27,7 @@ from rich.table import Table
 
 from torsh_jax.analysis.hlo import Collective, collectives
 from torsh_jax.analysis.memory import memory_report
-from torsh_jax.analysis.theory import Theory
+from torsh_jax.analysis.theory import Theory, ring_wire_bytes
 
 __all__ = ["summarize", "render_text", "axis_key"]
 
@@ -65,7 +65,17 @@ def _row(c: Collective) -> dict:
 
 
 def _empty_entry() -> dict:
-    return {"count": 0, "payload_bytes": 0, "unwidened_payload_bytes": 0, "wire_bytes": 0.0}
+    return {
+        "count": 0,
+        "payload_bytes": 0,
+        "unwidened_payload_bytes": 0,
+        "wire_bytes": 0.0,
+        "unwidened_wire_bytes": 0.0,
+    }
+
+
+def _unwidened_wire(c: Collective) -> float:
+    return ring_wire_bytes(c.kind, c.unwidened_payload_bytes, c.group_size) * c.executions
 
 
 def _totals(found: list[Collective]) -> dict:
@@ -78,10 +88,12 @@ def _totals(found: list[Collective]) -> dict:
             entry["payload_bytes"] += c.payload_bytes_per_step
             entry["unwidened_payload_bytes"] += c.unwidened_payload_bytes * c.executions
             entry["wire_bytes"] += c.wire_bytes_per_step
+            entry["unwidened_wire_bytes"] += _unwidened_wire(c)
     return {
         "payload_bytes": sum(c.payload_bytes_per_step for c in found),
         "unwidened_payload_bytes": sum(c.unwidened_payload_bytes * c.executions for c in found),
         "wire_bytes": sum(c.wire_bytes_per_step for c in found),
+        "unwidened_wire_bytes": sum(_unwidened_wire(c) for c in found),
         "by_axis": by_axis,
         "by_kind": by_kind,
     }
@@ -91,9 +103,15 @@ def _theory_section(theory: Theory | None, totals: dict) -> dict | None:
     if theory is None:
         return None
     section = theory.to_dict()
-    section["wire_ratio"] = totals["wire_bytes"] / theory.wire_bytes if theory.wire_bytes else None
+    # Ratios use the data's own dtype: the CPU backend widens bf16/f16 collectives to f32
+    # (``wire_ratio_as_compiled`` keeps the widened figure).
+    measured = totals["unwidened_wire_bytes"]
+    section["wire_ratio"] = measured / theory.wire_bytes if theory.wire_bytes else None
+    section["wire_ratio_as_compiled"] = (
+        totals["wire_bytes"] / theory.wire_bytes if theory.wire_bytes else None
+    )
     section["payload_ratio_by_kind"] = {
-        kind: totals["by_kind"].get(kind, {}).get("payload_bytes", 0) / want
+        kind: totals["by_kind"].get(kind, {}).get("unwidened_payload_bytes", 0) / want
         for kind, want in theory.payload_bytes_by_kind.items()
         if want
     }

@@ -171,11 +171,12 @@ def ddp(param_bytes: int, /, *, data_size: int, axes: tuple[str, ...] = ("data",
 
 
 def _param_gathers(param_bytes, stage, axes, size, compute_param_bytes, regather) -> tuple:
-    """Parameter all-gathers: stage 3 gathers in the compute dtype, plus a
+    """Parameter all-gathers: stages 1-2 gather the updated parameters (``compute_param_bytes``
+    then means the master parameter bytes), stage 3 gathers in the compute dtype, plus a
     backward re-gather of the ``regather`` fraction (True = all, False = none)."""
-    if stage != 3:
-        return (TheoryCollective("all-gather", axes, param_bytes, size),)
     gathered = param_bytes if compute_param_bytes is None else compute_param_bytes
+    if stage != 3:
+        return (TheoryCollective("all-gather", axes, gathered, size),)
     first = TheoryCollective("all-gather", axes, gathered, size)
     again = round(gathered * float(regather))
     return (first, TheoryCollective("all-gather", axes, again, size)) if again else (first,)
@@ -207,8 +208,9 @@ def zero(
         param_bytes: parameter (gradient) bytes in the reduction dtype.
         stage: 0-3.
         fsdp_size: size of the ``fsdp`` axis.
-        compute_param_bytes: stage 3: parameter bytes in the compute dtype
-            (the gathered dtype); defaults to ``param_bytes``.
+        compute_param_bytes: bytes of the gathered parameters: stage 3
+            gathers in the compute dtype, stages 1-2 gather the updated
+            master parameters (parameter dtype); defaults to ``param_bytes``.
         regather: stage 3: parameters are gathered again in the backward
             pass (``zero.reshard_after_forward``); a float is the fraction
             of the parameter bytes gathered again.
@@ -291,7 +293,8 @@ def plan_theory(
     shape = plan.mesh.resolve(num_devices, num_slices=num_slices).shape
     data, fsdp, stage = shape["data"], shape["fsdp"], plan.zero.stage
     param_bytes = param_count * DTYPE_BYTES[plan.precision.reduce_dtype]
-    compute = param_count * DTYPE_BYTES[plan.precision.compute_dtype]
+    gathered_dtype = plan.precision.compute_dtype if stage == 3 else plan.precision.param_dtype
+    compute = param_count * DTYPE_BYTES[gathered_dtype]
     regather = regathered_fraction if plan.zero.reshard_after_forward else 0.0
     if fsdp == 1:
         return ddp(param_bytes, data_size=data)

@@ -83,7 +83,11 @@ def run(args: argparse.Namespace) -> int:
         task = progress.add_task(f"training ({args.plan})", total=args.steps)
 
         def emit(record: dict) -> None:
-            desc = f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s"
+            desc = (
+                f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s | "
+                f"wire {_human_bytes(record['wire_bytes_per_step'])}/step | "
+                f"mem {_human_bytes(record['memory_per_device_bytes'])}/device"
+            )
             progress.update(task, advance=1, description=desc)
 
         summary = run_demo(config, emit=emit)

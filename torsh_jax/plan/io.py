@@ -156,21 +156,28 @@ def plan_from_dict(data: dict, *, name: str | None = None) -> ParallelPlan:
     return plan.replace(name=name) if name and "name" not in data else plan
 
 
-def _non_default(obj: Any) -> dict:
-    """Fields of dataclass ``obj`` that differ from its class defaults, recursively."""
+def _non_default(obj: Any, reference: Any) -> dict:
+    """Fields of dataclass ``obj`` that differ from ``reference`` (same type), recursively."""
     out = {}
     for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            default = dataclasses.MISSING
+        value, default = getattr(obj, f.name), getattr(reference, f.name)
         if value == default:
             continue
-        if dataclasses.is_dataclass(value) and dataclasses.is_dataclass(default):
-            out[f.name] = _non_default(value)
+        if dataclasses.is_dataclass(value):
+            # Loading fills missing fields from the class defaults, so diff against those;
+            # a value equal to them is written in full rather than as an empty table.
+            out[f.name] = _non_default(value, _blank(value)) or _strip_none(dataclasses.asdict(value))
         else:
             out[f.name] = _strip_none(_as_plain(value))
     return out
+
+
+def _blank(value: Any) -> Any:
+    """A default instance of ``value``'s type to diff against (itself if it has required fields)."""
+    try:
+        return type(value)()
+    except TypeError:
+        return dataclasses.replace(value, **{f.name: None for f in dataclasses.fields(value)})
 
 
 def _as_plain(value: Any) -> Any:
@@ -186,7 +193,7 @@ def plan_to_dict(plan: ParallelPlan, *, full: bool = False) -> dict:
     (all fields with ``full=True``); no ``None`` values, tuples as lists."""
     if full:
         return _strip_none(dataclasses.asdict(plan))
-    return _non_default(plan)
+    return _non_default(plan, ParallelPlan())
 
 
 def plan_from_toml(text: str, *, name: str | None = None, source: str = "<toml>") -> ParallelPlan:

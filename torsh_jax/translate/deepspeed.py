@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ from torsh_jax.translate.ds_sections import (
 from torsh_jax.translate.ds_values import apply_overrides, fill_auto
 from torsh_jax.translate.ds_zero import ZeroResult, translate_zero
 from torsh_jax.translate.hf_trainer import hf_auto_values
-from torsh_jax.translate.result import TranslationResult
+from torsh_jax.translate.result import Note, TranslationResult
 
 __all__ = ["translate_deepspeed", "load_deepspeed_config", "PINNED_DEEPSPEED", "GRADIENT_CLIPPING_DEFAULTS"]
 
@@ -309,6 +310,7 @@ def translate_deepspeed(
     """
     config, name = _load(source)
     Context().read_table(name, config)  # top-level keys must be strings
+    spellings = {k.replace("-", "_"): k for k in config if isinstance(k, str) and "-" in k}
     extras: dict[str, Any] = {"deepspeed_version": PINNED_DEEPSPEED}
     config, neox = _prepare(config, name, overrides, hf_trainer, world_size, extras)
     ctx = Context(lenient=lenient)
@@ -328,6 +330,13 @@ def translate_deepspeed(
             f"{GRADIENT_CLIPPING_DEFAULTS['pinned']} (DeepSpeed {PINNED_DEEPSPEED}); earlier releases "
             "used 0.0: pass overrides={'gradient_clipping': 0} for that"
         )
-    return TranslationResult(
-        plan=plan, notes=tuple(ctx.notes), source=name, kind="deepspeed", extras=ctx.extras
-    )
+    notes = tuple(_as_written(n, spellings) for n in ctx.notes) if neox else tuple(ctx.notes)
+    return TranslationResult(plan=plan, notes=notes, source=name, kind="deepspeed", extras=ctx.extras)
+
+
+def _as_written(note: Note, spellings: dict[str, str]) -> Note:
+    """The note keyed by the top-level key as the file spells it (gpt-neox accepts ``-`` for ``_``)."""
+    head, dot, rest = note.key.partition(".")
+    if head not in spellings:
+        return note
+    return dataclasses.replace(note, key=spellings[head] + dot + rest)
