@@ -19,7 +19,9 @@ from torsh_jax.train.step import make_train_step
 
 
 def test_single_slice_mesh_axes_and_types():
-    mesh = build_mesh(ParallelPlan(mesh=MeshSpec(data=AxisSize(ici=2), fsdp=AxisSize(ici=4))), require_devices(8))
+    mesh = build_mesh(
+        ParallelPlan(mesh=MeshSpec(data=AxisSize(ici=2), fsdp=AxisSize(ici=4))), require_devices(8)
+    )
     assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 4, "tensor": 1}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
@@ -70,3 +72,61 @@ def test_unbuilt_axes_raise_not_supported_yet(axis):
     plan = plan_from_dict({"mesh": {"data": 4, axis: 2}})
     with pytest.raises(NotSupportedYetError, match=f"mesh.{axis}"):
         make_train_step(loss_fn(SMALL), optax.sgd(0.1), plan, build_mesh(plan, require_devices(8)))
+
+
+def _linen_params():
+    import flax.linen as nn
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            w_in = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+            w_out = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("mlp", "embed"))
+            h = jnp.tanh(x @ self.param("w_in", w_in, (16, 32)))
+            return h @ self.param("w_out", w_out, (32, 16))
+
+    return Mlp(), Mlp().init(jax.random.key(0), jnp.ones((1, 16)))["params"]
+
+
+def test_flax_linen_and_nnx_metadata_give_specs():
+    from flax import nnx
+
+    plan = ParallelPlan(mesh=MeshSpec(data=AxisSize(ici=4), tensor=AxisSize(ici=2)))
+    mesh = build_mesh(plan, require_devices(8))
+    _, boxed = _linen_params()
+    assert param_specs(boxed, plan, mesh) == {"w_in": P(None, "tensor"), "w_out": P("tensor", None)}
+
+    class Layer(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((16, 32)), sharding_names=("embed", "mlp"), eager_sharding=False)
+
+    state = nnx.state(Layer(), nnx.Param)
+    assert param_specs(state, plan, mesh)["w"] == P(None, "tensor")
+
+
+def test_flax_metadata_drives_zero3_of_unboxed_params():
+    """Annotations carried over with param_dims_from_metadata shard the unboxed parameters."""
+    import flax.linen as nn
+
+    from torsh_jax.parallel.sharding import param_dims_from_metadata
+    from torsh_jax.parallel.zero_layout import shard_dims
+
+    model, boxed = _linen_params()
+    plan = plan_from_dict({"mesh": {"data": 1, "fsdp": -1}, "zero": {"stage": 3}})
+    plan = plan.replace(param_dims=param_dims_from_metadata(boxed) + plan.param_dims)
+    params = nn.unbox(boxed)
+    mesh = build_mesh(plan, require_devices(8))
+    assert shard_dims(params, plan, mesh) == {"w_in": 1, "w_out": 0}
+
+    def loss(p, batch):
+        return jnp.mean((model.apply({"params": p}, batch["x"]) - batch["y"]) ** 2)
+
+    from torsh_jax.train.reference import make_reference_step
+    from torsh_jax.train.verify import compare_with_twin
+
+    optimizer = optax.sgd(0.1)
+    train = make_train_step(loss, optimizer, plan, mesh)
+    x = jax.random.normal(jax.random.key(1), (train.global_batch_size, 16))
+    batches = [{"x": x, "y": jnp.sin(x)}] * 3
+    report = compare_with_twin(tuple(train), make_reference_step(loss, optimizer, plan), params, batches)
+    assert report.max_loss_rel_err <= 1e-5

@@ -36,6 +36,8 @@ __all__ = [
     "named_shardings",
     "batch_spec",
     "check_divisible",
+    "is_boxed",
+    "param_dims_from_metadata",
 ]
 
 PyTree = object
@@ -55,11 +57,45 @@ def path_str(path: Sequence) -> str:
 
 
 def _metadata_names(leaf: object) -> tuple[str | None, ...] | None:
-    """Logical names from flax partitioning metadata, if the leaf carries any."""
-    names = getattr(leaf, "names", None) or getattr(leaf, "sharding", None)
+    """Logical names from flax partitioning metadata, if the leaf carries any.
+
+    linen: ``nn.with_logical_partitioning`` / ``nn.with_partitioning`` boxes
+    (``.names``); nnx: ``nnx.Param(..., sharding_names=...)`` variables.
+    """
+    names = getattr(leaf, "names", None)
+    get_metadata = getattr(leaf, "get_metadata", None)
+    if names is None and callable(get_metadata):
+        meta = get_metadata()
+        names = next((meta[k] for k in ("out_sharding", "sharding_names", "sharding") if meta.get(k)), None)
     if isinstance(names, (tuple, list)) and all(n is None or isinstance(n, str) for n in names):
         return tuple(names)
     return None
+
+
+def is_boxed(x: object) -> bool:
+    """A flax parameter box (linen partitioning metadata or an nnx variable)."""
+    return hasattr(x, "value") and (hasattr(x, "names") or callable(getattr(x, "get_metadata", None)))
+
+
+def _shape(leaf: object) -> tuple[int, ...]:
+    return tuple(getattr(leaf.value if is_boxed(leaf) else leaf, "shape", ()))
+
+
+def param_dims_from_metadata(params: PyTree) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``param_dims`` entries (exact path regexes) from flax partitioning metadata.
+
+    Use as ``plan.replace(param_dims=param_dims_from_metadata(boxed) + plan.param_dims)``
+    so a train step on the unboxed parameters keeps the model's own annotations.
+    """
+    found = []
+
+    def one(path, leaf):
+        names = _metadata_names(leaf)
+        if names is not None:
+            found.append((f"^{re.escape(path_str(path))}$", tuple(n or "" for n in names)))
+
+    jax.tree_util.tree_map_with_path(one, params, is_leaf=is_boxed)
+    return tuple(found)
 
 
 def logical_dims(path: str, leaf: object, plan: ParallelPlan) -> tuple[str | None, ...]:
@@ -69,7 +105,7 @@ def logical_dims(path: str, leaf: object, plan: ParallelPlan) -> tuple[str | Non
         ShardingError: a ``param_dims`` rule matches but names a different
             number of dims than the parameter has.
     """
-    ndim = len(getattr(leaf, "shape", ()))
+    ndim = len(_shape(leaf))
     names = _metadata_names(leaf)
     if names is None:
         for pattern, dims in plan.param_dims:
@@ -81,7 +117,7 @@ def logical_dims(path: str, leaf: object, plan: ParallelPlan) -> tuple[str | Non
     if len(names) != ndim:
         raise ShardingError(
             f"logical dims {list(names)} name {len(names)} dims but the parameter has shape "
-            f"{tuple(leaf.shape)}",
+            f"{_shape(leaf)}",
             key=path,
             fix="correct the matching param_dims entry (one name per dim, '' or null for none)",
         )
@@ -127,6 +163,9 @@ def check_divisible(path: str, shape: tuple[int, ...], spec: P, mesh: Mesh) -> N
 def param_specs(params: PyTree, plan: ParallelPlan, mesh: Mesh) -> PyTree:
     """A ``PartitionSpec`` per parameter leaf, validated against ``mesh``.
 
+    Flax boxes (linen partitioning metadata, nnx variables) count as leaves and
+    their annotations win over the plan's ``param_dims``.
+
     Raises:
         ShardingError: a dim does not divide its mesh axes (names the path).
     """
@@ -135,10 +174,10 @@ def param_specs(params: PyTree, plan: ParallelPlan, mesh: Mesh) -> PyTree:
     def one(path, leaf):
         where = path_str(path)
         spec = _spec_for(logical_dims(where, leaf, plan), rules, mesh)
-        check_divisible(where, tuple(leaf.shape), spec, mesh)
+        check_divisible(where, _shape(leaf), spec, mesh)
         return spec
 
-    return jax.tree_util.tree_map_with_path(one, params)
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_boxed)
 
 
 def named_shardings(specs: PyTree, mesh: Mesh) -> PyTree:

@@ -196,12 +196,19 @@ def plan_to_dict(plan: ParallelPlan, *, full: bool = False) -> dict:
     return _non_default(plan, ParallelPlan())
 
 
-def plan_from_toml(text: str, *, name: str | None = None, source: str = "<toml>") -> ParallelPlan:
+def _parse(text: str, *, fmt: str, source: str) -> dict:
+    """Plain data from TOML or JSON text; :class:`PlanError` naming ``source`` when malformed."""
+    loads, error = (
+        (tomllib.loads, tomllib.TOMLDecodeError) if fmt == "toml" else (json.loads, json.JSONDecodeError)
+    )
     try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as err:
-        raise PlanError(f"not valid TOML: {err}", key=source) from None
-    return plan_from_dict(data, name=name)
+        return loads(text)
+    except error as err:
+        raise PlanError(f"not valid {fmt.upper()}: {err}", key=source) from None
+
+
+def plan_from_toml(text: str, *, name: str | None = None, source: str = "<toml>") -> ParallelPlan:
+    return plan_from_dict(_parse(text, fmt="toml", source=source), name=name)
 
 
 def plan_to_toml(plan: ParallelPlan) -> str:
@@ -209,11 +216,7 @@ def plan_to_toml(plan: ParallelPlan) -> str:
 
 
 def plan_from_json(text: str, *, name: str | None = None, source: str = "<json>") -> ParallelPlan:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise PlanError(f"not valid JSON: {err}", key=source) from None
-    return plan_from_dict(data, name=name)
+    return plan_from_dict(_parse(text, fmt="json", source=source), name=name)
 
 
 def plan_to_json(plan: ParallelPlan) -> str:
@@ -248,9 +251,6 @@ def save_plan(plan: ParallelPlan, path: str | Path) -> Path:
 def load_compressor(name_or_path: str | Path) -> CompressorSpec:
     """Load a compressor preset from ``compression/`` by name or path."""
     path = presets.find("compression", str(name_or_path))
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as err:
-        raise PlanError(f"not valid TOML: {err}", key=str(path)) from None
+    data = _parse(path.read_text(), fmt="toml", source=str(path))
     data.pop("description", None)
     return _convert_dataclass(CompressorSpec, data, path.stem)
