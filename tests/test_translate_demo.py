@@ -11,6 +11,13 @@ import pytest
 CLI = [sys.executable, "-m", "torsh_jax.cli.main"]
 
 
+def _demo_records(*args: str) -> list[dict]:
+    """Run ``torsh-jax demo ARGS --json``; assert it succeeds and return its JSON lines."""
+    run = subprocess.run([*CLI, "demo", *args, "--json"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return [json.loads(line) for line in run.stdout.splitlines()]
+
+
 @pytest.mark.slow
 def test_translated_deepspeed_config_runs_in_the_demo(corpus_dir, tmp_path):
     source = corpus_dir / "deepspeed" / "dsdoc-getting-started.json"
@@ -21,14 +28,7 @@ def test_translated_deepspeed_config_runs_in_the_demo(corpus_dir, tmp_path):
         capture_output=True,
         timeout=60,
     )
-    run = subprocess.run(
-        [*CLI, "demo", "--plan", str(plan_path), "--devices", "8", "--steps", "3", "--json", "--layers", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr
-    records = [json.loads(line) for line in run.stdout.splitlines()]
+    records = _demo_records("--plan", str(plan_path), "--devices", "8", "--steps", "3", "--layers", "1")
     summary = records[-1]
     assert summary["summary"] and summary["plan"] == "dsdoc-getting-started"
     assert summary["mesh"]["fsdp"] == 8  # ZeRO stage 1 over 8 devices
@@ -39,27 +39,7 @@ def test_translated_deepspeed_config_runs_in_the_demo(corpus_dir, tmp_path):
 
 @pytest.mark.slow
 def test_demo_verify_reports_twin_agreement():
-    run = subprocess.run(
-        [
-            *CLI,
-            "demo",
-            "--plan",
-            "zero3",
-            "--devices",
-            "8",
-            "--steps",
-            "3",
-            "--verify",
-            "--json",
-            "--layers",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr
-    lines = [json.loads(line) for line in run.stdout.splitlines()]
+    lines = _demo_records("--plan", "zero3", "--devices", "8", "--steps", "3", "--verify", "--layers", "2")
     summary = lines[-1]
     for key in (
         "final_loss",

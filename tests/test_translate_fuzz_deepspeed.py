@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from torsh_jax.errors import TranslationError
 from torsh_jax.translate.deepspeed import translate_deepspeed
+from torsh_jax.translate.ds_precision import PRECISION_KEYS
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "deepspeed"
 
@@ -18,13 +19,7 @@ KEYS = [
     "train_micro_batch_size_per_gpu",
     "gradient_accumulation_steps",
     "gradient_clipping",
-    "fp16",
-    "bf16",
-    "bfloat16",
-    "amp",
-    "data_types",
-    "torch_autocast",
-    "communication_data_type",
+    *PRECISION_KEYS,
     "zero_optimization",
     "optimizer",
     "scheduler",

@@ -11,8 +11,9 @@ Example:
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from torsh_jax._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -97,17 +98,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'torsh_jax' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports("torsh_jax", _EXPORTS, globals())
 
 
 if TYPE_CHECKING:  # pragma: no cover

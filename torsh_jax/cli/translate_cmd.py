@@ -60,7 +60,7 @@ def _write(result, path: Path) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     from torsh_jax.translate.detect import translate_file
-    from torsh_jax.translate.hvd_overrides import parse_set_items
+    from torsh_jax.translate.overrides import parse_set_items
     from torsh_jax.translate.report import render_json, render_text, render_toml
 
     result = translate_file(

@@ -44,8 +44,8 @@ def _json_kind(text: str) -> str:
 
 
 def _text_kind(text: str, path: Path) -> str:
+    from torsh_jax.translate.fsdp_args import looks_like_fsdp
     from torsh_jax.translate.horovod import looks_like_horovod
-    from torsh_jax.translate.torch_fsdp import looks_like_fsdp
 
     if looks_like_fsdp(text) and "hvd." not in text and "horovodrun" not in text:
         return "torch_fsdp"

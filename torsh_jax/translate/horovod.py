@@ -43,7 +43,6 @@ from torsh_jax.plan.spec import (
 from torsh_jax.translate.hvd_launch import ENV_ASSIGN, LaunchCommand, LaunchFlag, find_launches, logical_lines
 from torsh_jax.translate.hvd_layout import Layout, apply_env, apply_flag, layout_mesh
 from torsh_jax.translate.hvd_optimizer import find_lr_scaling, note_api_uses, read_optimizer_calls
-from torsh_jax.translate.hvd_overrides import PLAN_SECTIONS, NoteBook, apply_plan_overrides, plain
 from torsh_jax.translate.hvd_pyexpr import PyScript, strip_comment_lines
 from torsh_jax.translate.hvd_tables import (
     HOROVOD_DEFAULT_FUSION_BYTES,
@@ -51,6 +50,7 @@ from torsh_jax.translate.hvd_tables import (
     MPIRUN_FLAGS,
     lookup_flag,
 )
+from torsh_jax.translate.overrides import PLAN_SECTIONS, NoteBook, apply_plan_overrides, plain
 from torsh_jax.translate.result import TranslationResult
 
 __all__ = ["translate_horovod", "looks_like_horovod"]

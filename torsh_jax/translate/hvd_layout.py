@@ -20,8 +20,8 @@ from typing import Any
 from torsh_jax.errors import TranslationError
 from torsh_jax.plan.spec import AxisSize, MeshSpec
 from torsh_jax.translate.hvd_launch import LaunchFlag
-from torsh_jax.translate.hvd_overrides import NoteBook, as_bool, as_float, as_int
 from torsh_jax.translate.hvd_tables import HOROVOD_ENV, env_role
+from torsh_jax.translate.overrides import NoteBook, as_bool, as_float, as_int
 
 __all__ = ["Layout", "apply_flag", "apply_env", "layout_mesh", "parse_hosts"]
 

@@ -10,7 +10,7 @@ by ``backward_passes_per_step``).
 
 Example:
     >>> from torsh_jax.translate.hvd_pyexpr import PyScript
-    >>> from torsh_jax.translate.hvd_overrides import NoteBook
+    >>> from torsh_jax.translate.overrides import NoteBook
     >>> script = PyScript("opt = hvd.DistributedOptimizer(o, op=hvd.Sum, backward_passes_per_step=4)")
     >>> settings = read_optimizer_calls(script, NoteBook(), overrides={})
     >>> settings.reduce_op, settings.accumulation_steps, settings.accumulation_reduce
@@ -25,9 +25,9 @@ from typing import Any
 
 from torsh_jax.errors import TranslationError
 from torsh_jax.plan.spec import OptimizerSpec
-from torsh_jax.translate.hvd_overrides import NoteBook, as_bool, as_float, as_int
-from torsh_jax.translate.hvd_pyexpr import CallValue, Evaluated, PyScript, Symbol, Unknown
+from torsh_jax.translate.hvd_pyexpr import Evaluated, PyScript, Symbol, Unknown, shown
 from torsh_jax.translate.hvd_wrapped import wrapped_optimizer
+from torsh_jax.translate.overrides import NoteBook, as_bool, as_float, as_int
 
 __all__ = ["OptimizerSettings", "read_optimizer_calls", "note_api_uses", "find_lr_scaling"]
 
@@ -127,14 +127,7 @@ def read_optimizer_calls(
 
 
 def _shown(evaluated: Any) -> Any:
-    value = getattr(evaluated, "value", evaluated)
-    if isinstance(value, Symbol):
-        return value.path
-    if isinstance(value, Unknown):
-        return value.source
-    if isinstance(value, CallValue):
-        return f"{value.func}(...)"
-    return value
+    return shown(getattr(evaluated, "value", evaluated))
 
 
 def _apply_arguments(

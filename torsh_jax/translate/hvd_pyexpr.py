@@ -25,7 +25,16 @@ from typing import Any
 
 from torsh_jax.errors import TranslationError
 
-__all__ = ["Symbol", "Unknown", "CallValue", "Evaluated", "CallSite", "PyScript", "strip_comment_lines"]
+__all__ = [
+    "Symbol",
+    "Unknown",
+    "CallValue",
+    "Evaluated",
+    "CallSite",
+    "PyScript",
+    "shown",
+    "strip_comment_lines",
+]
 
 _MAX_DEPTH = 12
 _MAX_CALL_CHARS = 20_000
@@ -74,6 +83,22 @@ class CallSite:
     line: int
     node: ast.Call
     source: str
+
+
+def shown(value: Any) -> Any:
+    """``value`` as a note shows it: a symbol's path, an unknown's source, ``func(...)`` for a call.
+
+    Example:
+        >>> shown(Symbol("hvd.Average")), shown(CallValue("torch.optim.SGD", (), {})), shown(0.1)
+        ('hvd.Average', 'torch.optim.SGD(...)', 0.1)
+    """
+    if isinstance(value, Symbol):
+        return value.path
+    if isinstance(value, Unknown):
+        return value.source
+    if isinstance(value, CallValue):
+        return f"{value.func}(...)"
+    return value
 
 
 def strip_comment_lines(text: str) -> str:

@@ -14,7 +14,7 @@ otherwise the base rate is used and the note says so.
 
 Example:
     >>> from torsh_jax.translate.hvd_pyexpr import CallValue, Evaluated
-    >>> from torsh_jax.translate.hvd_overrides import NoteBook
+    >>> from torsh_jax.translate.overrides import NoteBook
     >>> call = CallValue("optim.SGD", (), {"lr": 0.1, "momentum": 0.9})
     >>> spec = wrapped_optimizer(Evaluated(call), None, "DistributedOptimizer.optimizer", NoteBook())
     >>> spec.name, spec.learning_rate, spec.params
@@ -26,8 +26,8 @@ from __future__ import annotations
 from typing import Any
 
 from torsh_jax.plan.spec import OptimizerSpec
-from torsh_jax.translate.hvd_overrides import NoteBook, as_bool, as_float, plain
-from torsh_jax.translate.hvd_pyexpr import CallValue, Evaluated, Symbol, Unknown
+from torsh_jax.translate.hvd_pyexpr import CallValue, Evaluated, Unknown, shown
+from torsh_jax.translate.overrides import NoteBook, as_bool, as_float
 
 __all__ = ["wrapped_optimizer", "OPTIMIZER_CLASSES"]
 
@@ -100,16 +100,6 @@ def _arguments(call: CallValue, order: tuple[str, ...]) -> dict[str, Any]:
     return values
 
 
-def _shown(value: Any) -> Any:
-    if isinstance(value, Symbol):
-        return value.path
-    if isinstance(value, Unknown):
-        return value.source
-    if isinstance(value, CallValue):
-        return f"{value.func}(...)"
-    return plain(value)
-
-
 def _learning_rate(
     actual: Any, base: Any, key: str, book: NoteBook, assumptions: tuple[str, ...]
 ) -> float | None:
@@ -126,10 +116,10 @@ def _learning_rate(
             f"optimizer.learning_rate = {rate:g}, the base rate: the script multiplies it by "
             "hvd.size() or hvd.local_size(), unknown here; pass --world-size N (and -H host:slots)"
         )
-        book.approximated(key, _shown(actual), detail)
+        book.approximated(key, shown(actual), detail)
         return rate
     detail = "not in the excerpt; the optimizer's default is used. Fix: --set optimizer.learning_rate=..."
-    book.approximated(key, _shown(actual), detail)
+    book.approximated(key, shown(actual), detail)
     return None
 
 
@@ -147,11 +137,11 @@ def _param(name: str, value: Any, key: str, params: dict[str, Any], book: NoteBo
 
 def _apply_argument(name: str, value: Any, key: str, params: dict, book: NoteBook, tf_adam: bool) -> None:
     if name in _IGNORED:
-        book.ignored(key, _shown(value), _IGNORED[name])
+        book.ignored(key, shown(value), _IGNORED[name])
     elif name == "betas":
         betas = value if isinstance(value, tuple) and len(value) == 2 else None
         if betas is None:
-            book.approximated(key, _shown(value), "not a pair in the excerpt; the default betas are used")
+            book.approximated(key, shown(value), "not a pair in the excerpt; the default betas are used")
             return
         params["b1"], params["b2"] = as_float(betas[0], key), as_float(betas[1], key)
         book.mapped(key, list(betas), f"optimizer.params.b1 = {params['b1']}, b2 = {params['b2']}")
@@ -164,7 +154,7 @@ def _apply_argument(name: str, value: Any, key: str, params: dict, book: NoteBoo
     else:
         what = f"{name!r} of the wrapped optimizer has no equivalent here"
         book.unsupported(
-            key, _shown(value), what, fix="drop it, or name an optimizer with --set optimizer.name=..."
+            key, shown(value), what, fix="drop it, or name an optimizer with --set optimizer.name=..."
         )
 
 
@@ -185,13 +175,13 @@ def wrapped_optimizer(
     call = actual.value
     if not isinstance(call, CallValue):
         book.ignored(
-            key, _shown(call), "built elsewhere in the script; name one with --set optimizer.name=..."
+            key, shown(call), "built elsewhere in the script; name one with --set optimizer.name=..."
         )
         return None
     entry = OPTIMIZER_CLASSES.get((_framework(call.func), call.func.rsplit(".", 1)[-1]))
     if entry is None:
         book.ignored(
-            key, _shown(call), f"{call.func} has no translation; name one with --set optimizer.name=..."
+            key, shown(call), f"{call.func} has no translation; name one with --set optimizer.name=..."
         )
         return None
     name, order, defaults = entry

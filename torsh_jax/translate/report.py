@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from torsh_jax.plan.io import plan_to_dict, plan_to_toml
-from torsh_jax.translate.hvd_overrides import plain
+from torsh_jax.translate.overrides import plain
 from torsh_jax.translate.result import STATUSES, TranslationResult
 
 __all__ = ["summary", "to_json_dict", "render_json", "render_toml", "render_text", "render_plain_table"]

@@ -1,4 +1,4 @@
-"""Shared pieces of the Horovod and FSDP translators: notes, overrides, values.
+"""Pieces shared by the Horovod and FSDP translators: notes, ``--set`` overrides, values.
 
 Example:
     >>> parse_set_value("8"), parse_set_value("true"), parse_set_value("auto")
@@ -18,7 +18,7 @@ from typing import Any
 from torsh_jax.errors import PlanError, TranslationError
 from torsh_jax.plan.io import plan_from_dict, plan_to_dict
 from torsh_jax.plan.spec import ParallelPlan
-from torsh_jax.translate.result import Note, Status
+from torsh_jax.translate.result import Note, Notes, Status
 
 __all__ = [
     "NoteBook",
@@ -74,29 +74,30 @@ def plain(value: Any) -> Any:
     return str(value)
 
 
-class NoteBook:
-    """Notes keyed by input key (a later note for a key replaces the earlier one).
+class NoteBook(Notes):
+    """:class:`Notes` keyed by input key, for translators that may note a key twice.
+
+    A later note for a key replaces the earlier one, values are stored as
+    JSON-able data (:func:`plain`), and :meth:`unsupported` raises unless lenient.
 
     Args:
         lenient: record unsupported keys as notes instead of raising.
+
+    Example:
+        >>> book = NoteBook()
+        >>> book.ignored("fp16", (1, 2), "first")
+        >>> book.mapped("fp16", (1, 2), "second")
+        >>> [(n.status, n.value) for n in book.notes()], "fp16" in book
+        ([('mapped', [1, 2])], True)
     """
 
     def __init__(self, *, lenient: bool = False):
+        super().__init__()
         self.lenient = lenient
-        self._notes: dict[str, Note] = {}
 
     def add(self, key: str, status: Status, value: Any, detail: str) -> None:
-        self._notes.pop(key, None)
-        self._notes[key] = Note(key, status, plain(value), detail)
-
-    def mapped(self, key: str, value: Any, detail: str) -> None:
-        self.add(key, "mapped", value, detail)
-
-    def approximated(self, key: str, value: Any, detail: str) -> None:
-        self.add(key, "approximated", value, detail)
-
-    def ignored(self, key: str, value: Any, detail: str) -> None:
-        self.add(key, "ignored", value, detail)
+        self.items = [note for note in self.items if note.key != key]
+        super().add(key, status, plain(value), detail)
 
     def unsupported(self, key: str, value: Any, detail: str, *, fix: str) -> None:
         """Record an unsupported key, or raise :class:`TranslationError` unless lenient."""
@@ -107,10 +108,10 @@ class NoteBook:
         self.add(key, "unsupported", value, f"{detail}; {fix}")
 
     def __contains__(self, key: str) -> bool:
-        return key in self._notes
+        return any(note.key == key for note in self.items)
 
     def notes(self) -> tuple[Note, ...]:
-        return tuple(self._notes.values())
+        return tuple(self.items)
 
 
 def _set_path(data: dict, path: list[str], value: Any) -> None:
