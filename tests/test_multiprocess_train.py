@@ -1,11 +1,12 @@
-"""Real multi-process training: ``torsh-jax launch -n 2 --devices-per-process 2`` equals one process with 4 devices.
+"""Real multi-process training: ``torsh-jax launch -n 2 --devices-per-process 2`` == one 4-device process.
 
 Each run is a subprocess of tests/scripts/train_multiprocess.py (the demo
 language model, adamw, 3 steps, identical parameters and batches everywhere).
 The single-process reference uses ``--devices 4`` and, for hybrid plans,
 simulates the 2 slices with consecutive device groups; under the launcher
 each process is one slice. Runs are cached per module, so every configuration
-starts once.
+starts once, and all runs share a persistent compilation cache (identical
+programs, e.g. the parameter initialisation, compile once per module).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -29,46 +31,100 @@ RUN_TIMEOUT_S = 150
 pytestmark = pytest.mark.slow
 
 
-def child_environ() -> dict[str, str]:
+def child_environ(cache_dir: Path) -> dict[str, str]:
     """The test's environment without launcher variables (children set their own)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORSH_JAX_", "JAX_COORDINATOR"))}
     env["JAX_PLATFORMS"] = "cpu"
+    # Device counts come from --devices / --devices-per-process only.
+    flags = env.pop("XLA_FLAGS", "").split()
+    kept = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
+    if kept:
+        env["XLA_FLAGS"] = " ".join(kept)
+    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     return env
 
 
-def run_training(out: Path, *, plan: str, launched: bool, local_batches: bool = False) -> dict:
-    """Train ``plan`` once; returns process 0's JSON plus ``ranks`` (every process's JSON)."""
-    script = [str(SCRIPT), "--plan", plan, "--steps", str(STEPS), "--out", str(out)]
-    if local_batches:
-        script.append("--local-batches")
-    if launched:
+class Config(NamedTuple):
+    """One training run: a plan, under the launcher or not, with global or process-local batches."""
+
+    plan: str
+    launched: bool
+    local_batches: bool = False
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.plan}-{'launch' if self.launched else 'single'}{'-local' if self.local_batches else ''}"
+        )
+
+    def argv(self, out: Path) -> list[str]:
+        script = [str(SCRIPT), "--plan", self.plan, "--steps", str(STEPS), "--out", str(out)]
+        if self.local_batches:
+            script.append("--local-batches")
+        if not self.launched:
+            return [sys.executable, *script, "--devices", "4"]
         cli = [sys.executable, "-m", "torsh_jax.cli.main", "launch", "-n", "2", "--devices-per-process", "2"]
-        argv = [*cli, "--timeout", str(RUN_TIMEOUT_S), *script]
-    else:
-        argv = [sys.executable, *script, "--devices", "4"]
-    done = subprocess.run(
-        argv, cwd=REPO, env=child_environ(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 30
-    )
-    assert done.returncode == 0, f"{' '.join(argv)} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
+        return [*cli, "--timeout", str(RUN_TIMEOUT_S), *script]
+
+
+def read_result(out: Path) -> dict:
+    """Process 0's JSON plus ``ranks`` (every process's JSON)."""
     result = json.loads(out.read_text())
     ranks = [result]
     for rank in range(1, result["process_count"]):
         ranks.append(json.loads(out.with_name(f"{out.name}.rank{rank}").read_text()))
+    assert [r["traces"] for r in ranks] == [1] * len(ranks), "the train step retraced"
     return {**result, "ranks": ranks}
+
+
+def run_concurrently(configs: list[Config], root: Path) -> dict[Config, dict]:
+    """Start every run at once (a launched job leaves a core idle while one process compiles)."""
+    started = []
+    for config in configs:
+        out, log = root / f"{config.name}.json", root / f"{config.name}.log"
+        with log.open("w") as sink:
+            proc = subprocess.Popen(
+                config.argv(out),
+                cwd=REPO,
+                env=child_environ(root / "xla"),
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
+        started.append((config, proc, out, log))
+    results = {}
+    try:
+        for config, proc, out, log in started:
+            code = proc.wait(timeout=RUN_TIMEOUT_S + 30)
+            assert code == 0, f"{' '.join(config.argv(out))} exited {code}\n{log.read_text()}"
+            results[config] = read_result(out)
+    finally:
+        stop_all([proc for _, proc, _, _ in started])
+    return results
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM (the launcher forwards it to its processes), then SIGKILL whatever is left."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        proc.terminate()
+    for proc in running:
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """``runs(plan, launched=..., local_batches=...)``: each configuration trains once per module."""
-    cache: dict[tuple, dict] = {}
+    """``runs(config, ...)``: the results in order; each configuration trains once per module."""
+    cache: dict[Config, dict] = {}
     root = tmp_path_factory.mktemp("multiprocess_train")
 
-    def get(plan: str, *, launched: bool, local_batches: bool = False) -> dict:
-        key = (plan, launched, local_batches)
-        if key not in cache:
-            name = f"{plan}-{'launch' if launched else 'single'}{'-local' if local_batches else ''}.json"
-            cache[key] = run_training(root / name, plan=plan, launched=launched, local_batches=local_batches)
-        return cache[key]
+    def get(*configs: Config) -> list[dict]:
+        cache.update(run_concurrently([c for c in configs if c not in cache], root))
+        return [cache[c] for c in configs]
 
     return get
 
@@ -88,7 +144,7 @@ def assert_two_processes_agree(run: dict) -> None:
 
 
 def test_ddp_two_processes_equal_one_process_with_four_devices(runs):
-    launched, single = runs("ddp", launched=True), runs("ddp", launched=False)
+    launched, single = runs(Config("ddp", launched=True), Config("ddp", launched=False))
     assert single["process_count"] == 1 and single["devices"] == 4
     assert_two_processes_agree(launched)
     assert launched["mesh"] == {"data": 4, "stage": 1, "fsdp": 1, "tensor": 1}
@@ -106,7 +162,7 @@ HYBRID = {
 @pytest.mark.parametrize("plan", HYBRID)
 def test_two_slice_hybrid_mesh_one_slice_per_process(runs, plan):
     shape, owners = HYBRID[plan]
-    launched, single = runs(plan, launched=True), runs(plan, launched=False)
+    launched, single = runs(Config(plan, launched=True), Config(plan, launched=False))
     assert_two_processes_agree(launched)
     assert launched["mesh"] == shape
     # data is the slice (DCN) axis: each process owns one slice of the mesh.
@@ -117,15 +173,16 @@ def test_two_slice_hybrid_mesh_one_slice_per_process(runs, plan):
 
 
 def test_zero3_two_processes_equal_one_process(runs):
-    launched, single = runs("zero3", launched=True), runs("zero3", launched=False)
+    launched, single = runs(Config("zero3", launched=True), Config("zero3", launched=False))
     assert_two_processes_agree(launched)
     assert launched["mesh"] == {"data": 1, "stage": 1, "fsdp": 4, "tensor": 1}
     assert_same_training(launched, single)
 
 
-def test_process_local_batches_equal_global_batches(runs):
-    """Each process loads only its rows (global_batch_from_local) over a data x fsdp mesh."""
-    local = runs("hsdp", launched=True, local_batches=True)
+@pytest.mark.parametrize("plan", ["ddp", "hsdp"])
+def test_process_local_batches_equal_global_batches(runs, plan):
+    """Each process loads only its rows (global_batch_from_local); batch over data, or data x fsdp."""
+    local, placed = runs(Config(plan, launched=True, local_batches=True), Config(plan, launched=True))
     assert local["local_batches"]
     assert_two_processes_agree(local)
-    assert_same_training(local, runs("hsdp", launched=True))
+    assert_same_training(local, placed)

@@ -80,7 +80,9 @@ def main() -> None:
     cfg = model_config(args.layers)
     mesh = build_mesh(plan, jax.devices())
     train = make_train_step(layered_model(cfg), optax.adamw(1e-2), plan, mesh)
-    state = train.init(init_params(cfg, jax.random.key(0)))
+    # One compiled program instead of many small eager ones; same values on every process.
+    params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
+    state = train.init(params)
 
     losses, grad_norms = [], []
     for step in range(args.steps):
@@ -102,6 +104,7 @@ def main() -> None:
         "process_count": jax.process_count(),
         "devices": jax.device_count(),
         "local_batches": args.local_batches,
+        "traces": train.traces,
     }
     out = args.out if env.process_id == 0 else args.out.with_name(f"{args.out.name}.rank{env.process_id}")
     out.write_text(json.dumps(result, indent=2))
