@@ -12,7 +12,7 @@ Prints one JSON object per line:
 (``ratio`` = per-device state bytes / (total / devices)).
 
 Usage:
-    python benchmarks/bench_ddp.py [--devices 8] [--steps 30] [--layers 4] [--quick]
+    python benchmarks/bench_ddp.py [--devices 8] [--steps 100] [--layers 4] [--quick]
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ TARGET_RATIO = 1.05
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0], default_steps=30, default_layers=4)
+    args = common.parse_args(__doc__.splitlines()[0], default_steps=100, default_layers=4)
     common.setup_devices(args.devices)
 
     from torsh_jax.demo.model import LMConfig
     from torsh_jax.plan import load_plan
 
-    steps, layers, chunk = (6, 1, 3) if args.quick else (args.steps, args.layers, 5)
+    steps, layers, chunk = (6, 1, 1) if args.quick else (args.steps, args.layers, 2)
     cfg = LMConfig(layers=layers)
     pair = common.build_pair(cfg, load_plan("ddp"), baseline="replicated")
     times = common.interleaved_timing([pair.ours, pair.baseline], steps=steps, chunk=chunk)

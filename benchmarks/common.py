@@ -10,20 +10,22 @@ first in a script's ``main``.
 
 Example (inside a script, after ``setup_devices(8)``):
     >>> cfg, plan = LMConfig(layers=2), load_plan("ddp")   # doctest: +SKIP
-    >>> bench = build_pair(cfg, plan, baseline="replicated")  # doctest: +SKIP
-    >>> timing = interleaved_timing(bench.runners(), steps=10, chunk=5)  # doctest: +SKIP
+    >>> pair = build_pair(cfg, plan, baseline="replicated")  # doctest: +SKIP
+    >>> times = interleaved_timing([pair.ours, pair.baseline], steps=10, chunk=2)  # doctest: +SKIP
+    >>> emit(timing_row("ddp_step_time", pair, times, chunk=2))  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +35,18 @@ PyTree = Any
 LEARNING_RATE = 1e-3
 
 
-def parse_args(description: str, *, default_steps: int, default_layers: int) -> argparse.Namespace:
-    """Command-line options shared by the benchmarks."""
+def parse_args(
+    description: str, *, default_steps: int, default_layers: int, temp_layers: int | None = None
+) -> argparse.Namespace:
+    """Command-line options shared by the benchmarks (``--temp-layers`` when ``temp_layers`` is given)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
     parser.add_argument("--steps", type=int, default=default_steps, help="timed steps of each program")
     parser.add_argument("--layers", type=int, default=default_layers, help="transformer blocks")
     parser.add_argument("--quick", action="store_true", help="a few seconds: tiny model, few steps")
+    if temp_layers is not None:
+        help_text = "layer count L of the temp-memory comparison (L against 2L)"
+        parser.add_argument("--temp-layers", type=int, default=temp_layers, help=help_text)
     return parser.parse_args()
 
 
@@ -106,7 +113,12 @@ class Program:
     step: Callable
     state: Any
     batch: Any
-    lower: Callable[[], Any]
+    lower_fn: Callable[[Any, Any], Any]
+    last_loss: float = float("nan")
+
+    def lower(self) -> Any:
+        """The step lowered for the current state and batch."""
+        return self.lower_fn(self.state, self.batch)
 
     def run(self) -> float:
         """Run one step to completion; return its wall time in seconds."""
@@ -128,17 +140,92 @@ class Pair:
     train: Any
     mesh: Any
     param_count: int
+    extra: list[Program] = field(default_factory=list)
+
+    @property
+    def programs(self) -> list[Program]:
+        """Ours, the baseline and the extra baselines, in timing order."""
+        return [self.ours, self.baseline, *self.extra]
 
 
-def build_pair(cfg, plan, *, baseline: str, batch_seed: int = 0) -> Pair:
-    """Our step for ``plan`` and a ``jax.jit`` baseline (``replicated`` or ``fsdp``), both initialised."""
+def gathered_model(model, mesh):
+    """``model`` with each part's parameters constrained to replicated where they are used.
+
+    Under ``jax.jit`` GSPMD then all-gathers the weights and keeps the
+    matmuls batch-parallel: FSDP written as sharding annotations (GSPMD
+    chooses where the gathers go and how gradients are reduced).
+    """
     import jax
-    import optax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from torsh_jax.demo.model import init_params, layered_model, param_count, synthetic_tokens
+    replicated = NamedSharding(mesh, P())
+
+    def gather(tree):
+        return jax.lax.with_sharding_constraint(tree, jax.tree.map(lambda _: replicated, tree))
+
+    return model._replace(
+        embed=lambda p, batch: model.embed(gather(p), batch),
+        layer=lambda p, h: model.layer(gather(p), h),
+        head=lambda p, h, batch: model.head(gather(p), h, batch),
+    )
+
+
+#: Compiled-once baseline programs by (kind, model config, mesh devices): stages share them.
+_BASELINE_CACHE: dict[tuple, tuple[Callable, Callable]] = {}
+
+
+def _baseline_functions(model, optimizer, params, mesh, *, kind: str, key: Any) -> tuple[Callable, Callable]:
+    """``(jitted_step, jitted_init)`` of a baseline, built once per ``key``."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     from torsh_jax.parallel.layered import layered_loss
+
+    cache_key = (kind, key, mesh.devices.tobytes(), tuple(mesh.shape.items()))
+    if cache_key not in _BASELINE_CACHE:
+        abstract = jax.eval_shape(lambda p: (p, optimizer.init(p)), params)
+        shard_kind = "replicated" if kind == "replicated" else "fsdp"
+        state_shardings = baseline_shardings(mesh, abstract, kind=shard_kind)
+        batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
+        loss_model = gathered_model(model, mesh) if kind == "fsdp_gathered" else model
+        jitted = jax.jit(
+            _baseline_step(layered_loss(loss_model), optimizer),
+            in_shardings=(state_shardings, batch_sharding),
+            out_shardings=(state_shardings, NamedSharding(mesh, P())),
+            donate_argnums=0,
+        )
+        init = jax.jit(lambda p: (p, optimizer.init(p)), out_shardings=state_shardings)
+        _BASELINE_CACHE[cache_key] = (jitted, init)
+    return _BASELINE_CACHE[cache_key]
+
+
+def build_baseline(model, optimizer, params, batch, mesh, *, kind: str, key: Any = None) -> Program:
+    """A ``jax.jit`` step with ``NamedSharding`` state: ``replicated``, ``fsdp`` or ``fsdp_gathered``.
+
+    Programs with the same ``kind`` and ``key`` (e.g. the model config) on the
+    same mesh share one compiled step; each starts from ``params``.
+    """
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    key = key if key is not None else id(model)
+    jitted, init = _baseline_functions(model, optimizer, params, mesh, kind=kind, key=key)
+    placed = jax.device_put(batch, NamedSharding(mesh, P(("data", "fsdp"))))
+    return Program(f"jit_{kind}", jitted, init(params), placed, jitted.lower)
+
+
+def build_pair(cfg, plan, *, baseline: str, extra: tuple[str, ...] = (), batch_seed: int = 0) -> Pair:
+    """Our step for ``plan`` and ``jax.jit`` baselines (see :func:`build_baseline`), all initialised.
+
+    ``extra`` names further baseline kinds, kept in ``Pair.extra``.
+    """
+    import jax
+    import optax
+
+    from torsh_jax.demo.model import init_params, layered_model, param_count, synthetic_tokens
     from torsh_jax.parallel.mesh import build_mesh
     from torsh_jax.train.step import make_train_step
 
@@ -148,24 +235,12 @@ def build_pair(cfg, plan, *, baseline: str, batch_seed: int = 0) -> Pair:
     params = init_params(cfg, jax.random.key(0))
     train = make_train_step(model, optimizer, plan, mesh)
     batch = synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=batch_seed)
-    ours_batch = train.shard_batch(batch)
-    ours = Program("ours", train.step, train.init(params), ours_batch, lambda: None)
-    ours.lower = lambda: train.lower(ours.state, ours_batch)
-
-    abstract = jax.eval_shape(lambda p: (p, optimizer.init(p)), params)
-    state_shardings = baseline_shardings(mesh, abstract, kind=baseline)
-    batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
-    base_batch = jax.device_put(batch, batch_sharding)
-    jitted = jax.jit(
-        _baseline_step(layered_loss(model), optimizer),
-        in_shardings=(state_shardings, batch_sharding),
-        out_shardings=(state_shardings, NamedSharding(mesh, P())),
-        donate_argnums=0,
+    ours = Program("ours", train.step, train.init(params), train.shard_batch(batch), train.lower)
+    base, *others = (
+        build_baseline(model, optimizer, params, batch, mesh, kind=kind, key=cfg)
+        for kind in (baseline, *extra)
     )
-    init = jax.jit(lambda p: (p, optimizer.init(p)), out_shardings=state_shardings)
-    base = Program(f"jit_{baseline}", jitted, init(params), base_batch, lambda: None)
-    base.lower = lambda: jitted.lower(base.state, base_batch)
-    return Pair(ours, base, train, mesh, param_count(params))
+    return Pair(ours, base, train, mesh, param_count(params), others)
 
 
 def interleaved_timing(programs: list[Program], *, steps: int, chunk: int = 1, warmup: int = 2) -> dict:
@@ -214,23 +289,31 @@ def timing_row(name: str, pair: Pair, times: dict, *, chunk: int, **fields) -> d
         "baseline_loss": pair.baseline.last_loss,
         "param_count": pair.param_count,
         "mesh": {a: int(s) for a, s in pair.mesh.shape.items()},
+        **_extra_timing(pair, times, chunk=chunk),
         **fields,
     }
+
+
+def _extra_timing(pair: Pair, times: dict, *, chunk: int) -> dict:
+    """``{kind}_ratio``, ``{kind}_paired_ratio`` and ``{kind}_median_s`` of every extra baseline."""
+    ours = times[pair.ours.name]
+    row = {}
+    for program in pair.extra:
+        other, key = times[program.name], program.name.removeprefix("jit_")
+        row[f"{key}_median_s"] = statistics.median(other)
+        row[f"{key}_ratio"] = statistics.median(ours) / statistics.median(other)
+        row[f"{key}_paired_ratio"] = paired_ratio(ours, other, chunk=chunk)
+        row[f"{key}_loss"] = program.last_loss
+    return row
 
 
 def state_bytes(state: PyTree) -> tuple[int, int]:
     """``(bytes held by one device, logical bytes)`` of a placed pytree (largest device shard)."""
     import jax
 
-    per_device = total = 0
-    for leaf in jax.tree.leaves(state):
-        itemsize = leaf.dtype.itemsize
-        total += leaf.size * itemsize
-        shard = leaf.sharding.shard_shape(leaf.shape)
-        count = 1
-        for size in shard:
-            count *= size
-        per_device += count * itemsize
+    leaves = jax.tree.leaves(state)
+    total = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+    per_device = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
     return per_device, total
 
 
@@ -243,21 +326,32 @@ def summaries(pair: Pair) -> dict:
     from torsh_jax.analysis import summarize
     from torsh_jax.train.inspect import inspect_step
 
-    ours = inspect_step(pair.train, pair.ours.state, pair.ours.batch)
-    baseline = summarize(pair.baseline.lower().compile(), pair.mesh, theory=plan_theory_for(pair))
-    return {"ours": ours, "baseline": baseline}
+    theory = plan_theory_for(pair)
+    found = {"ours": inspect_step(pair.train, pair.ours.state, pair.ours.batch)}
+    for key, program in (
+        ("baseline", pair.baseline),
+        *((p.name.removeprefix("jit_"), p) for p in pair.extra),
+    ):
+        found[key] = summarize(program.lower().compile(), pair.mesh, theory=theory)
+    return found
+
+
+def _ratio_key(side: str) -> str:
+    """``ratio`` for ours, ``baseline_ratio``, ``fsdp_gathered_ratio``... for the others."""
+    return "ratio" if side == "ours" else f"{side}_ratio"
 
 
 def memory_row(name: str, pair: Pair, summary: dict, **fields) -> dict:
     """Per-device state (params + optimizer state) bytes against ``total / devices``.
 
     ``ratio`` is ours over the ideal even split; ``baseline_ratio`` the same
-    for the baseline. Temp and peak bytes come from ``memory_analysis``.
+    for the baseline. ``*_temp_bytes`` and ``*_peak_bytes`` of every program
+    come from ``memory_analysis``.
     """
     devices = pair.mesh.size
     ours_dev, total = state_bytes((pair.ours.state.params, pair.ours.state.opt_state))
     base_dev, _ = state_bytes(pair.baseline.state)
-    ours_mem, base_mem = summary["ours"]["memory"], summary["baseline"]["memory"]
+    parts = (("temp", "temp_bytes"), ("peak", "peak_estimate_bytes"))
     return {
         "name": name,
         "ratio": ours_dev / (total / devices),
@@ -266,10 +360,11 @@ def memory_row(name: str, pair: Pair, summary: dict, **fields) -> dict:
         "ideal_bytes_per_device": total / devices,
         "ours_state_bytes_per_device": ours_dev,
         "baseline_state_bytes_per_device": base_dev,
-        "ours_temp_bytes": ours_mem["temp_bytes"],
-        "baseline_temp_bytes": base_mem["temp_bytes"],
-        "ours_peak_bytes": ours_mem["peak_estimate_bytes"],
-        "baseline_peak_bytes": base_mem["peak_estimate_bytes"],
+        **{
+            f"{side}_{part}_bytes": entry["memory"][key]
+            for side, entry in summary.items()
+            for part, key in parts
+        },
         **fields,
     }
 
@@ -294,25 +389,22 @@ def wire_row(name: str, summary: dict, **fields) -> dict:
     """Bytes on the wire per step and device against the plan's theory.
 
     ``ratio`` is ours / theory (``inspect_step``'s ``wire_ratio``);
-    ``baseline_ratio`` is the GSPMD baseline's wire bytes / the same theory.
+    ``baseline_ratio`` (and ``fsdp_gathered_ratio``) the baselines' wire
+    bytes / the same theory.
     """
     from torsh_jax.train.inspect import headline
 
-    ours, base = headline(summary["ours"]), summary["baseline"]
+    theory = summary["baseline"]["theory"]
     return {
         "name": name,
-        "ratio": ours["wire_ratio"],
-        "baseline_ratio": base["theory"]["wire_ratio"],
-        "theory": base["theory"]["description"],
-        "theory_wire_bytes": ours["theoretical_wire_bytes_per_step"],
-        "ours_wire_bytes": ours["wire_bytes_per_step"],
-        "baseline_wire_bytes": base["totals"]["wire_bytes"],
-        "ours_wire_by_kind": _wire_by_kind(summary["ours"]),
-        "baseline_wire_by_kind": _wire_by_kind(base),
+        **{_ratio_key(side): entry["theory"]["wire_ratio"] for side, entry in summary.items()},
+        "theory": theory["description"],
+        "theory_wire_bytes": headline(summary["ours"])["theoretical_wire_bytes_per_step"],
+        **{f"{side}_wire_bytes": entry["totals"]["wire_bytes"] for side, entry in summary.items()},
+        **{f"{side}_wire_by_kind": _wire_by_kind(entry) for side, entry in summary.items()},
         **fields,
     }
 
 
 def _wire_by_kind(summary: dict) -> dict:
     return {kind: entry["wire_bytes"] for kind, entry in summary["totals"]["by_kind"].items()}
-

@@ -126,6 +126,14 @@ def _convert_dataclass(cls: Any, value: Any, path: str) -> Any:
             key=_join(path, unknown[0]),
             fix=f"use one of {names}",
         )
+    no_default = dataclasses.MISSING
+    required = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is no_default and f.default_factory is no_default and f.name not in value
+    ]
+    if required:
+        raise PlanError(f"missing required key {required[0]!r}", key=_join(path, required[0]), fix="add it")
     kwargs = {k: _convert(hints[k], v, _join(path, k)) for k, v in value.items()}
     try:
         return cls(**kwargs)

@@ -1,0 +1,116 @@
+"""The train-step benchmarks run with ``--quick`` and print one JSON object per line.
+
+Each script runs in its own process (it sets up simulated devices before
+JAX starts). Times are never asserted; the numbers that do not depend on
+the machine are: both programs reach the same loss, DDP moves exactly the
+theory's bytes, and ZeRO-3 keeps 1/8 of the state per device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import require_devices
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_common():
+    """``benchmarks/common.py`` as module ``bench_common`` (loaded once)."""
+    if "bench_common" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_common", BENCHMARKS / "common.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_common"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["bench_common"]
+
+
+TIMING_KEYS = {"name", "ratio", "paired_ratio", "min_ratio", "ours_median_s", "baseline_median_s", "steps"}
+WIRE_KEYS = {"name", "ratio", "baseline_ratio", "theory_wire_bytes", "ours_wire_bytes", "baseline_wire_bytes"}
+MEMORY_KEYS = {
+    "name",
+    "ratio",
+    "baseline_ratio",
+    "state_bytes_total",
+    "ours_state_bytes_per_device",
+    "baseline_state_bytes_per_device",
+}
+TEMP_KEYS = {"name", "ratio", "baseline_ratio", "layers", "ours_temp_bytes", "baseline_temp_bytes"}
+
+
+def run_quick(script: str) -> dict[str, dict]:
+    """Rows of ``script --quick`` by name; fails on a non-zero exit or a non-JSON line."""
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--quick"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines, done.stderr[-3000:]
+    rows = [json.loads(line) for line in lines]
+    assert all(isinstance(row, dict) for row in rows)
+    return {row["name"]: row for row in rows}
+
+
+def assert_keys(row: dict, keys: set[str]) -> None:
+    assert keys <= set(row), f"{row['name']} lacks {sorted(keys - set(row))}"
+
+
+@pytest.mark.slow
+def test_bench_ddp_quick():
+    rows = run_quick("bench_ddp.py")
+    assert set(rows) == {"ddp_step_time", "ddp_wire", "ddp_memory"}
+    timing = rows["ddp_step_time"]
+    assert_keys(timing, TIMING_KEYS | {"target"})
+    assert timing["ratio"] > 0
+    assert abs(timing["ours_loss"] - timing["baseline_loss"]) <= 1e-5 * abs(timing["baseline_loss"])
+    assert_keys(rows["ddp_wire"], WIRE_KEYS)
+    assert rows["ddp_wire"]["ratio"] == pytest.approx(1.0, abs=0.01)
+    assert_keys(rows["ddp_memory"], MEMORY_KEYS)
+    assert rows["ddp_memory"]["ratio"] == pytest.approx(8.0, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_bench_zero_quick():
+    rows = run_quick("bench_zero.py")
+    stages = (1, 2, 3)
+    expected = {f"zero{s}_{kind}" for s in stages for kind in ("step_time", "wire", "memory")}
+    assert set(rows) == expected | {"zero3_temp_memory"}
+    for stage in stages:
+        timing = rows[f"zero{stage}_step_time"]
+        assert_keys(timing, TIMING_KEYS)
+        assert abs(timing["ours_loss"] - timing["baseline_loss"]) <= 1e-5 * abs(timing["baseline_loss"])
+        assert_keys(rows[f"zero{stage}_wire"], WIRE_KEYS)
+        assert_keys(rows[f"zero{stage}_memory"], MEMORY_KEYS)
+    assert rows["zero3_memory"]["ratio"] == pytest.approx(1.0, abs=0.01)
+    assert rows["zero1_memory"]["ratio"] > rows["zero3_memory"]["ratio"]
+    assert_keys(rows["zero3_temp_memory"], TEMP_KEYS)
+
+
+@pytest.mark.parametrize(
+    ("shape", "expected"),
+    [((256, 64), P("fsdp", None)), ((3, 64), P(None, "fsdp")), ((64, 64), P("fsdp", None)), ((3, 5), P())],
+)
+def test_fsdp_baseline_shards_the_largest_divisible_dim(shape, expected):
+    assert load_common().fsdp_spec(shape, fsdp_size=8) == expected
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios():
+    common = load_common()
+    assert common.paired_ratio([1.0, 1.0, 2.0, 2.0, 3.0, 3.0], [1.0] * 6, chunk=2) == 2.0
+
+
+def test_state_bytes_counts_one_device_shard():
+    devices = require_devices(8)
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
+    sharded = jax.device_put(jnp.zeros((16, 4)), NamedSharding(mesh, P("fsdp")))
+    replicated = jax.device_put(jnp.zeros((3,)), NamedSharding(mesh, P()))
+    assert load_common().state_bytes({"a": sharded, "b": replicated}) == (2 * 4 * 4 + 12, 16 * 4 * 4 + 12)
