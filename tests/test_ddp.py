@@ -21,7 +21,9 @@ TOL = 1e-5
         pytest.param(load_plan("ddp"), id="ddp"),
         pytest.param(load_plan("ddp_accum"), id="ddp-accum4"),
         pytest.param(ParallelPlan(communication=CommunicationSpec(bucket_mb=0.01)), id="small-buckets"),
-        pytest.param(ParallelPlan(communication=CommunicationSpec(gradient_predivide_factor=4.0)), id="predivide"),
+        pytest.param(
+            ParallelPlan(communication=CommunicationSpec(gradient_predivide_factor=4.0)), id="predivide"
+        ),
         pytest.param(ParallelPlan(communication=CommunicationSpec(prescale_gradients=True)), id="prescale"),
     ],
 )
@@ -44,7 +46,9 @@ def test_accumulation_equals_one_big_batch():
 
 def test_horovod_sum_accumulation_scales_gradients():
     """accumulation_reduce = sum gives accumulation_steps x the mean gradient (Horovod)."""
-    summed = ParallelPlan(batch=BatchSpec(micro_batch_size=2, accumulation_steps=4, accumulation_reduce="sum"))
+    summed = ParallelPlan(
+        batch=BatchSpec(micro_batch_size=2, accumulation_steps=4, accumulation_reduce="sum")
+    )
     report, _ = twin_report(summed, steps=2)
     assert report.max_grad_rel_err <= TOL
 

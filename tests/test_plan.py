@@ -130,7 +130,17 @@ def test_presets_ship_in_the_wheel(tmp_path):
     """A non-editable install loads presets by name from the package."""
     wheel_dir = tmp_path / "wheel"
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir), "."],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(wheel_dir),
+            ".",
+        ],
         capture_output=True,
         text=True,
         cwd=presets.Path(__file__).resolve().parents[1],

@@ -275,6 +275,9 @@ def plan_theory(
 ) -> Theory:
     """The theory for a :class:`~torsh_jax.plan.ParallelPlan`'s data-parallel axes.
 
+    For a plan with compression sections this is the *uncompressed* minimum
+    (the description says so); the measured/theory ratio then shows the saving.
+
     Args:
         plan: the plan (its mesh, ZeRO stage and precision are used).
         param_count: parameters of one tensor × stage shard of the model.
@@ -290,6 +293,13 @@ def plan_theory(
         >>> plan_theory(ParallelPlan(), param_count=1000, num_devices=8).description
         'DDP over data=8'
     """
+    theory = _uncompressed_theory(plan, param_count, num_devices, num_slices, regathered_fraction)
+    if plan.compression:  # the minimum without compression: the plan sends fewer bytes than this
+        return replace(theory, description=f"{theory.description} (uncompressed minimum)")
+    return theory
+
+
+def _uncompressed_theory(plan, param_count, num_devices, num_slices, regathered_fraction) -> Theory:
     shape = plan.mesh.resolve(num_devices, num_slices=num_slices).shape
     data, fsdp, stage = shape["data"], shape["fsdp"], plan.zero.stage
     param_bytes = param_count * DTYPE_BYTES[plan.precision.reduce_dtype]

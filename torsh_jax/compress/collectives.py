@@ -125,7 +125,9 @@ def _powersgd_all_reduce(spec, x, feedback, *, axis_name, axis_size, mean):
     q_local = m.T @ p
     q = _finish(jax.lax.psum(q_local, axis_name), axis_size, mean)
     worker = (m - p @ q_local.T).reshape(-1) if spec.error_feedback else feedback.worker
-    return (p @ q.T).reshape(-1), feedback._replace(worker=worker, warm_start=q)
+    # The warm start is per-device state (it is sharded like the residuals).
+    warm_start = jax.lax.pcast(q, axis_name, to="varying")
+    return (p @ q.T).reshape(-1), feedback._replace(worker=worker, warm_start=warm_start)
 
 
 def _two_phase_all_reduce(compressor, spec, x, feedback, *, axis_name, axis_size, key, mean):

@@ -19,16 +19,25 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax  # noqa: F401  (types in signatures)
 
 from torsh_jax.parallel.accumulate import local_gradients
 from torsh_jax.parallel.buckets import reduce_in_buckets
+from torsh_jax.parallel.compressed import AxisRoute, reduce_tree, step_key, tree_feedback
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.train.precision import cast_tree, dtype_of
 from torsh_jax.train.state import TrainState
 from torsh_jax.train.update import guarded_update, scaler_for
 
-__all__ = ["gradient_factors", "all_reduce_gradients", "ddp_local_step", "mark_varying"]
+__all__ = [
+    "gradient_factors",
+    "all_reduce_gradients",
+    "compressed_all_reduce_gradients",
+    "ddp_feedback",
+    "ddp_local_step",
+    "mark_varying",
+]
 
 PyTree = Any
 
@@ -78,6 +87,43 @@ def all_reduce_gradients(grads: PyTree, plan: ParallelPlan, *, axes: tuple[str, 
     return reduce_in_buckets(cast_tree(grads, reduce_dtype), bucket_bytes=bucket_bytes, reduce=reduce)
 
 
+def _bucket_options(plan: ParallelPlan) -> dict:
+    return {
+        "bucket_bytes": int(plan.communication.bucket_mb * 1e6),
+        "itemsize": jnp.dtype(dtype_of(plan.precision.reduce_dtype)).itemsize,
+    }
+
+
+def ddp_feedback(params_like: PyTree, plan: ParallelPlan, *, route: AxisRoute, copies: int) -> tuple:
+    """Zero error feedback of every gradient bucket (global: ``copies`` devices on dim 0)."""
+    return tree_feedback(jax.tree.leaves(params_like), route=route, copies=copies, **_bucket_options(plan))
+
+
+def compressed_all_reduce_gradients(
+    grads: PyTree,
+    feedback: tuple,
+    plan: ParallelPlan,
+    *,
+    axes: tuple[str, ...],
+    size: int,
+    route: AxisRoute,
+    key: jax.Array | None,
+) -> tuple[PyTree, tuple]:
+    """Bucketed all-reduce with ``route.axis`` compressed (the other axes first, plain).
+
+    Returns the reduced gradients (reduction dtype) and every bucket's new feedback.
+    """
+    return reduce_tree(
+        cast_tree(grads, plan.precision.reduce_dtype),
+        feedback,
+        route=route,
+        plain_axes=tuple(a for a in axes if a != route.axis),
+        factors=gradient_factors(plan, data_parallel_size=size),
+        bucket_bytes=_bucket_options(plan)["bucket_bytes"],
+        key=key,
+    )
+
+
 def ddp_local_step(
     loss_fn: Callable[[PyTree, PyTree], jax.Array],
     optimizer: optax.GradientTransformation,
@@ -85,6 +131,7 @@ def ddp_local_step(
     *,
     axes: tuple[str, ...],
     size: int,
+    route: AxisRoute | None = None,
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict]]:
     """The per-device DDP step ``(state, local_batch) -> (state, metrics)``.
 
@@ -94,6 +141,7 @@ def ddp_local_step(
         plan: the plan (precision, batch, communication).
         axes: data-parallel mesh axes to reduce over.
         size: product of their sizes.
+        route: the compressed axis, if any (feedback in ``state.feedback``).
     """
     precision = plan.precision
     param_dtype = dtype_of(precision.param_dtype)
@@ -110,12 +158,19 @@ def ddp_local_step(
             accum_dtype=param_dtype,
             loss_scale=None if scaler is None else state.loss_scale.scale,
         )
-        grads = cast_tree(all_reduce_gradients(grads, plan, axes=axes, size=size), param_dtype)
+        feedback = state.feedback
+        if route is None:
+            grads = all_reduce_gradients(grads, plan, axes=axes, size=size)
+        else:
+            key = step_key(state.step, {route.axis: route})
+            grads, feedback = compressed_all_reduce_gradients(
+                grads, feedback, plan, axes=axes, size=size, route=route, key=key
+            )
+        grads = cast_tree(grads, param_dtype)
         update = guarded_update(
             optimizer, grads, state.opt_state, state.params, scaler=scaler, scale_state=state.loss_scale
         )
         metrics = {"loss": jax.lax.pmean(loss, axes), **update.metrics}
-        new_state = update.advance(state)
-        return new_state, metrics
+        return update.advance(state)._replace(feedback=feedback), metrics
 
     return step

@@ -26,7 +26,7 @@ import numpy as np
 from torsh_jax.parallel.buckets import bucket_layout
 from torsh_jax.parallel.zero_layout import FSDP
 
-__all__ = ["as_rows", "from_row", "reduce_scatter_in_buckets", "all_gather_params"]
+__all__ = ["as_rows", "from_row", "sharded_buckets", "reduce_scatter_in_buckets", "all_gather_params"]
 
 PyTree = Any
 
@@ -41,6 +41,13 @@ def from_row(row: jax.Array, shape: tuple[int, ...], *, dim: int, size: int) -> 
     """Inverse of one row of :func:`as_rows`: the shard of a ``shape`` array."""
     moved_shape = (shape[dim] // size, *shape[:dim], *shape[dim + 1 :])
     return jnp.moveaxis(row.reshape(moved_shape), 0, dim)
+
+
+def sharded_buckets(leaves, leaf_dims, /, *, bucket_bytes: int, itemsize: int) -> list[list[int]]:
+    """Leaf indices of every bucket of sharded leaves (replicated leaves travel alone, unbucketed)."""
+    sharded = [i for i, d in enumerate(leaf_dims) if d is not None]
+    layout = bucket_layout([leaves[i] for i in sharded], bucket_bytes=bucket_bytes, itemsize=itemsize)
+    return [[sharded[j] for j in bucket.leaf_ids] for bucket in layout]
 
 
 def reduce_scatter_in_buckets(
@@ -60,20 +67,19 @@ def reduce_scatter_in_buckets(
         dims: shard dim per leaf (``None``: replicated).
         size: ``fsdp`` axis size.
         bucket_bytes: bucket size bound.
-        scatter: ``[size, m] -> [1, m]`` reduce-scatter over rows (then any
-            cross-slice all-reduce and scaling).
+        scatter: ``(rows[size, m], bucket index) -> [1, m]`` reduce-scatter
+            over rows (then any cross-slice all-reduce and scaling).
         all_reduce: reduction of replicated leaves (flat 1-D).
     """
     leaves, treedef = jax.tree.flatten(grads)
     leaf_dims = treedef.flatten_up_to(dims)
     out: list[jax.Array | None] = [None] * len(leaves)
-    sharded = [i for i, d in enumerate(leaf_dims) if d is not None]
     replicated = [i for i, d in enumerate(leaf_dims) if d is None]
     itemsize = jnp.dtype(leaves[0].dtype).itemsize if leaves else 4
-    for bucket in bucket_layout([leaves[i] for i in sharded], bucket_bytes=bucket_bytes, itemsize=itemsize):
-        ids = [sharded[j] for j in bucket.leaf_ids]
+    buckets = sharded_buckets(leaves, leaf_dims, bucket_bytes=bucket_bytes, itemsize=itemsize)
+    for index, ids in enumerate(buckets):
         rows = jnp.concatenate([as_rows(leaves[i], dim=leaf_dims[i], size=size) for i in ids], axis=1)
-        mine = scatter(rows)[0]
+        mine = scatter(rows, index)[0]
         offset = 0
         for i in ids:
             n = int(np.prod(leaves[i].shape)) // size

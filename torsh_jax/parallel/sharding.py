@@ -116,8 +116,7 @@ def logical_dims(path: str, leaf: object, plan: ParallelPlan) -> tuple[str | Non
         return (None,) * ndim
     if len(names) != ndim:
         raise ShardingError(
-            f"logical dims {list(names)} name {len(names)} dims but the parameter has shape "
-            f"{_shape(leaf)}",
+            f"logical dims {list(names)} name {len(names)} dims but the parameter has shape {_shape(leaf)}",
             key=path,
             fix="correct the matching param_dims entry (one name per dim, '' or null for none)",
         )

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ from torsh_jax.parallel.layered import LayeredModel
 from torsh_jax.parallel.mesh import data_axes, mesh_shape_str
 from torsh_jax.parallel.sharding import named_shardings, path_str
 from torsh_jax.plan.spec import ParallelPlan
+from torsh_jax.train.compression_check import check_compression
 from torsh_jax.train.precision import cast_tree
 from torsh_jax.train.programs import build_program
 from torsh_jax.train.state import TrainState
@@ -55,12 +57,7 @@ def check_supported(plan: ParallelPlan, mesh: Mesh) -> None:
                 key=f"mesh.{axis}",
                 fix=f"set mesh.{axis} = 1 and use data/fsdp axes",
             )
-    if plan.compression:
-        raise NotSupportedYetError(
-            "compressed gradient collectives are not wired into the train step yet",
-            key="compression",
-            fix="remove the compression sections",
-        )
+    check_compression(plan, mesh)
 
 
 def _validate_batch(batch: PyTree, *, global_batch: int, plan: ParallelPlan, mesh: Mesh) -> None:
@@ -134,7 +131,7 @@ def _place(x: Any, sharding: NamedSharding) -> jax.Array:
     """Put a global batch leaf on the mesh; host data works in multi-process runs too
     (every process passes the same global array and keeps only its shards)."""
     if isinstance(x, jax.Array):
-        return x if x.sharding == sharding else jax.device_put(x, sharding)
+        return x if x.sharding.is_equivalent_to(sharding, x.ndim) else jax.device_put(x, sharding)
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
@@ -172,7 +169,7 @@ def make_train_step(
     """
     check_supported(plan, mesh)
     axes = data_axes(mesh)
-    dp_size = int(jnp.prod(jnp.array([mesh.shape[a] for a in axes])))
+    dp_size = math.prod(mesh.shape[a] for a in axes)
     global_batch = plan.batch.global_batch_size(dp_size)
     batch_p = P(axes)
     built: dict[str, Any] = {"traces": 0}
@@ -189,7 +186,7 @@ def make_train_step(
         built["jitted"] = jax.jit(
             traced, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0
         )
-        built["init"] = jax.jit(_init_state(optimizer, plan), out_shardings=shardings)
+        built["init"] = jax.jit(_init_state(optimizer, plan, program.init_feedback), out_shardings=shardings)
 
     def ensure_built(params_like: PyTree) -> None:
         if "jitted" not in built:
@@ -219,7 +216,9 @@ def make_train_step(
     return train_step
 
 
-def _init_state(optimizer: optax.GradientTransformation, plan: ParallelPlan) -> Callable:
+def _init_state(
+    optimizer: optax.GradientTransformation, plan: ParallelPlan, init_feedback: Callable | None = None
+) -> Callable:
     scaler = scaler_for(plan)
 
     def init(params: PyTree) -> TrainState:
@@ -229,6 +228,7 @@ def _init_state(optimizer: optax.GradientTransformation, plan: ParallelPlan) -> 
             params=params,
             opt_state=optimizer.init(params),
             loss_scale=None if scaler is None else scaler.init(),
+            feedback=None if init_feedback is None else init_feedback(),
         )
 
     return init
