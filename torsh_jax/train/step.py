@@ -37,6 +37,7 @@ from torsh_jax.parallel.mesh import data_axes, mesh_shape_str
 from torsh_jax.parallel.sharding import named_shardings, path_str
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.train.compression_check import check_compression
+from torsh_jax.train.offload import check_offload, host_shardings, to_device_memory
 from torsh_jax.train.precision import cast_tree
 from torsh_jax.train.programs import build_program
 from torsh_jax.train.state import TrainState
@@ -58,6 +59,7 @@ def check_supported(plan: ParallelPlan, mesh: Mesh) -> None:
                 fix=f"set mesh.{axis} = 1 and use data/fsdp axes",
             )
     check_compression(plan, mesh)
+    check_offload(plan, mesh)
 
 
 def _validate_batch(batch: PyTree, *, global_batch: int, plan: ParallelPlan, mesh: Mesh) -> None:
@@ -177,11 +179,13 @@ def make_train_step(
     def build(params_like: PyTree) -> None:
         program = build_program(loss_fn, optimizer, plan, mesh, params_like)
 
+        device_shardings = named_shardings(program.state_specs, mesh)
+        shardings = host_shardings(device_shardings, plan)
+
         def traced(state, batch):
             built["traces"] += 1
-            return program.run(state, batch)
+            return program.run(to_device_memory(state, device_shardings, plan), batch)
 
-        shardings = named_shardings(program.state_specs, mesh)
         built["shardings"] = shardings
         built["jitted"] = jax.jit(
             traced, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0
