@@ -98,7 +98,7 @@ def test_flax_linen_and_nnx_metadata_give_specs():
 
     class Layer(nnx.Module):
         def __init__(self):
-            self.w = nnx.Param(jnp.ones((16, 32)), sharding_names=("embed", "mlp"), eager_sharding=False)
+            self.w = nnx.Param(jnp.ones((16, 32)), out_sharding=("embed", "mlp"), eager_sharding=False)
 
     state = nnx.state(Layer(), nnx.Param)
     assert param_specs(state, plan, mesh)["w"] == P(None, "tensor")

@@ -74,11 +74,17 @@ def _metadata_names(leaf: object) -> tuple[str | None, ...] | None:
 
 def is_boxed(x: object) -> bool:
     """A flax parameter box (linen partitioning metadata or an nnx variable)."""
-    return hasattr(x, "value") and (hasattr(x, "names") or callable(getattr(x, "get_metadata", None)))
+    nnx_variable = callable(getattr(x, "get_value", None)) and callable(getattr(x, "get_metadata", None))
+    linen_box = hasattr(type(x), "unbox") and hasattr(x, "names")
+    return nnx_variable or linen_box
 
 
 def _shape(leaf: object) -> tuple[int, ...]:
-    return tuple(getattr(leaf.value if is_boxed(leaf) else leaf, "shape", ()))
+    if callable(getattr(leaf, "get_value", None)):  # nnx variable
+        leaf = leaf.get_value()
+    elif is_boxed(leaf):  # linen partitioning box
+        leaf = leaf.value
+    return tuple(getattr(leaf, "shape", ()))
 
 
 def param_dims_from_metadata(params: PyTree) -> tuple[tuple[str, tuple[str, ...]], ...]:
