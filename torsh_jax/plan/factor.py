@@ -1,21 +1,18 @@
-"""Resolve a :class:`MeshSpec` against a device count, suggesting fixes.
+"""Resolve mesh axis sizes (``-1`` = the rest) against a device count, suggesting fixes.
+
+Works on plain ``{axis: (ici, dcn)}`` sizes, so that :class:`~torsh_jax.plan.spec.MeshSpec`
+can call it without this module knowing the plan's classes.
 
 Example:
-    >>> from torsh_jax.plan import MeshSpec, AxisSize
-    >>> MeshSpec(data=AxisSize(ici=2), fsdp=AxisSize(ici=-1)).resolve(8).shape
-    {'data': 2, 'stage': 1, 'fsdp': 4, 'tensor': 1}
+    >>> resolve_sizes({"data": (2, 1), "fsdp": (-1, 1)}, num_devices=8, num_slices=1)
+    ({'data': 2, 'fsdp': 4}, {'data': 1, 'fsdp': 1})
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torsh_jax.errors import MeshError, PlanError
 
-if TYPE_CHECKING:
-    from torsh_jax.plan.spec import MeshSpec, ResolvedMesh
-
-__all__ = ["check_mesh_fits", "factorisations"]
+__all__ = ["resolve_sizes", "factorisations"]
 
 _MAX_SUGGESTIONS = 6
 
@@ -49,23 +46,17 @@ def _fill(sizes: dict[str, int], total: int) -> dict[str, int] | None:
     return sizes if fixed == total else None
 
 
-def _suggest(spec: MeshSpec, total: int) -> str:
-    from torsh_jax.plan.spec import AXES
-
-    axes = spec.used_axes() or ("data",)
-    options = [
-        ", ".join(f"{a}={s}" for a, s in f.items())
-        for f in factorisations(total, tuple(a for a in AXES if a in axes))
-    ]
+def _suggest(used_axes: tuple[str, ...], total: int) -> str:
+    axes = used_axes or ("data",)
+    options = [", ".join(f"{a}={s}" for a, s in f.items()) for f in factorisations(total, axes)]
     shown = "; ".join(options[:_MAX_SUGGESTIONS])
     more = f" (+{len(options) - _MAX_SUGGESTIONS} more)" if len(options) > _MAX_SUGGESTIONS else ""
     return f"sizes that multiply to {total}, e.g. {shown}{more}, or set one axis to -1"
 
 
-def _resolve_part(spec: MeshSpec, part: str, total: int, where: str) -> dict[str, int]:
-    from torsh_jax.plan.spec import MESH_AXIS_ORDER
-
-    sizes = {a: getattr(getattr(spec, a), part) for a in MESH_AXIS_ORDER}
+def _resolve_part(
+    sizes: dict[str, int], part: str, total: int, where: str, used_axes: tuple[str, ...]
+) -> dict[str, int]:
     free = [a for a, s in sizes.items() if s == -1]
     if len(free) > 1:
         raise PlanError(
@@ -79,15 +70,31 @@ def _resolve_part(spec: MeshSpec, part: str, total: int, where: str) -> dict[str
         raise MeshError(
             f"mesh {part} sizes {shape or sizes} do not fit {total} {where}",
             key=f"mesh ({part})",
-            fix=f"use {_suggest(spec, total)}",
+            fix=f"use {_suggest(used_axes, total)}",
         )
     return filled
 
 
-def check_mesh_fits(spec: MeshSpec, num_devices: int, num_slices: int) -> ResolvedMesh:
-    """Resolve ``spec`` for ``num_devices`` devices split into ``num_slices`` slices."""
-    from torsh_jax.plan.spec import ResolvedMesh
+def resolve_sizes(
+    sizes: dict[str, tuple[int, int]],
+    /,
+    *,
+    num_devices: int,
+    num_slices: int,
+    used_axes: tuple[str, ...] = (),
+) -> tuple[dict[str, int], dict[str, int]]:
+    """``(ici, dcn)`` sizes of every axis for ``num_devices`` devices in ``num_slices`` slices.
 
+    Args:
+        sizes: ``{axis: (ici, dcn)}``, at most one ``-1`` per part.
+        num_devices: devices in all.
+        num_slices: slices they form (cross-slice, DCN).
+        used_axes: axes the error message suggests sizes for (default: ``data``).
+
+    Raises:
+        MeshError: the sizes cannot multiply to the counts; the fix lists factorisations.
+        PlanError: more than one ``-1`` in a part.
+    """
     if num_slices < 1 or num_devices % num_slices:
         raise MeshError(
             f"{num_devices} devices cannot form {num_slices} equal slices",
@@ -95,6 +102,7 @@ def check_mesh_fits(spec: MeshSpec, num_devices: int, num_slices: int) -> Resolv
             fix="use a slice count that divides the device count",
         )
     per_slice = num_devices // num_slices
-    dcn = _resolve_part(spec, "dcn", num_slices, "slices")
-    ici = _resolve_part(spec, "ici", per_slice, f"devices per slice ({num_slices} slice(s))")
-    return ResolvedMesh(ici=ici, dcn=dcn)
+    parts = {part: {a: pair[i] for a, pair in sizes.items()} for i, part in enumerate(("ici", "dcn"))}
+    dcn = _resolve_part(parts["dcn"], "dcn", num_slices, "slices", used_axes)
+    ici = _resolve_part(parts["ici"], "ici", per_slice, f"devices per slice ({num_slices} slice(s))", used_axes)
+    return ici, dcn

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from torsh_jax.errors import PlanError
+from torsh_jax.plan.factor import resolve_sizes
 
 __all__ = [
     "AXES",
@@ -136,9 +137,10 @@ class MeshSpec:
             MeshError: the sizes do not multiply to ``num_devices``; the
                 message lists factorisations that would work.
         """
-        from torsh_jax.plan.factor import check_mesh_fits
-
-        return check_mesh_fits(self, num_devices, num_slices)
+        sizes = {a: (getattr(self, a).ici, getattr(self, a).dcn) for a in MESH_AXIS_ORDER}
+        used = tuple(a for a in AXES if a in self.used_axes())
+        ici, dcn = resolve_sizes(sizes, num_devices=num_devices, num_slices=num_slices, used_axes=used)
+        return ResolvedMesh(ici=ici, dcn=dcn)
 
     def used_axes(self) -> tuple[str, ...]:
         """Plan axes whose size is not known to be 1."""
