@@ -3,7 +3,14 @@
 :func:`record_gradients` is an optax transformation that keeps the last
 gradient it saw in its state, so the reduced gradients of both programs can
 be compared step by step; :func:`compare_with_twin` runs both for a few steps
-and returns the largest relative loss and gradient differences.
+and returns the largest relative loss, gradient and parameter differences.
+
+Two comparisons: *free-running* (each program follows its own trajectory) and
+*lockstep* (before every step the twin is reset to the parallel program's
+state, so each step is compared from the same starting point). Lockstep
+measures the error a step adds; free-running adds how the optimizer carries it
+on, which Adam can amplify where a gradient is within round-off of zero
+(``docs/strategies.md``, "Which comparison the 1e-5 bound covers").
 
 Example:
     >>> import jax.numpy as jnp, optax
@@ -81,6 +88,7 @@ class TwinReport:
     twin_losses: list[float] = field(default_factory=list)
     max_loss_rel_err: float = 0.0
     max_grad_rel_err: float = 0.0
+    max_param_rel_err: float = 0.0
 
 
 def compare_with_twin(
@@ -88,24 +96,38 @@ def compare_with_twin(
     twin: tuple[Callable, Callable],
     params: PyTree,
     batches: Iterable[PyTree],
+    *,
+    lockstep: bool = False,
 ) -> TwinReport:
     """Run both ``(init, step)`` pairs on the same batches and compare.
 
-    Gradients are compared when the optimizer contains :func:`record_gradients`.
+    Gradients are compared when the optimizer contains :func:`record_gradients`;
+    parameters after every step. With ``lockstep`` the twin starts every step
+    from the parallel program's state (gathered to one device, without the
+    per-device compression feedback), so only the error of one step is measured.
     """
     (p_init, p_step), (t_init, t_step) = parallel, twin
     p_state, t_state = p_init(params), t_init(params)
     report = TwinReport()
     for batch in batches:
+        if lockstep:
+            t_state = _gathered(p_state, like=t_state)
         p_state, p_metrics = p_step(p_state, batch)
         t_state, t_metrics = t_step(t_state, batch)
         loss, twin_loss = float(p_metrics["loss"]), float(t_metrics["loss"])
         report.losses.append(loss)
         report.twin_losses.append(twin_loss)
         report.max_loss_rel_err = max(report.max_loss_rel_err, abs(loss - twin_loss) / abs(twin_loss))
+        report.max_param_rel_err = max(report.max_param_rel_err, relative_error(p_state.params, t_state.params))
         try:
             grads, twin_grads = recorded(p_state.opt_state), recorded(t_state.opt_state)
         except ValueError:
             continue
         report.max_grad_rel_err = max(report.max_grad_rel_err, relative_error(grads, twin_grads))
     return report
+
+
+def _gathered(state: PyTree, *, like: PyTree) -> PyTree:
+    """``state`` as whole arrays on the default device, in the twin state's structure."""
+    state = state._replace(feedback=like.feedback)
+    return jax.tree.map(lambda x, t: jnp.asarray(np.asarray(x), dtype=t.dtype), state, like)
