@@ -1,11 +1,13 @@
 """Throughput of the compressors' CPU path, and compressed vs plain collective step time.
 
 Prints one JSON object per measurement. Compressor rows compare against a
-memory copy (``-x`` on the same float32 buffer) timed in the same run:
-``ratio_to_copy = copy_seconds / seconds`` (1.0 = as fast as a copy), with
+memory copy (``-x`` on a float32 buffer of the same length) timed alternately
+with each operation: every round times the copy, then the operation, and
+``ratio_to_copy`` is the median over rounds of ``copy_seconds / seconds``
+(1.0 = as fast as a copy), with ``ratio_spread`` = [min, max] over rounds and
 targets quantise >= 0.35, dequantise >= 0.30, fused error-feedback step >= 0.20.
 Collective rows time a jitted ``shard_map`` all-reduce on 8 simulated CPU
-devices, compressed and plain (``pmean``).
+devices, compressed and plain (``pmean``), alternating the same way.
 
 Usage:
     python benchmarks/bench_compressors.py [--elements 4194304] [--repeats 7]
@@ -16,26 +18,42 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 TARGETS = {"quantise": 0.35, "dequantise": 0.30, "feedback": 0.20}
 PRESETS = ("int8", "int8_stochastic", "int4", "sign", "fp16", "bf16", "topk", "powersgd")
 
 
-def _seconds(fn, args, repeats: int) -> float:
-    """Median wall time of ``fn(*args)`` after one warm-up call (compilation)."""
+def _once(fn, args) -> float:
     import jax
 
+    start = time.perf_counter()
     jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return time.perf_counter() - start
 
 
-def _compressor_rows(preset: str, elements: int, repeats: int, copy_seconds: float):
+def paired_timing(fn, args, baseline, baseline_args, *, repeats: int) -> dict:
+    """Time ``baseline`` then ``fn`` in each of ``repeats`` rounds, after one warm-up call each.
+
+    Returns the medians of both, the median per-round ratio ``baseline / fn`` and its
+    [min, max] spread, so a load that comes and goes hits both sides of a round alike.
+    """
+    import jax
+
+    jax.block_until_ready(baseline(*baseline_args))
+    jax.block_until_ready(fn(*args))
+    rounds = [(_once(baseline, baseline_args), _once(fn, args)) for _ in range(repeats)]
+    ratios = [b / f for b, f in rounds]
+    return {
+        "seconds": statistics.median(f for _, f in rounds),
+        "baseline_seconds": statistics.median(b for b, _ in rounds),
+        "ratio": statistics.median(ratios),
+        "spread": [min(ratios), max(ratios)],
+    }
+
+
+def _compressor_rows(preset: str, elements: int, repeats: int):
     import jax
 
     from torsh_jax.compress import make_compressor, padded_length
@@ -60,21 +78,24 @@ def _compressor_rows(preset: str, elements: int, repeats: int, copy_seconds: flo
         "dequantise": (jax.jit(c.decompress), (payload,)),
         "feedback": (feedback, (x, residual) if spec.method == "powersgd" else (x, residual, key)),
     }
+    copy = jax.jit(lambda x: -x)
     for op, (fn, args) in ops.items():
-        seconds = _seconds(fn, args, repeats)
+        t = paired_timing(fn, args, copy, (x,), repeats=repeats)
         yield {
             "kind": "compressor",
             "preset": preset,
             "op": op,
             "elements": n,
-            "seconds": seconds,
-            "copy_seconds": copy_seconds * n / elements,
-            "ratio_to_copy": copy_seconds * n / elements / seconds,
+            "seconds": t["seconds"],
+            "copy_seconds": t["baseline_seconds"],
+            "ratio_to_copy": t["ratio"],
+            "ratio_spread": t["spread"],
+            "rounds": repeats,
             "target": TARGETS[op],
         }
 
 
-def _collective_rows(preset: str | None, elements: int, repeats: int):
+def _collective_rows(preset: str, elements: int, repeats: int):
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -84,15 +105,12 @@ def _collective_rows(preset: str | None, elements: int, repeats: int):
 
     devices = 8
     mesh = jax.make_mesh((devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    spec = load_compressor(preset or "int8")
+    spec = load_compressor(preset)
     n = padded_length(elements // devices, axis_size=devices, spec=spec)
     x = jax.random.normal(jax.random.key(0), (devices * n,))
     plain = jax.jit(
         jax.shard_map(lambda x: jax.lax.pmean(x, "data"), mesh=mesh, in_specs=P("data"), out_specs=P())
     )
-    plain_seconds = _seconds(plain, (x,), repeats)
-    if preset is None:
-        return
     fb = jax.tree.map(
         lambda a: jnp.concatenate([a] * devices), init_feedback(spec, length=n, axis_size=devices)
     )
@@ -102,33 +120,32 @@ def _collective_rows(preset: str | None, elements: int, repeats: int):
 
     specs = (P("data"), P("data"), P())
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), P("data"))))
-    seconds = _seconds(step, (x, fb, jax.random.key(0)), repeats)
+    t = paired_timing(step, (x, fb, jax.random.key(0)), plain, (x,), repeats=repeats)
     yield {
         "kind": "collective",
         "preset": preset,
         "devices": devices,
         "elements_per_device": n,
-        "seconds": seconds,
-        "plain_seconds": plain_seconds,
-        "compressed_over_plain": seconds / plain_seconds,
+        "seconds": t["seconds"],
+        "plain_seconds": t["baseline_seconds"],
+        "compressed_over_plain": 1.0 / t["ratio"],
+        "compressed_over_plain_spread": sorted(1.0 / r for r in t["spread"]),
+        "rounds": repeats,
     }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--elements", type=int, default=1 << 22)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15, help="alternating rounds per measurement")
     parser.add_argument("--presets", nargs="*", default=list(PRESETS))
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    x = jax.random.normal(jax.random.key(0), (args.elements,))
-    copy_seconds = _seconds(jax.jit(lambda x: -x), (x,), args.repeats)
-    print(json.dumps({"kind": "copy", "elements": args.elements, "seconds": copy_seconds}), flush=True)
     for preset in args.presets:
-        for row in _compressor_rows(preset, args.elements, args.repeats, copy_seconds):
+        for row in _compressor_rows(preset, args.elements, args.repeats):
             print(json.dumps(row), flush=True)
     for preset in args.presets:
         for row in _collective_rows(preset, args.elements, args.repeats):

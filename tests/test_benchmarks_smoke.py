@@ -114,3 +114,28 @@ def test_state_bytes_counts_one_device_shard():
     sharded = jax.device_put(jnp.zeros((16, 4)), NamedSharding(mesh, P("fsdp")))
     replicated = jax.device_put(jnp.zeros((3,)), NamedSharding(mesh, P()))
     assert load_common().state_bytes({"a": sharded, "b": replicated}) == (2 * 4 * 4 + 12, 16 * 4 * 4 + 12)
+
+
+def test_compressor_benchmark_pairs_each_measurement_with_its_baseline():
+    """Every row carries its own baseline (timed alternately) and the spread of the per-round ratios."""
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_compressors.py"), "--elements", "65536", "--repeats", "3"]
+        + ["--presets", "int8", "sign"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    compressor = [r for r in rows if r["kind"] == "compressor"]
+    collective = [r for r in rows if r["kind"] == "collective"]
+    assert {(r["preset"], r["op"]) for r in compressor} == {
+        (p, op) for p in ("int8", "sign") for op in ("quantise", "dequantise", "feedback")
+    }
+    assert [r["preset"] for r in collective] == ["int8", "sign"]
+    for r in compressor:
+        low, high = r["ratio_spread"]
+        assert low <= r["ratio_to_copy"] <= high and r["rounds"] == 3 and r["copy_seconds"] > 0
+    for r in collective:
+        low, high = r["compressed_over_plain_spread"]
+        assert low <= r["compressed_over_plain"] <= high and r["plain_seconds"] > 0
