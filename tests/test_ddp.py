@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -55,9 +56,13 @@ def test_horovod_sum_accumulation_scales_gradients():
 
 def test_step_compiles_once_over_ten_steps():
     plan = load_plan("ddp")
-    train = make_train_step(loss_fn(SMALL), recording_optimizer(), plan, build_mesh(plan))
-    state = train.init(init_params(SMALL, jax.random.key(1)))
+    loss = chex.assert_max_traces(loss_fn(SMALL), n=1)  # the loss is traced by the one step trace only
+    train = make_train_step(loss, recording_optimizer(), plan, build_mesh(plan))
+    params = init_params(SMALL, jax.random.key(1))
+    state = train.init(params)
     for i in range(10):
         state, _ = train.step(state, synthetic_tokens(SMALL, batch_size=train.global_batch_size, seed=i))
     assert train.traces == 1
     assert int(state.step) == 10
+    chex.assert_trees_all_equal_shapes_and_dtypes(state.params, params)
+    chex.assert_tree_all_finite(state.params)
