@@ -52,7 +52,9 @@ def run(plan: ParallelPlan, optimizer, *, lockstep: bool):
     opt = optax.chain(record_gradients(), optimizer)
     parallel = make_train_step(mlp_loss, opt, plan, build_mesh(plan))
     twin = make_reference_step(mlp_loss, opt, plan)
-    return compare_with_twin(tuple(parallel), twin, saturated_mlp(jax.random.key(0)), batches(4), lockstep=lockstep)
+    return compare_with_twin(
+        tuple(parallel), twin, saturated_mlp(jax.random.key(0)), batches(4), lockstep=lockstep
+    )
 
 
 ACCUM_PLANS = [

@@ -104,5 +104,7 @@ def resolve_sizes(
     per_slice = num_devices // num_slices
     parts = {part: {a: pair[i] for a, pair in sizes.items()} for i, part in enumerate(("ici", "dcn"))}
     dcn = _resolve_part(parts["dcn"], "dcn", num_slices, "slices", used_axes)
-    ici = _resolve_part(parts["ici"], "ici", per_slice, f"devices per slice ({num_slices} slice(s))", used_axes)
+    ici = _resolve_part(
+        parts["ici"], "ici", per_slice, f"devices per slice ({num_slices} slice(s))", used_axes
+    )
     return ici, dcn

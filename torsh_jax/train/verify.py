@@ -118,7 +118,9 @@ def compare_with_twin(
         report.losses.append(loss)
         report.twin_losses.append(twin_loss)
         report.max_loss_rel_err = max(report.max_loss_rel_err, abs(loss - twin_loss) / abs(twin_loss))
-        report.max_param_rel_err = max(report.max_param_rel_err, relative_error(p_state.params, t_state.params))
+        report.max_param_rel_err = max(
+            report.max_param_rel_err, relative_error(p_state.params, t_state.params)
+        )
         try:
             grads, twin_grads = recorded(p_state.opt_state), recorded(t_state.opt_state)
         except ValueError:
