@@ -42,6 +42,7 @@ import math
 from dataclasses import dataclass, replace
 
 from torsh_jax.errors import PlanError
+from torsh_jax.plan.roles import compose
 
 __all__ = [
     "ring_wire_bytes",
@@ -300,33 +301,24 @@ def plan_theory(
 
 
 def _uncompressed_theory(plan, param_count, num_devices, num_slices, regathered_fraction) -> Theory:
-    shape = plan.mesh.resolve(num_devices, num_slices=num_slices).shape
-    data, fsdp, stage = shape["data"], shape["fsdp"], plan.zero.stage
+    roles = compose(plan, plan.mesh.resolve(num_devices, num_slices=num_slices).shape)
+    stage = roles.zero_stage
     param_bytes = param_count * DTYPE_BYTES[plan.precision.reduce_dtype]
     gathered_dtype = plan.precision.compute_dtype if stage == 3 else plan.precision.param_dtype
     compute = param_count * DTYPE_BYTES[gathered_dtype]
     regather = regathered_fraction if plan.zero.reshard_after_forward else 0.0
-    if fsdp == 1:
-        return ddp(param_bytes, data_size=data)
-    if data == 1:
-        return zero(
-            param_bytes,
-            stage=stage,
-            fsdp_size=fsdp,
-            compute_param_bytes=compute,
-            regather=regather,
-            micro_steps=plan.batch.accumulation_steps,
-        )
-    if stage == 0:
-        return ddp(param_bytes, data_size=data * fsdp, axes=("data", "fsdp"))
+    gathers = {
+        "compute_param_bytes": compute,
+        "regather": regather,
+        "micro_steps": plan.batch.accumulation_steps,
+    }
+    if roles.shard_axis is None:
+        axes = roles.batch_axes or ("data",)
+        return ddp(param_bytes, data_size=roles.batch_size, axes=axes)
+    if not roles.hybrid:
+        return zero(param_bytes, stage=stage, fsdp_size=roles.size("fsdp"), **gathers)
     return hsdp(
-        param_bytes,
-        data_size=data,
-        fsdp_size=fsdp,
-        stage=stage,
-        compute_param_bytes=compute,
-        regather=regather,
-        micro_steps=plan.batch.accumulation_steps,
+        param_bytes, data_size=roles.size("data"), fsdp_size=roles.size("fsdp"), stage=stage, **gathers
     )
 
 

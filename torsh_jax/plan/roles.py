@@ -1,0 +1,134 @@
+"""What each mesh axis does in a plan's train step: the one place the data-parallel mode is decided.
+
+A plan's axes compose into a train step by role:
+
+* **batch** (``data``, ``fsdp``): split the batch and synchronise gradients;
+* **shard** (``fsdp`` with ``zero.stage`` >= 1): shard optimizer state
+  (stage 1), gradients (2) and parameters, gathered on use (3);
+* **tensor** and **pipeline** (``tensor``, ``stage``): not built yet; a mesh
+  that needs them is refused with :class:`~torsh_jax.errors.NotSupportedYetError`.
+
+:func:`compose` reads only the plan and the mesh shape (no JAX), so the
+runtime, the support checks, ``inspect`` and the communication theory all
+read the same answer.
+
+Example:
+    >>> from torsh_jax.plan import plan_from_dict
+    >>> plan = plan_from_dict({"mesh": {"data": {"ici": 1, "dcn": 2}, "fsdp": -1}, "zero": {"stage": 3}})
+    >>> roles = compose(plan, {"data": 2, "stage": 1, "fsdp": 4, "tensor": 1})
+    >>> roles.kind, roles.batch_axes, roles.shard_axis, roles.hybrid
+    ('zero3', ('data', 'fsdp'), 'fsdp', True)
+    >>> roles.describe()
+    'HSDP ZeRO-3: data=2 x fsdp=4'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from torsh_jax.plan.spec import DATA_AXES, CompressorSpec, ParallelPlan
+
+__all__ = ["Roles", "compose", "SHARD_AXIS"]
+
+#: The mesh axis ZeRO shards state over.
+SHARD_AXIS = "fsdp"
+
+
+def _active(spec: CompressorSpec | None) -> bool:
+    return spec is not None and spec.method != "none"
+
+
+@dataclass(frozen=True)
+class Roles:
+    """The composition of a plan's axes on one mesh shape.
+
+    Attributes:
+        mesh_shape: axis name -> size.
+        batch_axes: axes (size > 1) that split the batch and reduce gradients, mesh order.
+        shard_axis: the axis state is sharded over (``fsdp``), or ``None`` (replicated state).
+        zero_stage: the stage that runs (0 when nothing is sharded).
+        gradient_compression: axis -> compressor of the gradient reductions over it.
+        weight_compression: axis -> compressor of the parameter gathers over it.
+        unsupported: ``(axis, size)`` of the axes whose role is not built yet.
+    """
+
+    mesh_shape: Mapping[str, int]
+    batch_axes: tuple[str, ...]
+    shard_axis: str | None
+    zero_stage: int
+    gradient_compression: Mapping[str, CompressorSpec] = field(default_factory=dict)
+    weight_compression: Mapping[str, CompressorSpec] = field(default_factory=dict)
+    unsupported: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def kind(self) -> str:
+        """``ddp``, ``zero1``, ``zero2`` or ``zero3``."""
+        return "ddp" if self.shard_axis is None else f"zero{self.zero_stage}"
+
+    @property
+    def hybrid(self) -> bool:
+        """Sharded within ``fsdp`` and replicated across another batch axis (HSDP)."""
+        return self.shard_axis is not None and any(a != self.shard_axis for a in self.batch_axes)
+
+    @property
+    def replica_axes(self) -> tuple[str, ...]:
+        """Batch axes the (possibly sharded) state is replicated over."""
+        return tuple(a for a in self.batch_axes if a != self.shard_axis)
+
+    @property
+    def batch_size(self) -> int:
+        """Devices the batch is split over (the product of the batch axes)."""
+        size = 1
+        for axis in self.batch_axes:
+            size *= self.mesh_shape[axis]
+        return size
+
+    @property
+    def params_sharded(self) -> bool:
+        return self.zero_stage == 3
+
+    @property
+    def grads_sharded(self) -> bool:
+        return self.zero_stage >= 2
+
+    @property
+    def opt_state_sharded(self) -> bool:
+        return self.zero_stage >= 1
+
+    def size(self, axis: str) -> int:
+        return int(self.mesh_shape[axis])
+
+    def describe(self) -> str:
+        """One line, e.g. ``ZeRO-2 over fsdp=8`` or ``DDP over data=2 x fsdp=4``."""
+        axes = " x ".join(f"{a}={self.size(a)}" for a in self.batch_axes) or "data=1"
+        if self.shard_axis is None:
+            return f"DDP over {axes}"
+        if self.hybrid:
+            return f"HSDP ZeRO-{self.zero_stage}: {axes}"
+        return f"ZeRO-{self.zero_stage} over {axes}"
+
+
+def _compressors(plan: ParallelPlan, shape: Mapping[str, int], part: str) -> dict[str, CompressorSpec]:
+    out = {}
+    for section in plan.compression:
+        spec = getattr(section, part)
+        if _active(spec) and int(shape[section.axis]) > 1:
+            out[section.axis] = spec
+    return out
+
+
+def compose(plan: ParallelPlan, mesh_shape: Mapping[str, int]) -> Roles:
+    """The roles of ``plan``'s axes on a mesh of ``mesh_shape`` (axis name -> size)."""
+    shape = {a: int(s) for a, s in mesh_shape.items()}
+    batch = tuple(a for a in DATA_AXES if shape.get(a, 1) > 1)
+    sharded = plan.zero.stage > 0 and shape.get(SHARD_AXIS, 1) > 1
+    return Roles(
+        mesh_shape=shape,
+        batch_axes=batch,
+        shard_axis=SHARD_AXIS if sharded else None,
+        zero_stage=plan.zero.stage if sharded else 0,
+        gradient_compression=_compressors(plan, shape, "gradients"),
+        weight_compression=_compressors(plan, shape, "weights"),
+        unsupported=tuple((a, shape[a]) for a in ("tensor", "stage") if shape.get(a, 1) > 1),
+    )

@@ -1,0 +1,269 @@
+"""The one gradient synchronisation of every data-parallel mode (run inside ``shard_map``).
+
+``leaves -> buckets [k, m] -> x pre -> reduce-scatter over the scatter axis (k rows -> 1)
+-> psum over the plain axes -> compressed all-reduce over each compressed axis -> x post``
+
+DDP all-reduces every bucket (no scatter axis); ZeRO-1/2 reduce-scatter the
+buckets of sharded leaves over ``fsdp`` (``k`` = its size, row i = device i's
+shard) and all-reduce those of replicated leaves; ZeRO-3's gather backward
+synchronises one leaf at a time (no feedback) and HSDP's compressed ``data``
+reduction of the shards runs here once per step. An axis with a compressor
+(:class:`AxisRoute`) sends compressed payloads and keeps per-bucket error
+feedback: ``feedback[bucket][axis]``, a :class:`~torsh_jax.compress.FeedbackState`.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> spec = SyncSpec(axes=("data",), bucket_bytes=16)
+    >>> [(b.leaf_ids, b.row_length) for b in plan_buckets([jnp.zeros(3), jnp.zeros(5)], [None, None], spec)]
+    [((1,), 5), ((0,), 3)]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from torsh_jax.compress import (
+    FeedbackState,
+    compressed_all_reduce,
+    compressed_reduce_scatter,
+    init_feedback,
+    needs_key,
+)
+from torsh_jax.compress.factory import length_unit
+from torsh_jax.plan.spec import CompressorSpec
+from torsh_jax.runtime.buckets import as_rows, bucket_layout, from_row
+
+__all__ = [
+    "AxisRoute",
+    "SyncSpec",
+    "BucketPlan",
+    "plan_buckets",
+    "sync_gradients",
+    "sync_leaf",
+    "sync_feedback",
+]
+
+PyTree = Any
+#: Seed of the stochastic-rounding keys (folded with the step, bucket and axis).
+_ROUNDING_SEED = 0x7A11
+
+
+class AxisRoute(NamedTuple):
+    """Gradient compression over one mesh axis of size ``size``."""
+
+    axis: str
+    size: int
+    spec: CompressorSpec
+
+    def init(self, length: int) -> FeedbackState:
+        """Zero feedback of one device for a buffer of ``length`` (already padded)."""
+        return init_feedback(self.spec, length=length, axis_size=self.size)
+
+
+class SyncSpec(NamedTuple):
+    """How gradients are synchronised.
+
+    Args:
+        axes: every mesh axis the gradients are summed over.
+        scatter_axis: leaves with a shard dim are reduce-scattered over this
+            axis (``None``: all-reduce everything).
+        scatter_size: size of ``scatter_axis``.
+        routes: compressed axes (a subset of ``axes``).
+        factors: ``(pre, post)`` multipliers around the sum.
+        bucket_bytes: bucket size bound (``<= 0``: one bucket per leaf).
+        itemsize: bytes per element of the reduction dtype (sizes the buckets).
+    """
+
+    axes: tuple[str, ...]
+    scatter_axis: str | None = None
+    scatter_size: int = 1
+    routes: Mapping[str, AxisRoute] = {}
+    factors: tuple[float, float] = (1.0, 1.0)
+    bucket_bytes: int = 0
+    itemsize: int = 4
+
+    def reduce_axes(self, scattered: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """``(plain, compressed)`` all-reduce axes of a bucket, after any scatter."""
+        rest = [a for a in self.axes if not (scattered and a == self.scatter_axis)]
+        return tuple(a for a in rest if a not in self.routes), tuple(a for a in rest if a in self.routes)
+
+    def key(self, step: jax.Array | None) -> jax.Array | None:
+        """The stochastic-rounding key of ``step`` (same on every device), or ``None`` if unused."""
+        if step is None or not any(needs_key(r.spec) for r in self.routes.values()):
+            return None
+        return jax.random.fold_in(jax.random.key(_ROUNDING_SEED), step)
+
+
+class BucketPlan(NamedTuple):
+    """Leaves ``leaf_ids`` as ``rows`` rows of ``row_length`` (padded to ``padded_length``)."""
+
+    leaf_ids: tuple[int, ...]
+    scattered: bool
+    rows: int
+    row_length: int
+    padded_length: int
+
+
+def _padded(spec: SyncSpec, m: int, scattered: bool) -> int:
+    unit = 1
+    if scattered and spec.scatter_axis in spec.routes:
+        unit = math.lcm(unit, length_unit(spec.routes[spec.scatter_axis].spec))
+    for axis in spec.reduce_axes(scattered)[1]:
+        route = spec.routes[axis]
+        unit = math.lcm(unit, route.size * length_unit(route.spec))
+    return m if unit == 1 else max(1, -(-m // unit)) * unit
+
+
+def plan_buckets(leaves: Sequence[Any], dims: Sequence[int | None], spec: SyncSpec) -> list[BucketPlan]:
+    """The buckets of ``leaves`` (shapes suffice): scattered leaves first, then all-reduced ones."""
+    scatter = [i for i, d in enumerate(dims) if d is not None and spec.scatter_axis is not None]
+    whole = [i for i in range(len(leaves)) if i not in set(scatter)]
+    out = []
+    for ids, scattered in ((scatter, True), (whole, False)):
+        k = spec.scatter_size if scattered else 1
+        layout = bucket_layout(
+            [leaves[i] for i in ids], bucket_bytes=spec.bucket_bytes, itemsize=spec.itemsize
+        )
+        for bucket in layout:
+            m = bucket.size // k
+            out.append(
+                BucketPlan(
+                    tuple(ids[j] for j in bucket.leaf_ids), scattered, k, m, _padded(spec, m, scattered)
+                )
+            )
+    return out
+
+
+def _fold(key: jax.Array | None, *data: int) -> jax.Array | None:
+    for value in data if key is not None else ():
+        key = jax.random.fold_in(key, value)
+    return key
+
+
+def _scale(x: jax.Array, factor: float) -> jax.Array:
+    return x if factor == 1.0 else x * jnp.asarray(factor, x.dtype)
+
+
+def _scatter(rows: jax.Array, feedback: dict, spec: SyncSpec, key) -> jax.Array:
+    axis = spec.scatter_axis
+    route = spec.routes.get(axis)
+    if route is None:
+        return jax.lax.psum_scatter(rows, axis, scatter_dimension=0, tiled=True)[0]
+    out, feedback[axis] = compressed_reduce_scatter(
+        rows.reshape(-1), feedback[axis], spec=route.spec, axis_name=axis, axis_size=route.size,
+        key=_fold(key, 0), mean=False,
+    )  # fmt: skip
+    return out
+
+
+def _sync_bucket(rows, feedback: dict, bucket: BucketPlan, spec: SyncSpec, key) -> tuple[jax.Array, dict]:
+    """Reduce one ``[k, m]`` bucket to this device's ``[m]``; returns it and the bucket's new feedback."""
+    plain, compressed = spec.reduce_axes(bucket.scattered)
+    feedback = dict(feedback)
+    dtype = rows.dtype
+    if spec.routes and (compressed or bucket.scattered and spec.scatter_axis in spec.routes):
+        rows = rows.astype(jnp.float32)
+    pad = bucket.padded_length - bucket.row_length
+    x = _scale(jnp.pad(rows, ((0, 0), (0, pad))) if pad else rows, spec.factors[0])
+    x = _scatter(x, feedback, spec, key) if bucket.scattered else x[0]
+    if plain:
+        x = jax.lax.psum(x, plain)
+    for n, axis in enumerate(compressed, start=1):
+        route = spec.routes[axis]
+        x, feedback[axis] = compressed_all_reduce(
+            x,
+            feedback[axis],
+            spec=route.spec,
+            axis_name=axis,
+            axis_size=route.size,
+            key=_fold(key, n),
+            mean=False,
+        )
+    return _scale(x[: bucket.row_length], spec.factors[1]).astype(dtype), feedback
+
+
+def _bucket_rows(leaves, dims, bucket: BucketPlan) -> jax.Array:
+    if bucket.scattered:
+        parts = [as_rows(leaves[i], dim=dims[i], size=bucket.rows) for i in bucket.leaf_ids]
+    else:
+        parts = [jnp.ravel(leaves[i])[None] for i in bucket.leaf_ids]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+def _split_row(row: jax.Array, leaves, dims, bucket: BucketPlan, out: list) -> None:
+    offset = 0
+    for i in bucket.leaf_ids:
+        n = int(np.prod(leaves[i].shape)) // bucket.rows
+        part = row[offset : offset + n]
+        if bucket.scattered:
+            out[i] = from_row(part, leaves[i].shape, dim=dims[i], size=bucket.rows)
+        else:
+            out[i] = part.reshape(leaves[i].shape)
+        offset += n
+
+
+def sync_gradients(
+    grads: PyTree, feedback: tuple, /, *, spec: SyncSpec, dims: PyTree = None, step: jax.Array | None = None
+) -> tuple[PyTree, tuple]:
+    """Synchronise per-device gradients: this device's shards (scattered leaves) or sums.
+
+    Args:
+        grads: per-device gradients (their dtype is the wire dtype of plain collectives).
+        feedback: per-bucket feedback from :func:`sync_feedback` (``()`` without routes).
+        spec: axes, scatter axis, compression, factors and bucket size.
+        dims: shard dim per leaf (``None`` leaves, or ``dims=None``: all-reduced).
+        step: optimizer step (seeds stochastic rounding).
+
+    Returns:
+        ``(synchronised gradients, new feedback)``.
+    """
+    leaves, treedef = jax.tree.flatten(grads)
+    leaf_dims = [None] * len(leaves) if dims is None else treedef.flatten_up_to(dims)
+    out: list[jax.Array | None] = [None] * len(leaves)
+    new_feedback = []
+    key = spec.key(step)
+    for index, bucket in enumerate(plan_buckets(leaves, leaf_dims, spec)):
+        bucket_fb = feedback[index] if spec.routes else {}
+        row, bucket_fb = _sync_bucket(
+            _bucket_rows(leaves, leaf_dims, bucket), bucket_fb, bucket, spec, _fold(key, index)
+        )
+        _split_row(row, leaves, leaf_dims, bucket, out)
+        new_feedback.append(bucket_fb)
+    return jax.tree.unflatten(treedef, out), tuple(new_feedback) if spec.routes else feedback
+
+
+def sync_leaf(grad: jax.Array, dim: int | None, spec: SyncSpec) -> jax.Array:
+    """Synchronise one leaf with fresh (discarded) feedback: for a backward pass, which keeps no state."""
+    bucket = plan_buckets([grad], [dim], spec)[0]
+    feedback = _bucket_feedback(bucket, spec, copies=1)
+    row, _ = _sync_bucket(_bucket_rows([grad], [dim], bucket), feedback, bucket, spec, None)
+    out: list[jax.Array | None] = [None]
+    _split_row(row, [grad], [dim], bucket, out)
+    return out[0]
+
+
+def _bucket_feedback(bucket: BucketPlan, spec: SyncSpec, *, copies: int) -> dict[str, FeedbackState]:
+    lengths = {axis: bucket.padded_length for axis in spec.reduce_axes(bucket.scattered)[1]}
+    if bucket.scattered and spec.scatter_axis in spec.routes:
+        lengths[spec.scatter_axis] = bucket.rows * bucket.padded_length
+    stack = lambda a: a if copies == 1 else jnp.concatenate([a] * copies)
+    return {axis: jax.tree.map(stack, spec.routes[axis].init(n)) for axis, n in sorted(lengths.items())}
+
+
+def sync_feedback(
+    leaves_like: Sequence[Any], dims: Sequence[int | None], spec: SyncSpec, *, copies: int
+) -> tuple:
+    """Zero feedback of every bucket :func:`sync_gradients` forms (``copies`` devices stacked on dim 0).
+
+    ``leaves_like`` are the per-device gradient shapes, in flattened leaf order.
+    """
+    if not spec.routes:
+        return ()
+    buckets = plan_buckets(list(leaves_like), list(dims), spec)
+    return tuple(_bucket_feedback(b, spec, copies=copies) for b in buckets)
