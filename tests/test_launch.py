@@ -45,7 +45,8 @@ def lines_of(text: str, rank: int) -> list[str]:
 @pytest.mark.slow
 def test_two_processes_psum_and_global_batch(capsys):
     code = run_cli(["launch", "-n", "2", "--devices-per-process", "2", str(SCRIPTS / "dist_psum.py")])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out + captured.err  # the initialize() log line is on stderr
     assert code == 0, out
     for rank in (0, 1):
         mine = lines_of(out, rank)
@@ -152,13 +153,14 @@ print("args", sys.argv[1:])
 def test_rank_prefixes_env_and_script_arguments(tmp_path, capsys):
     script = write_script(tmp_path, "printer.py", PRINTER)
     code = run_cli(["launch", "-n", "3", "--devices-per-process", "4", script, "--steps", "2", "-x"])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
     assert code == 0
     for rank in range(3):
-        mine = lines_of(out, rank)
-        assert f"out {rank} 3 4" in mine and f"err {rank}" in mine, out
-        assert "args ['--steps', '2', '-x']" in mine
-    assert all(line.startswith(("[rank ", "[launch] ")) for line in out.splitlines())
+        mine = lines_of(captured.out, rank)
+        assert f"out {rank} 3 4" in mine and "args ['--steps', '2', '-x']" in mine, captured.out
+        assert lines_of(captured.err, rank) == [f"err {rank}"], captured.err
+    for line in (captured.out + captured.err).splitlines():
+        assert line.startswith(("[rank ", "[launch] ")), line
 
 
 FAILER = """
@@ -174,6 +176,7 @@ def test_failing_process_code_is_returned_and_others_stopped(tmp_path):
     code = launch([write_script(tmp_path, "fail.py", FAILER)], num_processes=2, output=out)
     assert code == 3
     assert "[launch] rank 1 exited with code 3; stopping 1 other process(es)" in out.getvalue()
+    assert out.getvalue().splitlines()[-1] == "[launch] job failed: rank 1 exited with code 3 first"
 
 
 STUBBORN = """
@@ -217,7 +220,9 @@ def test_sigterm_to_launcher_is_forwarded(tmp_path):
         "import sys; from torsh_jax.distributed.launcher import launch; "
         f"sys.exit(launch([{script!r}], num_processes=2))"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     ready = 0
     while ready < 2:
         line = proc.stdout.readline()

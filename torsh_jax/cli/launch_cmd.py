@@ -15,9 +15,20 @@ __all__ = ["register", "run"]
 _EPILOG = """\
 Each process gets TORSH_JAX_COORDINATOR=127.0.0.1:PORT, TORSH_JAX_NUM_PROCESSES,
 TORSH_JAX_PROCESS_ID and (with --devices-per-process) TORSH_JAX_DEVICES_PER_PROCESS;
-torsh_jax.distributed.initialize() reads them. If any process fails, the others are
-stopped and the exit code is non-zero.
+torsh_jax.distributed.initialize() reads them. Output lines are kept whole and
+prefixed [rank N] (stdout to stdout, stderr to stderr). If any process fails, the
+others are stopped and the exit code is that of the rank that failed first, which
+the last [launch] line names.
 """
+
+
+class _UsageFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows the script's arguments as optional, ``script [script_args ...]``, not ``script ...``."""
+
+    def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
+        if action.nargs == argparse.REMAINDER:
+            return f"[{self._metavar_formatter(action, default_metavar)(1)[0]} ...]"
+        return super()._format_args(action, default_metavar)
 
 
 def register(subparsers) -> None:
@@ -26,7 +37,7 @@ def register(subparsers) -> None:
         help="run a script as N local processes (like torchrun --standalone)",
         description="Run `python SCRIPT ARGS` as N processes on 127.0.0.1 and supervise them.",
         epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_UsageFormatter,
     )
     parser.add_argument("-n", "--num-processes", type=int, required=True, help="processes to start")
     parser.add_argument(
@@ -38,6 +49,12 @@ def register(subparsers) -> None:
     )
     parser.add_argument(
         "--grace-period", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping"
+    )
+    parser.add_argument(
+        "--verbose-collectives",
+        action="store_true",
+        help="keep gloo/XLA C++ INFO and WARNING logs (default: TF_CPP_MIN_LOG_LEVEL=2 and "
+        "GLOG_minloglevel=2 unless set, and gloo's per-connection lines dropped)",
     )
     parser.add_argument("script", help="Python script to run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
@@ -55,4 +72,5 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         timeout_s=args.timeout,
         grace_period_s=args.grace_period,
+        verbose_collectives=args.verbose_collectives,
     )

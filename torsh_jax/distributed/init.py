@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 import jax
 
 from torsh_jax.distributed.env import ProcessEnv, detect_environment
+from torsh_jax.distributed.failfast import install_fail_fast
 from torsh_jax.errors import DistributedError
 
 __all__ = ["initialize", "initialized_environment"]
@@ -42,6 +43,7 @@ def initialize(
     local_device_ids: Sequence[int] | None = None,
     timeout_s: int = 120,
     cpu_collectives: str = "gloo",
+    fail_fast: bool = True,
 ) -> ProcessEnv:
     """Join the multi-process job this process was started in.
 
@@ -66,6 +68,13 @@ def initialize(
         local_device_ids: accelerator ids this process may use (passed to JAX).
         timeout_s: seconds to wait for the coordinator and for all processes to join.
         cpu_collectives: cross-process collectives on CPU, ``gloo`` or ``mpi``.
+        fail_fast: with several processes, make an uncaught exception end the
+            job: a ``sys.excepthook`` (chaining the previous one) prints the
+            traceback, records the failure in the coordination service and
+            calls ``os._exit(1)`` instead of waiting in JAX's shutdown for the
+            other processes, and a watcher thread ends this process about a
+            second after another process recorded a failure (see
+            :mod:`torsh_jax.distributed.failfast`). ``False`` installs neither.
 
     Returns:
         The layout this process joined.
@@ -88,10 +97,11 @@ def initialize(
     if _joined:
         return _repeat_call(_joined[0], env)
     if jax.distributed.is_initialized():
-        return _adopt_existing(env)
+        return _adopt_existing(env, fail_fast=fail_fast)
     _configure_cpu(env, cpu_collectives)
     if env.is_multi_process:
         _join(env, timeout_s=timeout_s, local_device_ids=local_device_ids)
+        _install_fail_fast(env, fail_fast=fail_fast)
     _joined.append(env)
     _logger.info("torsh_jax.distributed.initialize: %s", env.describe())
     return env
@@ -125,7 +135,7 @@ def _repeat_call(joined: ProcessEnv, env: ProcessEnv) -> ProcessEnv:
     )
 
 
-def _adopt_existing(env: ProcessEnv) -> ProcessEnv:
+def _adopt_existing(env: ProcessEnv, *, fail_fast: bool) -> ProcessEnv:
     """``jax.distributed`` was started outside torsh_jax: accept it when it matches."""
     if (jax.process_count(), jax.process_index()) != (env.num_processes, env.process_id):
         raise DistributedError(
@@ -134,9 +144,25 @@ def _adopt_existing(env: ProcessEnv) -> ProcessEnv:
             key="initialize",
             fix="call torsh_jax.distributed.initialize() instead of jax.distributed.initialize()",
         )
+    if env.is_multi_process:
+        _install_fail_fast(env, fail_fast=fail_fast)
     _joined.append(env)
     _logger.info("torsh_jax.distributed.initialize: adopted running jax.distributed (%s)", env.describe())
     return env
+
+
+def _install_fail_fast(env: ProcessEnv, *, fail_fast: bool) -> None:
+    if not fail_fast:
+        return
+    install_fail_fast(env.process_id, client=_coordination_client())
+    _logger.debug("torsh_jax.distributed.initialize: fail-fast excepthook and failure watcher installed")
+
+
+def _coordination_client():
+    """JAX's distributed runtime client (no public accessor; ``None`` if JAX moved it)."""
+    from jax._src import distributed as jax_distributed
+
+    return getattr(getattr(jax_distributed, "global_state", None), "client", None)
 
 
 def _configure_cpu(env: ProcessEnv, cpu_collectives: str) -> None:

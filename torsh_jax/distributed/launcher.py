@@ -2,9 +2,13 @@
 
 Like ``torchrun --standalone``: every child gets a coordinator on
 127.0.0.1 and its process id through ``TORSH_JAX_*`` variables, which
-:func:`torsh_jax.distributed.initialize` reads. Output lines are prefixed with
-``[rank i] ``. When one child fails or is killed, the others get SIGTERM, then
-SIGKILL after a grace period, and :func:`launch` returns non-zero.
+:func:`torsh_jax.distributed.initialize` reads. Each child's stdout and stderr
+are read line by line in threads and written whole, prefixed ``[rank i] ``
+(stdout lines to ``output``, stderr lines to ``error_output``); gloo/XLA C++
+log chatter is quieted unless ``verbose_collectives``. When one child fails or
+is killed, the others get SIGTERM, then SIGKILL after a grace period, and
+:func:`launch` returns the code of the child that ended first with a failure,
+naming its rank.
 
 Example:
     >>> import pathlib, tempfile
@@ -20,6 +24,8 @@ Example:
 from __future__ import annotations
 
 import os
+import queue
+import re
 import signal
 import socket
 import subprocess
@@ -34,10 +40,21 @@ from typing import TextIO
 from torsh_jax.distributed.env import LAUNCH_VARS
 from torsh_jax.errors import DistributedError
 
-__all__ = ["launch", "free_port", "EXIT_TIMEOUT"]
+__all__ = [
+    "launch",
+    "free_port",
+    "child_environment",
+    "is_collectives_chatter",
+    "EXIT_TIMEOUT",
+    "QUIET_LOG_LEVELS",
+]
 
 #: Exit code when the whole job exceeds ``timeout_s`` (as coreutils ``timeout``).
 EXIT_TIMEOUT = 124
+#: Child variables that quiet XLA/TSL (absl) and glog C++ logs to errors (unless already set).
+QUIET_LOG_LEVELS = {"TF_CPP_MIN_LOG_LEVEL": "2", "GLOG_minloglevel": "2"}
+#: gloo prints one such line per process when its collectives connect, whatever the log level.
+_CHATTER = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 _POLL_S = 0.05
 
 
@@ -58,7 +75,9 @@ def launch(
     timeout_s: float | None = None,
     grace_period_s: float = 5.0,
     output: TextIO | None = None,
+    error_output: TextIO | None = None,
     environ: Mapping[str, str] | None = None,
+    verbose_collectives: bool = False,
 ) -> int:
     """Run ``python script.py ARGS`` as ``num_processes`` cooperating processes.
 
@@ -70,26 +89,34 @@ def launch(
         port: coordinator port on 127.0.0.1; ``None`` picks a free one.
         timeout_s: stop everything and return 124 after this many seconds.
         grace_period_s: seconds between SIGTERM and SIGKILL when stopping.
-        output: where prefixed lines go (default ``sys.stdout``).
+        output: where the children's prefixed stdout lines go (default ``sys.stdout``).
+        error_output: where their prefixed stderr lines and the launcher's own
+            ``[launch] `` lines go (default: ``output`` when given, else ``sys.stderr``).
         environ: base environment of the children (default ``os.environ``).
+        verbose_collectives: keep gloo/XLA C++ INFO and WARNING logs; by default
+            the children get :data:`QUIET_LOG_LEVELS` (unless ``environ`` sets
+            them) and gloo's per-connection lines are dropped.
 
     Returns:
-        0 when every process exits 0; otherwise the first failure's exit code
-        (``128 + signal`` for a killed process), 124 on timeout, or
-        ``128 + signal`` when the launcher itself got SIGINT/SIGTERM.
+        0 when every process exits 0; otherwise the exit code of the process
+        that failed first (``128 + signal`` for a killed process), 124 on
+        timeout, or ``128 + signal`` when the launcher itself got SIGINT/SIGTERM.
 
     Raises:
         DistributedError: bad arguments or a missing script.
     """
     _check_arguments(script_and_args, num_processes, devices_per_process, port, timeout_s)
     chosen_port = port if port is not None else free_port()
-    base = dict(os.environ if environ is None else environ)
-    children = [
-        _start_child(script_and_args, rank, num_processes, chosen_port, devices_per_process, base)
+    base = os.environ if environ is None else environ
+    layout = {"count": num_processes, "port": chosen_port, "devices": devices_per_process}
+    envs = [
+        child_environment(base, rank=rank, verbose_collectives=verbose_collectives, **layout)
         for rank in range(num_processes)
     ]
-    supervisor = _Supervisor(children, output or sys.stdout, grace_period_s)
-    return supervisor.run(timeout_s)
+    out = sys.stdout if output is None else output
+    err = error_output if error_output is not None else (sys.stderr if output is None else output)
+    supervisor = _Supervisor(out, err, grace_period_s, verbose_collectives=verbose_collectives)
+    return supervisor.run(script_and_args, envs, timeout_s)
 
 
 def _check_arguments(
@@ -118,17 +145,28 @@ def _check_arguments(
 class _Child:
     rank: int
     process: subprocess.Popen
-    pump: threading.Thread | None = None
+    threads: list[threading.Thread] = field(default_factory=list)
 
 
-def _start_child(
-    script_and_args: Sequence[str],
+def child_environment(
+    base: Mapping[str, str],
+    *,
     rank: int,
     count: int,
     port: int,
     devices: int | None,
-    base: dict[str, str],
-) -> _Child:
+    verbose_collectives: bool = False,
+) -> dict[str, str]:
+    """The environment of process ``rank``: ``base`` plus the ``TORSH_JAX_*`` layout variables.
+
+    Unless ``verbose_collectives``, ``TF_CPP_MIN_LOG_LEVEL`` and ``GLOG_minloglevel``
+    default to ``2`` (XLA/gloo C++ errors only; a value already in ``base`` wins).
+
+    Example:
+        >>> env = child_environment({}, rank=1, count=2, port=29500, devices=None)
+        >>> env["TORSH_JAX_COORDINATOR"], env["TORSH_JAX_PROCESS_ID"], env["TF_CPP_MIN_LOG_LEVEL"]
+        ('127.0.0.1:29500', '1', '2')
+    """
     env = dict(base)
     env[LAUNCH_VARS["coordinator"]] = f"127.0.0.1:{port}"
     env[LAUNCH_VARS["num_processes"]] = str(count)
@@ -137,12 +175,31 @@ def _start_child(
     if devices is not None:
         env[LAUNCH_VARS["devices_per_process"]] = str(devices)
     env["PYTHONUNBUFFERED"] = "1"
+    if not verbose_collectives:
+        for name, level in QUIET_LOG_LEVELS.items():
+            env.setdefault(name, level)
+    return env
+
+
+def is_collectives_chatter(line: str) -> bool:
+    """Whether ``line`` is a gloo/XLA start-up line that ``launch`` drops unless asked to be verbose.
+
+    Example:
+        >>> is_collectives_chatter("[Gloo] Rank 1 is connected to 3 peer ranks. Expected number ...")
+        True
+        >>> is_collectives_chatter("step 3 loss 1.25")
+        False
+    """
+    return _CHATTER.match(line) is not None
+
+
+def _start_child(script_and_args: Sequence[str], rank: int, env: dict[str, str]) -> _Child:
     process = subprocess.Popen(
         [sys.executable, *script_and_args],
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stderr=subprocess.PIPE,
         start_new_session=True,  # own process group: stopping it reaches grandchildren too
     )
     return _Child(rank=rank, process=process)
@@ -150,53 +207,76 @@ def _start_child(
 
 @dataclass
 class _Supervisor:
-    children: list[_Child]
     output: TextIO
+    error_output: TextIO
     grace_period_s: float
+    verbose_collectives: bool = False
+    children: list[_Child] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    exits: queue.Queue = field(default_factory=queue.Queue)
     received_signal: int | None = None
+    first_failure: _Child | None = None
 
-    def run(self, timeout_s: float | None) -> int:
-        for child in self.children:
-            child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
-            child.pump.start()
-        previous = self._install_signal_handlers()
+    def run(self, script_and_args: Sequence[str], envs: list[dict[str, str]], timeout_s: float | None) -> int:
+        """Start one child per environment, supervise them, stop them all; returns the exit code."""
+        previous = self._install_signal_handlers()  # first: a signal must never orphan children
         try:
+            for rank, env in enumerate(envs):
+                self.children.append(_start_child(script_and_args, rank, env))
+                self._start_threads(self.children[-1])
             code = self._watch(timeout_s)
         finally:
             self._stop_all()
             self._restore_signal_handlers(previous)
             for child in self.children:
-                if child.pump is not None:
-                    child.pump.join(timeout=2.0)
+                for thread in child.threads:
+                    thread.join(timeout=2.0)
+        if self.first_failure is not None:
+            self._say(f"job failed: rank {self.first_failure.rank} {_how(self.first_failure)} first")
         return code
+
+    def _start_threads(self, child: _Child) -> None:
+        targets = (
+            (self._pump, (child, child.process.stdout, self.output)),
+            (self._pump, (child, child.process.stderr, self.error_output)),
+            (self._wait, (child,)),
+        )
+        for target, args in targets:
+            thread = threading.Thread(target=target, args=args, daemon=True)
+            thread.start()
+            child.threads.append(thread)
+
+    def _wait(self, child: _Child) -> None:
+        child.process.wait()
+        self.exits.put(child)  # in the order the processes ended
 
     def _watch(self, timeout_s: float | None) -> int:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
+        running = len(self.children)
+        while running:
             if self.received_signal is not None:
                 self._say(f"got {signal.Signals(self.received_signal).name}; stopping all processes")
                 return 128 + self.received_signal
-            codes = [child.process.poll() for child in self.children]
-            failed = next((c for c, code in zip(self.children, codes, strict=True) if code), None)
-            if failed is not None:
-                return self._report_failure(failed)
-            if all(code == 0 for code in codes):
-                return 0
             if deadline is not None and time.monotonic() > deadline:
                 self._say(f"timeout after {timeout_s} s; stopping all processes")
                 return EXIT_TIMEOUT
-            time.sleep(_POLL_S)
+            try:
+                ended = self.exits.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            if self.received_signal is not None:
+                continue  # ended by the signal forwarded to it: reported as such on the next turn
+            if ended.process.returncode != 0:
+                return self._report_failure(ended)
+            running -= 1
+        return 0
 
     def _report_failure(self, failed: _Child) -> int:
+        self.first_failure = failed
         code = failed.process.returncode
-        if code < 0:
-            how, exit_code = f"was killed by {signal.Signals(-code).name}", 128 - code
-        else:
-            how, exit_code = f"exited with code {code}", code
-        running = sum(child.process.poll() is None for child in self.children)
-        self._say(f"rank {failed.rank} {how}; stopping {running} other process(es)")
-        return exit_code
+        running = sum(child.process.returncode is None for child in self.children)
+        self._say(f"rank {failed.rank} {_how(failed)}; stopping {running} other process(es)")
+        return 128 - code if code < 0 else code
 
     def _stop_all(self) -> None:
         live = [c for c in self.children if c.process.poll() is None]
@@ -212,21 +292,23 @@ class _Supervisor:
         for child in live:
             child.process.wait()
 
-    def _pump(self, child: _Child) -> None:
-        stream = child.process.stdout
+    def _pump(self, child: _Child, stream, sink: TextIO) -> None:
+        """Copy ``stream`` to ``sink`` one whole line at a time, each prefixed ``[rank N] ``."""
         if stream is None:
             return
         for raw in iter(stream.readline, b""):
-            self._write(f"[rank {child.rank}] {raw.decode('utf-8', errors='replace').rstrip()}")
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            if self.verbose_collectives or not is_collectives_chatter(line):
+                self._write(sink, f"[rank {child.rank}] {line}")
         stream.close()
 
     def _say(self, message: str) -> None:
-        self._write(f"[launch] {message}")
+        self._write(self.error_output, f"[launch] {message}")
 
-    def _write(self, line: str) -> None:
-        with self.lock:
-            self.output.write(line + "\n")
-            self.output.flush()
+    def _write(self, sink: TextIO, line: str) -> None:
+        with self.lock:  # one lock for both sinks: lines never interleave, even on one terminal
+            sink.write(line + "\n")
+            sink.flush()
 
     def _install_signal_handlers(self) -> dict[int, object]:
         if threading.current_thread() is not threading.main_thread():
@@ -245,6 +327,11 @@ class _Supervisor:
         for child in self.children:
             if child.process.poll() is None:
                 _signal_group(child.process, signum)
+
+
+def _how(child: _Child) -> str:
+    code = child.process.returncode
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
 
 
 def _signal_group(process: subprocess.Popen, signum: int) -> None:
