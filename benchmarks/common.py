@@ -181,7 +181,7 @@ def _baseline_functions(model, optimizer, params, mesh, *, kind: str, key: Any) 
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from torsh_jax.parallel.layered import layered_loss
+    from torsh_jax.runtime.layered import layered_loss
 
     cache_key = (kind, key, mesh.devices.tobytes(), tuple(mesh.shape.items()))
     if cache_key not in _BASELINE_CACHE:
@@ -226,8 +226,8 @@ def build_pair(cfg, plan, *, baseline: str, extra: tuple[str, ...] = (), batch_s
     import optax
 
     from torsh_jax.demo.model import init_params, layered_model, param_count, synthetic_tokens
-    from torsh_jax.parallel.mesh import build_mesh
-    from torsh_jax.train.step import make_train_step
+    from torsh_jax.runtime.mesh import build_mesh
+    from torsh_jax.runtime.step import make_train_step
 
     mesh = build_mesh(plan)
     model = layered_model(cfg)
@@ -320,11 +320,11 @@ def state_bytes(state: PyTree) -> tuple[int, int]:
 def summaries(pair: Pair) -> dict:
     """Collectives and memory of both compiled programs, against the plan's theory.
 
-    Ours comes from :func:`torsh_jax.train.inspect.inspect_step`; the baseline
+    Ours comes from :func:`torsh_jax.runtime.inspect.inspect_step`; the baseline
     from :func:`torsh_jax.analysis.summarize` with the same theory.
     """
     from torsh_jax.analysis import summarize
-    from torsh_jax.train.inspect import inspect_step
+    from torsh_jax.runtime.inspect import inspect_step
 
     theory = plan_theory_for(pair)
     found = {"ours": inspect_step(pair.train, pair.ours.state, pair.ours.batch)}
@@ -373,7 +373,7 @@ def plan_theory_for(pair: Pair):
     """The plan's minimum wire bytes for this model (as ``inspect_step`` computes it)."""
     from torsh_jax.analysis.theory import plan_theory
     from torsh_jax.demo.model import param_count
-    from torsh_jax.parallel.mesh import default_num_slices
+    from torsh_jax.runtime.mesh import default_num_slices
 
     layers = param_count(pair.ours.state.params[pair.train.loss.layers_key])
     return plan_theory(
@@ -392,7 +392,7 @@ def wire_row(name: str, summary: dict, **fields) -> dict:
     ``baseline_ratio`` (and ``fsdp_gathered_ratio``) the baselines' wire
     bytes / the same theory.
     """
-    from torsh_jax.train.inspect import headline
+    from torsh_jax.runtime.inspect import headline
 
     theory = summary["baseline"]["theory"]
     return {

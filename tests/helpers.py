@@ -6,11 +6,11 @@ import jax
 import optax
 
 from torsh_jax.demo.model import LMConfig, init_params, layered_model, loss_fn, synthetic_tokens
-from torsh_jax.parallel.mesh import build_mesh
 from torsh_jax.plan.spec import ParallelPlan
-from torsh_jax.train.reference import make_reference_step
-from torsh_jax.train.step import make_train_step
-from torsh_jax.train.verify import compare_with_twin, record_gradients
+from torsh_jax.runtime.mesh import build_mesh
+from torsh_jax.runtime.step import make_train_step
+from torsh_jax.runtime.twin import make_reference_step
+from torsh_jax.runtime.verify import compare_with_twin, record_gradients
 
 SMALL = LMConfig(vocab=64, d_model=32, heads=2, head_dim=16, mlp=64, layers=2, seq_len=16)
 

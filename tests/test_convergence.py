@@ -22,9 +22,9 @@ import pytest
 from conftest import require_devices
 
 from torsh_jax.demo.model import LMConfig, init_params, loss_fn, synthetic_tokens
-from torsh_jax.parallel.mesh import build_mesh
 from torsh_jax.plan import plan_from_dict
-from torsh_jax.train.step import make_train_step
+from torsh_jax.runtime.mesh import build_mesh
+from torsh_jax.runtime.step import make_train_step
 
 pytestmark = pytest.mark.slow
 

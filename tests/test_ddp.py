@@ -9,9 +9,9 @@ import pytest
 from helpers import SMALL, recording_optimizer, twin_report
 
 from torsh_jax.demo.model import init_params, loss_fn, synthetic_tokens
-from torsh_jax.parallel.mesh import build_mesh
 from torsh_jax.plan import BatchSpec, CommunicationSpec, ParallelPlan, load_plan
-from torsh_jax.train.step import make_train_step
+from torsh_jax.runtime.mesh import build_mesh
+from torsh_jax.runtime.step import make_train_step
 
 TOL = 1e-5
 

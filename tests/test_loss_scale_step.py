@@ -8,10 +8,10 @@ import optax
 import pytest
 from helpers import twin_report
 
-from torsh_jax.parallel.mesh import build_mesh
 from torsh_jax.plan import plan_from_dict
-from torsh_jax.train.reference import make_reference_step
-from torsh_jax.train.step import make_train_step
+from torsh_jax.runtime.mesh import build_mesh
+from torsh_jax.runtime.step import make_train_step
+from torsh_jax.runtime.twin import make_reference_step
 
 DYNAMIC = {
     "loss_scale": {"mode": "dynamic", "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 2}

@@ -12,10 +12,10 @@ from jax.sharding import PartitionSpec as P
 
 from torsh_jax.demo.model import init_params, loss_fn, synthetic_tokens
 from torsh_jax.errors import MeshError, NotSupportedYetError, ShardingError
-from torsh_jax.parallel.mesh import build_mesh
-from torsh_jax.parallel.sharding import logical_dims, param_specs
 from torsh_jax.plan import AxisSize, MeshSpec, ParallelPlan, load_plan, plan_from_dict
-from torsh_jax.train.step import make_train_step
+from torsh_jax.runtime.mesh import build_mesh
+from torsh_jax.runtime.specs import logical_dims, param_specs
+from torsh_jax.runtime.step import make_train_step
 
 
 def test_single_slice_mesh_axes_and_types():
@@ -108,8 +108,8 @@ def test_flax_metadata_drives_zero3_of_unboxed_params():
     """Annotations carried over with param_dims_from_metadata shard the unboxed parameters."""
     import flax.linen as nn
 
-    from torsh_jax.parallel.sharding import param_dims_from_metadata
-    from torsh_jax.parallel.zero_layout import shard_dims
+    from torsh_jax.runtime.fsdp import shard_dims
+    from torsh_jax.runtime.specs import param_dims_from_metadata
 
     model, boxed = _linen_params()
     plan = plan_from_dict({"mesh": {"data": 1, "fsdp": -1}, "zero": {"stage": 3}})
@@ -121,8 +121,8 @@ def test_flax_metadata_drives_zero3_of_unboxed_params():
     def loss(p, batch):
         return jnp.mean((model.apply({"params": p}, batch["x"]) - batch["y"]) ** 2)
 
-    from torsh_jax.train.reference import make_reference_step
-    from torsh_jax.train.verify import compare_with_twin
+    from torsh_jax.runtime.twin import make_reference_step
+    from torsh_jax.runtime.verify import compare_with_twin
 
     optimizer = optax.sgd(0.1)
     train = make_train_step(loss, optimizer, plan, mesh)

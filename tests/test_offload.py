@@ -8,9 +8,9 @@ from helpers import SMALL, twin_report
 
 from torsh_jax.demo.model import init_params, synthetic_tokens
 from torsh_jax.errors import NotSupportedYetError
-from torsh_jax.parallel.mesh import build_mesh
 from torsh_jax.plan import plan_from_dict
-from torsh_jax.train.step import make_train_step
+from torsh_jax.runtime.mesh import build_mesh
+from torsh_jax.runtime.step import make_train_step
 
 
 def _plan(**zero):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from torsh_jax.optim import build_schedule
@@ -226,3 +228,23 @@ def test_constant_and_unknown_schedule():
 
     with pytest.raises(PlanError, match="unknown schedule"):
         build_schedule(ScheduleSpec("triangle", {}), 0.1)
+
+
+def test_one_cycle_stairs_are_exact_under_jit_at_every_update():
+    """The QANet OneCycle config (1000 + 100 steps, 100 stairs each): under jit every update from 0 to
+    2,300 equals DeepSpeed's float64 rule, including just after the stair edges (update 1001: 0.01489)."""
+    params = {
+        "cycle_min_lr": 0.004, "cycle_max_lr": 0.015, "cycle_first_step_size": 1000,
+        "cycle_second_step_size": 100, "cycle_first_stair_count": 100, "cycle_second_stair_count": 100,
+        "decay_step_size": 1000, "decay_lr_rate": 0.01,
+    }  # fmt: skip
+    schedule = jax.jit(jax.vmap(build_schedule(ScheduleSpec("one_cycle", params), 1e-3)))
+    got = schedule(jnp.arange(2301))
+    expected = [ref_one_cycle(k - 1, params, 1e-3) for k in range(2301)]
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-6)
+    assert float(got[1001]) == pytest.approx(0.01489, abs=5e-6)
+    momentum = jax.jit(jax.vmap(one_cycle_momentum({**params, "cycle_min_mom": 0.85, "cycle_max_mom": 0.99})))
+    scales = [_one_cycle_scale(k - 1, params)[0] for k in range(1, 1101)]
+    np.testing.assert_allclose(
+        np.asarray(momentum(jnp.arange(1, 1101))), 0.99 - 0.14 * np.asarray(scales), rtol=1e-6
+    )

@@ -283,20 +283,48 @@ def test_gradient_clipping_default_is_pinned_and_overridable():
 
 
 def test_unknown_keys_raise_with_suggestion_or_are_noted_when_lenient():
+    """DeepSpeed's zero config rejects unknown keys (so do we); zenflow is refused unless lenient."""
     with pytest.raises(TranslationError) as info:
         tr({"zero_optimization": {"stage": 3, "stage3_param_persitence_threshold": 1e5}})
     assert info.value.key == "zero_optimization.stage3_param_persitence_threshold"
     assert "stage3_param_persistence_threshold" in info.value.fix
+    lenient = tr({"zero_optimization": {"zenflow": {"topk_ratio": 0.1}}}, lenient=True)
+    assert {n.key for n in lenient.by_status("unsupported")} == {"zero_optimization.zenflow"}
+
+
+def test_unknown_top_level_keys_are_ignored_as_deepspeed_does_and_refused_when_strict():
+    """DeepSpeedConfig reads the keys it knows and ignores the rest (cuda_visible_devices is in a
+    DeepSpeedExamples config); a near miss of a known key gets a suggestion."""
+    result = tr({"cuda_visible_devices": 0, "train_batch_sizes": 16})
+    notes = {n.key: n for n in result.by_status("ignored")}
+    assert "DeepSpeed ignores unknown top-level keys" in notes["cuda_visible_devices"].detail
+    assert "did you mean 'train_batch_size'?" in notes["train_batch_sizes"].detail
     with pytest.raises(TranslationError) as info:
-        tr({"cuda_visible_devices": 0})
-    assert info.value.key == "cuda_visible_devices"
-    lenient = tr(
-        {"cuda_visible_devices": 0, "zero_optimization": {"zenflow": {"topk_ratio": 0.1}}}, lenient=True
-    )
-    assert {n.key for n in lenient.by_status("unsupported")} == {
-        "cuda_visible_devices",
-        "zero_optimization.zenflow",
-    }
+        tr({"train_batch_sizes": 16}, strict=True)
+    assert info.value.key == "train_batch_sizes" and "train_batch_size" in info.value.fix
+
+
+def test_auto_inside_zero_optimization_takes_deepspeeds_default():
+    """DeepSpeedConfigModel drops "auto" values, so the plan is the one without those keys."""
+    result = tr({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "overlap_comm": "auto"}})
+    assert result.plan == tr({"zero_optimization": {"stage": 2}}).plan
+    keys = {n.key for n in result.by_status("mapped")}
+    assert {"zero_optimization.reduce_bucket_size", "zero_optimization.overlap_comm"} <= keys
+
+
+def test_max_grad_norm_in_optimizer_params_is_refused_as_deepspeed_does():
+    """DeepSpeed's _configure_basic_optimizer raises ValueError for it (use gradient_clipping)."""
+    with pytest.raises(TranslationError) as info:
+        tr({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}})
+    assert info.value.key == "optimizer.params.max_grad_norm"
+    assert "gradient_clipping" in info.value.fix
+
+
+def test_clipping_applies_without_any_optimizer_key():
+    """DeepSpeed 0.19.8 clips at 1.0 even with the client's optimizer and no clipping key."""
+    result = translate_deepspeed({"train_batch_size": 8}, world_size=8)
+    assert result.plan.optimizer.gradient_clipping == 1.0
+    assert "optimizer" in {n.key for n in result.by_status("approximated")}
 
 
 def test_removed_ignored_and_enabled_sections():
@@ -402,3 +430,40 @@ def test_translate_does_not_import_jax():
         "world_size=8); assert not any(m == 'jax' or m.startswith('jax.') for m in sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_trainer_bf16_fills_only_bf16_enabled_as_transformers_does():
+    """transformers fills ``bf16.enabled``; a legacy ``bfloat16`` section left "auto" stays unfilled."""
+    config = {**BASE, "bf16": {"enabled": "auto"}}
+    trainer = {"bf16": True, "per_device_train_batch_size": 2}
+    result = translate_deepspeed(config, world_size=8, hf_trainer=trainer)
+    assert result.plan.precision.compute_dtype == "bfloat16"
+    with pytest.raises(TranslationError, match=r"bfloat16\.enabled"):
+        translate_deepspeed({**BASE, "bfloat16": {"enabled": "auto"}}, world_size=8, hf_trainer=trainer)
+
+
+@pytest.mark.parametrize(
+    "config, trainer, mismatch",
+    [
+        ({"fp16": {"enabled": True}}, {"fp16": False}, "- ds fp16.enabled=True vs hf fp16=False"),
+        ({"gradient_clipping": 0.5}, {}, "- ds gradient_clipping=0.5 vs hf max_grad_norm=1.0"),
+        ({"train_micro_batch_size_per_gpu": 4}, {"per_device_train_batch_size": 2},
+         "- ds train_micro_batch_size_per_gpu=4 vs hf per_device_train_batch_size=2"),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}, {"learning_rate": 3e-5},
+         "- ds optimizer.params.lr=0.0001 vs hf learning_rate=3e-05"),
+    ],
+)  # fmt: skip
+def test_trainer_conflicts_are_refused_with_transformers_wording(config, trainer, mismatch):
+    with pytest.raises(TranslationError) as info:
+        translate_deepspeed({"train_micro_batch_size_per_gpu": 2, **config}, world_size=8, hf_trainer=trainer)
+    assert info.value.key == "hf_trainer"
+    assert mismatch in str(info.value) and '"auto"' in info.value.fix
+
+
+def test_trainer_values_equal_to_the_config_are_no_conflict():
+    config = {"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True}, "gradient_clipping": 1.0}
+    trainer = {"fp16": True, "per_device_train_batch_size": 2}
+    assert (
+        translate_deepspeed(config, world_size=8, hf_trainer=trainer).plan.precision.compute_dtype
+        == "float16"
+    )

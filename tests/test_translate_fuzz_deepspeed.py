@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from torsh_jax.errors import TranslationError
@@ -175,6 +175,7 @@ def test_mutated_corpus_configs_raise_only_translation_errors(pick, where, new_v
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(st.text(max_size=60).map(lambda s: "{" + s))
+@example("{/*")  # an unterminated comment: hjson itself raises IndexError
 def test_random_text_raises_only_translation_errors(text):
     _translate(text)
 

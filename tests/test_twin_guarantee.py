@@ -15,12 +15,12 @@ import optax
 import pytest
 
 from torsh_jax import load_plan
-from torsh_jax.parallel.mesh import build_mesh
 from torsh_jax.plan import plan_from_dict
 from torsh_jax.plan.spec import ParallelPlan
-from torsh_jax.train.reference import make_reference_step
-from torsh_jax.train.step import make_train_step
-from torsh_jax.train.verify import compare_with_twin, record_gradients
+from torsh_jax.runtime.mesh import build_mesh
+from torsh_jax.runtime.step import make_train_step
+from torsh_jax.runtime.twin import make_reference_step
+from torsh_jax.runtime.verify import compare_with_twin, record_gradients
 
 WIDTH, DEPTH, GLOBAL_BATCH = 16, 3, 128
 

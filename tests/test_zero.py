@@ -9,10 +9,10 @@ import pytest
 from helpers import SMALL, recording_optimizer, twin_report
 
 from torsh_jax.demo.model import LMConfig, init_params, layered_model, loss_fn, synthetic_tokens
-from torsh_jax.parallel.mesh import build_mesh
 from torsh_jax.plan import load_plan, plan_from_dict
-from torsh_jax.train.inspect import inspect_step
-from torsh_jax.train.step import make_train_step
+from torsh_jax.runtime.inspect import inspect_step
+from torsh_jax.runtime.mesh import build_mesh
+from torsh_jax.runtime.step import make_train_step
 
 TOL = 1e-5
 
@@ -56,8 +56,8 @@ def test_zero3_with_a_plain_loss_gathers_per_top_level_entry():
     plan = zero_plan(3)
     mesh = build_mesh(plan)
     optimizer = recording_optimizer()
-    from torsh_jax.train.reference import make_reference_step
-    from torsh_jax.train.verify import compare_with_twin
+    from torsh_jax.runtime.twin import make_reference_step
+    from torsh_jax.runtime.verify import compare_with_twin
 
     train = make_train_step(loss_fn(SMALL), optimizer, plan, mesh)
     twin = make_reference_step(loss_fn(SMALL), optimizer, plan)

@@ -30,6 +30,8 @@ _EXPORTS: dict[str, str] = {
     "DistributedError": "torsh_jax.errors",
     "CompressionError": "torsh_jax.errors",
     "CheckpointError": "torsh_jax.errors",
+    "ParameterError": "torsh_jax.errors",
+    "PrecisionWarning": "torsh_jax.errors",
     # plans
     "ParallelPlan": "torsh_jax.plan",
     "MeshSpec": "torsh_jax.plan",
@@ -53,16 +55,20 @@ _EXPORTS: dict[str, str] = {
     "plan_from_toml": "torsh_jax.plan",
     "plan_to_toml": "torsh_jax.plan",
     # runtime
-    "build_mesh": "torsh_jax.parallel.mesh",
-    "param_specs": "torsh_jax.parallel.sharding",
-    "LayeredModel": "torsh_jax.parallel.layered",
-    "make_train_step": "torsh_jax.train.step",
-    "TrainStep": "torsh_jax.train.step",
-    "TrainState": "torsh_jax.train.state",
-    "make_reference_step": "torsh_jax.train.reference",
-    "compare_with_twin": "torsh_jax.train.verify",
-    "record_gradients": "torsh_jax.train.verify",
-    "inspect_step": "torsh_jax.train.inspect",
+    "build_mesh": "torsh_jax.runtime.mesh",
+    "param_specs": "torsh_jax.runtime.specs",
+    "compose": "torsh_jax.plan.roles",
+    "Roles": "torsh_jax.plan.roles",
+    "state_layout": "torsh_jax.runtime.layout",
+    "StateLayout": "torsh_jax.runtime.layout",
+    "LayeredModel": "torsh_jax.runtime.layered",
+    "make_train_step": "torsh_jax.runtime.step",
+    "TrainStep": "torsh_jax.runtime.step",
+    "TrainState": "torsh_jax.runtime.state",
+    "make_reference_step": "torsh_jax.runtime.twin",
+    "compare_with_twin": "torsh_jax.runtime.verify",
+    "record_gradients": "torsh_jax.runtime.verify",
+    "inspect_step": "torsh_jax.runtime.inspect",
     # optimizers
     "build_optimizer": "torsh_jax.optim",
     "build_schedule": "torsh_jax.optim",
@@ -74,12 +80,6 @@ _EXPORTS: dict[str, str] = {
     "render_text": "torsh_jax.analysis",
     # compression
     "make_compressor": "torsh_jax.compress",
-    "padded_length": "torsh_jax.compress",
-    "init_feedback": "torsh_jax.compress",
-    "FeedbackState": "torsh_jax.compress",
-    "compressed_all_reduce": "torsh_jax.compress",
-    "compressed_reduce_scatter": "torsh_jax.compress",
-    "compressed_all_gather": "torsh_jax.compress",
     # translation
     "translate_file": "torsh_jax.translate.detect",
     "translate_deepspeed": "torsh_jax.translate.deepspeed",
@@ -92,7 +92,6 @@ _EXPORTS: dict[str, str] = {
     "detect_environment": "torsh_jax.distributed",
     "ProcessEnv": "torsh_jax.distributed",
     "global_batch_from_local": "torsh_jax.distributed",
-    "local_batch_slice": "torsh_jax.distributed",
 }
 
 __all__ = sorted(_EXPORTS)

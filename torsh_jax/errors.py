@@ -24,6 +24,8 @@ __all__ = [
     "DistributedError",
     "CompressionError",
     "CheckpointError",
+    "ParameterError",
+    "PrecisionWarning",
 ]
 
 
@@ -84,3 +86,11 @@ class CompressionError(TorshError, ValueError):
 
 class CheckpointError(TorshError, RuntimeError):
     """A checkpoint cannot be saved or restored for this plan."""
+
+
+class ParameterError(TorshError, TypeError):
+    """A parameter tree holds something a train step cannot train (names the parameter path)."""
+
+
+class PrecisionWarning(UserWarning):
+    """A value changes dtype because of the plan's precision policy."""

@@ -72,9 +72,9 @@ def main() -> None:
     import optax
 
     from torsh_jax.demo.model import init_params, layered_model, synthetic_tokens
-    from torsh_jax.parallel.mesh import build_mesh
     from torsh_jax.plan import load_plan
-    from torsh_jax.train.step import make_train_step
+    from torsh_jax.runtime.mesh import build_mesh
+    from torsh_jax.runtime.step import make_train_step
 
     plan = load_plan(args.plan)
     cfg = model_config(args.layers)

@@ -155,7 +155,11 @@ def device_groups(
         return tuple(tuple(r * num_partitions + p for r in g) for p in range(num_partitions) for g in groups)
     if mode == "cross_replica_and_partition":
         return tuple(tuple(r * num_partitions + p for r in g for p in range(num_partitions)) for g in groups)
-    raise NotSupportedYetError(f"unknown collective group mode {mode!r}", key="hlo.mode")
+    raise NotSupportedYetError(
+        f"unknown collective group mode {mode!r}",
+        key="hlo.mode",
+        fix="report this HLO module; the collective group mode is not one XLA documents",
+    )
 
 
 def _axis_subset_groups(shape: dict[str, int], axes: tuple[str, ...]) -> list[tuple[int, ...]]:

@@ -111,7 +111,11 @@ def _matching_close(text: str, start: int) -> int:
             depth -= 1
             if depth == 0:
                 return i
-    raise NotSupportedYetError(f"unbalanced {opener!r} in HLO text: {text[:120]!r}", key="hlo")
+    raise NotSupportedYetError(
+        f"unbalanced {opener!r} in HLO text: {text[:120]!r}",
+        key="hlo",
+        fix="pass the text of a whole HLO module (compiled.as_text())",
+    )
 
 
 def parse_shape(text: str) -> Shape:
@@ -127,7 +131,11 @@ def parse_shape(text: str) -> Shape:
         return tuple(parse_shape(part) for part in _split_top_level(inner))
     match = _ARRAY_RE.match(text)
     if match is None:
-        raise NotSupportedYetError(f"cannot read HLO type {text[:80]!r}", key="hlo.shape")
+        raise NotSupportedYetError(
+            f"cannot read HLO type {text[:80]!r}",
+            key="hlo.shape",
+            fix="pass the text of a whole HLO module (compiled.as_text())",
+        )
     dims = tuple(int(d.replace("<=", "")) for d in match.group(2).split(",") if d.strip())
     return ArrayShape(match.group(1), dims)
 
@@ -320,5 +328,9 @@ def parse_module(text: str) -> HloModuleText:
             if instruction is not None:
                 current.append(instruction)
     if not module.entry:
-        raise NotSupportedYetError("HLO module has no ENTRY computation", key=f"hlo.{module.name}")
+        raise NotSupportedYetError(
+            "HLO module has no ENTRY computation",
+            key=f"hlo.{module.name}",
+            fix="pass the text of a whole HLO module (compiled.as_text())",
+        )
     return module

@@ -28,6 +28,7 @@ from rich.table import Table
 from torsh_jax.analysis.hlo import Collective, collectives
 from torsh_jax.analysis.memory import memory_report
 from torsh_jax.analysis.theory import Theory, ring_wire_bytes
+from torsh_jax.units import format_bytes
 
 __all__ = ["summarize", "render_text", "axis_key"]
 
@@ -147,15 +148,6 @@ def summarize(compiled, mesh, *, theory: Theory | None = None) -> dict:
     }
 
 
-def _bytes(value: float | int | None) -> str:
-    if value is None:
-        return "n/a"
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(value) >= size:
-            return f"{value / size:,.2f} {unit}"
-    return f"{value:,.0f} B"
-
-
 def _shapes(shapes: list[str], *, limit: int = 3) -> str:
     shown = " ".join(shapes[:limit])
     return f"{shown} +{len(shapes) - limit} more" if len(shapes) > limit else shown
@@ -171,8 +163,8 @@ def _collectives_table(summary: dict) -> Table:
         dtype = f"{c['dtype']} (from {c['widened_from']})" if c["widened_from"] else c["dtype"]
         shapes = f"{_shapes(c['operand_shapes'])} -> {_shapes(c['result_shapes'])}"
         table.add_row(
-            c["kind"], axes, dtype, shapes, _bytes(c["payload_bytes"]),
-            _bytes(c["wire_bytes"]), str(c["executions"]), loop,
+            c["kind"], axes, dtype, shapes, format_bytes(c["payload_bytes"]),
+            format_bytes(c["wire_bytes"]), str(c["executions"]), loop,
         )  # fmt: skip
     return table
 
@@ -184,13 +176,13 @@ def _totals_table(summary: dict) -> Table:
     totals = summary["totals"]
     for prefix, section in (("axis", "by_axis"), ("kind", "by_kind")):
         for key, entry in totals[section].items():
-            row = (f"{prefix} {key}", str(entry["count"]), _bytes(entry["payload_bytes"]))
-            table.add_row(*row, _bytes(entry["wire_bytes"]))
-    table.add_row("total", "", _bytes(totals["payload_bytes"]), _bytes(totals["wire_bytes"]))
+            row = (f"{prefix} {key}", str(entry["count"]), format_bytes(entry["payload_bytes"]))
+            table.add_row(*row, format_bytes(entry["wire_bytes"]))
+    table.add_row("total", "", format_bytes(totals["payload_bytes"]), format_bytes(totals["wire_bytes"]))
     theory = summary.get("theory")
     if theory:
-        table.add_row(f"theory: {theory['description']}", "", _bytes(theory["payload_bytes"]),
-                      _bytes(theory["wire_bytes"]))  # fmt: skip
+        table.add_row(f"theory: {theory['description']}", "", format_bytes(theory["payload_bytes"]),
+                      format_bytes(theory["wire_bytes"]))  # fmt: skip
         ratio = theory["wire_ratio"]
         table.add_row("measured / theory", "", "", "n/a" if ratio is None else f"{ratio:.2f}")
     return table
@@ -203,7 +195,7 @@ def _memory_table(summary: dict) -> Table:
     for key, value in summary["memory"].items():
         if key.startswith("host_") and not value:
             continue
-        table.add_row(key.removesuffix("_bytes"), _bytes(value))
+        table.add_row(key.removesuffix("_bytes"), format_bytes(value))
     return table
 
 

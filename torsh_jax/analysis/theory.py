@@ -154,7 +154,9 @@ class Theory:
 def _check_sizes(**sizes: int) -> None:
     for key, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise PlanError(f"must be an integer >= 1, got {value!r}", key=key)
+            raise PlanError(
+                f"must be an integer >= 1, got {value!r}", key=key, fix="pass a positive integer axis size"
+            )
 
 
 def ddp(param_bytes: int, /, *, data_size: int, axes: tuple[str, ...] = ("data",)) -> Theory:
@@ -225,7 +227,9 @@ def zero(
     """
     _check_sizes(fsdp_size=fsdp_size)
     if stage not in (0, 1, 2, 3):
-        raise PlanError(f"must be 0, 1, 2 or 3, got {stage!r}", key="zero.stage")
+        raise PlanError(
+            f"must be 0, 1, 2 or 3, got {stage!r}", key="zero.stage", fix="use a ZeRO stage of 0, 1, 2 or 3"
+        )
     if stage == 0:
         return ddp(param_bytes, data_size=fsdp_size, axes=("fsdp",))
     axes = ("fsdp",)
@@ -259,7 +263,11 @@ def hsdp(
     """
     _check_sizes(data_size=data_size, fsdp_size=fsdp_size)
     if stage not in (1, 2, 3):
-        raise PlanError(f"HSDP needs ZeRO stage 1, 2 or 3, got {stage!r}", key="zero.stage")
+        raise PlanError(
+            f"HSDP needs ZeRO stage 1, 2 or 3, got {stage!r}",
+            key="zero.stage",
+            fix="use zero.stage = 1, 2 or 3 with an fsdp axis, or a data-only mesh for DDP",
+        )
     fsdp = ("fsdp",)
     gather = _param_gathers(param_bytes, stage, fsdp, fsdp_size, compute_param_bytes, regather)
     steps = (
@@ -354,7 +362,9 @@ def theoretical_memory_per_device(
     """
     _check_sizes(fsdp_size=fsdp_size)
     if stage not in (0, 1, 2, 3):
-        raise PlanError(f"must be 0, 1, 2 or 3, got {stage!r}", key="zero.stage")
+        raise PlanError(
+            f"must be 0, 1, 2 or 3, got {stage!r}", key="zero.stage", fix="use a ZeRO stage of 0, 1, 2 or 3"
+        )
 
     def part(nbytes: int, sharded_from: int) -> int:
         return math.ceil(nbytes / fsdp_size) if stage >= sharded_from else nbytes

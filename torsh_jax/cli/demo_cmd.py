@@ -1,5 +1,10 @@
 """``torsh-jax demo``: train the small transformer LM under a plan on (simulated) devices.
 
+Results go to stdout (a summary table, or ``--json`` lines); progress goes to
+stderr: a live bar on a terminal, plain lines otherwise, nothing with
+``--json``. ``--steps 0`` builds and compiles the step, reports its memory and
+wire bytes, and trains nothing.
+
 Example:
     $ torsh-jax demo --plan ddp --devices 8 --steps 20 --verify
 """
@@ -7,8 +12,11 @@ Example:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+from torsh_jax.cli.args import MAX_DEVICES, MAX_STEPS, count_type
+from torsh_jax.cli.output import Progress, print_json
+from torsh_jax.units import format_bytes
 
 __all__ = ["register"]
 
@@ -16,24 +24,41 @@ __all__ = ["register"]
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("demo", help="train a small transformer LM on synthetic tokens under a plan")
     parser.add_argument("--plan", default="ddp", help="preset name (meshes/*.toml) or plan file [ddp]")
-    parser.add_argument("--devices", type=int, default=8, help="devices; simulated on CPU [8]")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps [20]")
+    parser.add_argument(
+        "--devices", type=count_type(1, MAX_DEVICES, fix="pass --devices 8"), default=8,
+        help="devices; simulated on CPU, bounded by host memory [8]",
+    )  # fmt: skip
+    parser.add_argument(
+        "--steps", type=count_type(0, MAX_STEPS, fix="pass --steps 20"), default=20,
+        help="optimizer steps; 0 compiles and reports without training [20]",
+    )  # fmt: skip
     parser.add_argument("--verify", action="store_true", help="also run the single-device twin and compare")
     parser.add_argument("--json", action="store_true", help="one JSON object per step, then a summary object")
-    parser.add_argument("--seed", type=int, default=0, help="parameter and data seed [0]")
-    parser.add_argument("--layers", type=int, default=4, help="transformer layers [4]")
-    parser.add_argument("--d-model", type=int, default=64, help="model width [64]")
+    parser.add_argument("--seed", type=count_type(0, 2**31 - 1, fix="pass --seed 0"), default=0,
+                        help="parameter and data seed [0]")  # fmt: skip
+    parser.add_argument("--layers", type=count_type(1, 256, fix="pass --layers 4"), default=4,
+                        help="transformer layers [4]")  # fmt: skip
+    parser.add_argument("--d-model", type=count_type(16, 8192, fix="pass --d-model 64"), default=64,
+                        help="model width [64]")  # fmt: skip
     parser.set_defaults(func=run)
 
 
-def _human_bytes(value: float | None) -> str:
-    if value is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
+def _summary_rows(summary: dict) -> dict[str, str]:
+    loss = summary["final_loss"]
+    rows = {
+        "mesh": ", ".join(f"{k}={v}" for k, v in summary["mesh"].items()),
+        "parameters": f"{summary['param_count']:,}",
+        "global batch": str(summary["global_batch_size"]),
+        "steps": str(summary["steps"]),
+        "final loss": "trained nothing (--steps 0)" if loss is None else f"{loss:.4f}",
+        "wire bytes / step (measured)": format_bytes(summary["wire_bytes_per_step"]),
+        "wire bytes / step (theory)": format_bytes(summary["theoretical_wire_bytes_per_step"]),
+        "memory / device": format_bytes(summary["memory_per_device_bytes"]),
+        "compiles": str(summary["compiles"]),
+    }
+    if summary.get("max_rel_err") is not None:
+        rows["max relative loss diff vs 1 device"] = f"{summary['max_rel_err']:.2e}"
+    return rows
 
 
 def _print_summary(summary: dict) -> None:
@@ -43,28 +68,26 @@ def _print_summary(summary: dict) -> None:
     table = Table(title=f"demo: plan {summary['plan']} on {summary['devices']} devices")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    rows = {
-        "mesh": ", ".join(f"{k}={v}" for k, v in summary["mesh"].items()),
-        "parameters": f"{summary['param_count']:,}",
-        "global batch": str(summary["global_batch_size"]),
-        "final loss": f"{summary['final_loss']:.4f}",
-        "wire bytes / step (measured)": _human_bytes(summary["wire_bytes_per_step"]),
-        "wire bytes / step (theory)": _human_bytes(summary["theoretical_wire_bytes_per_step"]),
-        "memory / device": _human_bytes(summary["memory_per_device_bytes"]),
-        "compiles": str(summary["compiles"]),
-    }
-    if "max_rel_err" in summary:
-        rows["max relative loss diff vs 1 device"] = f"{summary['max_rel_err']:.2e}"
-    for key, value in rows.items():
+    for key, value in _summary_rows(summary).items():
         table.add_row(key, value)
-    Console().print(table)
+    Console(soft_wrap=True).print(table)
+
+
+def _step_text(record: dict) -> str:
+    return (
+        f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s | "
+        f"wire {format_bytes(record['wire_bytes_per_step'])}/step | "
+        f"mem {format_bytes(record['memory_per_device_bytes'])}/device"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from torsh_jax.demo.run import DemoConfig, run_demo
+    from torsh_jax.plan.io import load_plan
 
+    plan = load_plan(args.plan, key="--plan")  # before any output or JAX start-up
     config = DemoConfig(
-        plan=args.plan,
+        plan=plan,
         devices=args.devices,
         steps=args.steps,
         verify=args.verify,
@@ -73,24 +96,11 @@ def run(args: argparse.Namespace) -> int:
         d_model=args.d_model,
     )
     if args.json:
-        emit = lambda record: print(json.dumps(record), flush=True)
-        summary = run_demo(config, emit=emit)
-        print(json.dumps(summary), flush=True)
+        print_json(run_demo(config, emit=print_json))
         return 0
-    from rich.progress import Progress
-
-    with Progress(transient=False) as progress:
-        task = progress.add_task(f"training ({args.plan})", total=args.steps)
-
-        def emit(record: dict) -> None:
-            desc = (
-                f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s | "
-                f"wire {_human_bytes(record['wire_bytes_per_step'])}/step | "
-                f"mem {_human_bytes(record['memory_per_device_bytes'])}/device"
-            )
-            progress.update(task, advance=1, description=desc)
-
-        summary = run_demo(config, emit=emit)
+    with Progress(f"training ({plan.name})", args.steps) as progress:
+        emit = lambda record: progress.step(record["step"], _step_text(record))
+        summary = run_demo(config, emit=emit, phase=progress.phase)
     _print_summary(summary)
     sys.stdout.flush()
     return 0

@@ -7,7 +7,8 @@ Example:
 from __future__ import annotations
 
 import argparse
-import json
+
+from torsh_jax.cli.args import MAX_DEVICES, count_type
 
 __all__ = ["register"]
 
@@ -15,10 +16,15 @@ __all__ = ["register"]
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("inspect", help="list collectives and memory of a plan's compiled train step")
     parser.add_argument("--plan", default="ddp", help="preset name (meshes/*.toml) or plan file [ddp]")
-    parser.add_argument("--devices", type=int, default=8, help="devices; simulated on CPU [8]")
+    parser.add_argument(
+        "--devices", type=count_type(1, MAX_DEVICES, fix="pass --devices 8"), default=8,
+        help="devices; simulated on CPU, bounded by host memory [8]",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--layers", type=int, default=4, help="demo model layers [4]")
-    parser.add_argument("--d-model", type=int, default=64, help="demo model width [64]")
+    parser.add_argument("--layers", type=count_type(1, 256, fix="pass --layers 4"), default=4,
+                        help="demo model layers [4]")  # fmt: skip
+    parser.add_argument("--d-model", type=count_type(16, 8192, fix="pass --d-model 64"), default=64,
+                        help="demo model width [64]")  # fmt: skip
     parser.set_defaults(func=run)
 
 
@@ -26,20 +32,25 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     from torsh_jax.analysis import render_text
+    from torsh_jax.cli.output import Progress, json_text
     from torsh_jax.demo.devices import select_devices
     from torsh_jax.demo.model import init_params, layered_model, synthetic_tokens
     from torsh_jax.demo.run import DemoConfig, model_config
     from torsh_jax.optim import build_optimizer
-    from torsh_jax.parallel.mesh import build_mesh
     from torsh_jax.plan.io import load_plan
-    from torsh_jax.train.inspect import inspect_step
-    from torsh_jax.train.step import make_train_step
+    from torsh_jax.runtime.inspect import inspect_step
+    from torsh_jax.runtime.mesh import build_mesh
+    from torsh_jax.runtime.step import make_train_step
 
-    plan = load_plan(args.plan)
+    plan = load_plan(args.plan, key="--plan")
+    if not args.json:  # stdout carries the report only; say on stderr what takes time
+        Progress(f"inspect ({plan.name})", 0, live=False).phase(
+            f"compiling the train step on {args.devices} devices"
+        )
     mesh = build_mesh(plan, select_devices(args.devices))
     cfg = model_config(DemoConfig(layers=args.layers, d_model=args.d_model))
     train = make_train_step(layered_model(cfg), build_optimizer(plan.optimizer), plan, mesh)
     state = train.init(init_params(cfg, jax.random.key(0)))
     summary = inspect_step(train, state, synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=0))
-    print(json.dumps(summary, indent=2) if args.json else render_text(summary))
+    print(json_text(summary) if args.json else render_text(summary))
     return 0

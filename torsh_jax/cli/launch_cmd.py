@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import argparse
 
+from torsh_jax.cli.args import MAX_DEVICES, count_type
+
 __all__ = ["register", "run"]
+
+#: Most processes ``launch`` starts on one host.
+MAX_LOCAL_PROCESSES = 1024
 
 _EPILOG = """\
 Each process gets TORSH_JAX_COORDINATOR=127.0.0.1:PORT, TORSH_JAX_NUM_PROCESSES,
@@ -39,11 +44,16 @@ def register(subparsers) -> None:
         epilog=_EPILOG,
         formatter_class=_UsageFormatter,
     )
-    parser.add_argument("-n", "--num-processes", type=int, required=True, help="processes to start")
     parser.add_argument(
-        "--devices-per-process", type=int, default=None, help="simulated CPU devices in each process"
-    )
-    parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+        "-n", "--num-processes", type=count_type(1, MAX_LOCAL_PROCESSES, fix="pass -n 2"), required=True,
+        help=f"processes to start on this host (1..{MAX_LOCAL_PROCESSES})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--devices-per-process", type=count_type(1, MAX_DEVICES, fix="pass --devices-per-process 4"),
+        default=None, help="simulated CPU devices in each process",
+    )  # fmt: skip
+    parser.add_argument("--port", type=count_type(1, 65535, fix="leave --port out to pick a free port"),
+                        default=None, help="coordinator port (default: a free one)")  # fmt: skip
     parser.add_argument(
         "--timeout", type=float, default=None, help="stop everything and exit 124 after this many seconds"
     )

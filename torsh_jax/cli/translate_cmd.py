@@ -13,6 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from torsh_jax.cli.args import MAX_DEVICES, count_type
+
 __all__ = ["register", "run"]
 
 
@@ -25,7 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "unsupported).",
     )
     parser.add_argument("file", metavar="FILE", help="the config, launch line or script excerpt")
-    parser.add_argument("--world-size", type=int, default=None, help="number of devices/processes")
+    parser.add_argument(
+        "--world-size", type=count_type(1, MAX_DEVICES, fix="pass e.g. --world-size 8"),
+        default=None, help="number of devices/processes",
+    )  # fmt: skip
     parser.add_argument(
         "--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
         help="override an input key or a plan field; VALUE is JSON when it parses (8, true, \"auto\")",
@@ -35,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="Hugging Face TrainingArguments values that fill DeepSpeed \"auto\" entries",
     )  # fmt: skip
     parser.add_argument("--lenient", action="store_true", help="note unsupported keys instead of failing")
+    parser.add_argument(
+        "--strict", action="store_true", help="fail on keys the source tool ignores (unknown DeepSpeed keys)"
+    )
     parser.add_argument(
         "--format", choices=("text", "json", "toml"), default="text", help="output format [text]"
     )
@@ -49,12 +57,20 @@ def _write(result, path: Path) -> Path:
     if path.suffix not in (".toml", ".json"):
         raise TranslationError(f"plan file must end in .toml or .json, got {path.name!r}", key="--output",
                                fix=f"use {path.with_suffix('.toml')}")  # fmt: skip
+    if not path.parent.is_dir():
+        raise TranslationError(f"directory {str(path.parent)!r} does not exist", key="--output",
+                               fix=f"create it (mkdir -p {path.parent}) or write elsewhere")  # fmt: skip
     if path.suffix == ".json":
         from torsh_jax.plan.io import plan_to_json
 
-        path.write_text(plan_to_json(result.plan) + "\n")
+        text = plan_to_json(result.plan) + "\n"
     else:
-        path.write_text(render_toml(result))
+        text = render_toml(result)
+    try:
+        path.write_text(text)
+    except OSError as err:
+        raise TranslationError(f"cannot write {str(path)!r}: {err.strerror or err}", key="--output",
+                               fix="choose a writable path") from None  # fmt: skip
     return path
 
 
@@ -69,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         overrides=parse_set_items(args.overrides),
         hf_trainer=parse_set_items(args.hf_trainer, flag="--hf-trainer") or None,
         lenient=args.lenient,
+        strict=args.strict,
     )
     written = _write(result, args.output) if args.output else None
     if args.format == "json":

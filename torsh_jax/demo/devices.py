@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 
+from torsh_jax.demo.host import check_simulated_devices
 from torsh_jax.errors import MeshError
 
 __all__ = ["select_devices"]
@@ -30,11 +31,13 @@ def select_devices(count: int | None) -> list[jax.Device]:
     which works only before JAX's backend starts (a command's first JAX use).
 
     Raises:
-        MeshError: fewer than ``count`` devices exist.
+        MeshError: fewer than ``count`` devices exist, or more simulated
+            devices are asked for than host memory holds.
     """
     if count is not None and count < 1:
         raise MeshError(f"--devices must be >= 1, got {count}", key="--devices", fix="pass a positive count")
     if count is not None and jax.config.jax_platforms in (None, "", "cpu"):
+        check_simulated_devices(count)
         _request_cpu_devices(count)
     devices = jax.devices()
     if count is not None and len(devices) < count:

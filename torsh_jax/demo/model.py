@@ -3,7 +3,7 @@
 The model is written as three linen modules (embedding, one pre-norm block,
 head) composed functionally: block parameters are stacked along a leading
 ``layers`` dim and applied with ``lax.scan``, so ZeRO-3 can gather one layer
-at a time (see :class:`~torsh_jax.parallel.layered.LayeredModel`).
+at a time (see :class:`~torsh_jax.runtime.layered.LayeredModel`).
 
 Example:
     >>> import jax
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from torsh_jax.parallel.layered import LayeredModel, layered_loss
+from torsh_jax.runtime.layered import LayeredModel, layered_loss
 
 __all__ = ["LMConfig", "init_params", "layered_model", "loss_fn", "synthetic_tokens", "param_count"]
 

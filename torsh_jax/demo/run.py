@@ -21,12 +21,14 @@ import jax
 
 from torsh_jax.demo.devices import select_devices
 from torsh_jax.demo.model import LMConfig, init_params, layered_model, loss_fn, param_count, synthetic_tokens
+from torsh_jax.errors import PlanError
 from torsh_jax.optim import build_optimizer
-from torsh_jax.parallel.mesh import build_mesh
 from torsh_jax.plan.io import load_plan
-from torsh_jax.train.inspect import headline, inspect_step
-from torsh_jax.train.reference import make_reference_step
-from torsh_jax.train.step import make_train_step
+from torsh_jax.plan.spec import ParallelPlan
+from torsh_jax.runtime.inspect import headline, inspect_step
+from torsh_jax.runtime.mesh import build_mesh
+from torsh_jax.runtime.step import make_train_step
+from torsh_jax.runtime.twin import make_reference_step
 
 __all__ = ["DemoConfig", "run_demo"]
 
@@ -36,7 +38,7 @@ class DemoConfig:
     """What ``torsh-jax demo`` runs.
 
     Args:
-        plan: preset name or plan file.
+        plan: preset name, plan file, or a loaded plan.
         devices: devices to use (simulated on CPU); ``None`` = all.
         steps: optimizer steps.
         verify: also run the single-device twin.
@@ -44,13 +46,17 @@ class DemoConfig:
         layers, d_model: model size.
     """
 
-    plan: str = "ddp"
+    plan: str | ParallelPlan = "ddp"
     devices: int | None = 8
     steps: int = 20
     verify: bool = False
     seed: int = 0
     layers: int = 4
     d_model: int = 64
+
+    def __post_init__(self):
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
+            raise PlanError(f"must be an integer >= 0, got {self.steps!r}", key="steps", fix="pass 0 or more")
 
 
 def model_config(config: DemoConfig) -> LMConfig:
@@ -64,9 +70,17 @@ def model_config(config: DemoConfig) -> LMConfig:
     )
 
 
-def run_demo(config: DemoConfig, *, emit: Callable[[dict], None]) -> dict:
-    """Train; call ``emit`` with one record per step; return the summary record."""
-    plan = load_plan(config.plan)
+def run_demo(
+    config: DemoConfig, *, emit: Callable[[dict], None], phase: Callable[[str], None] = lambda message: None
+) -> dict:
+    """Train; call ``phase`` before slow set-up work (devices, compiling), ``emit``
+    with one record per step; return the summary record.
+
+    With ``steps=0`` the step is built and compiled (its memory and wire bytes
+    are in the summary) but nothing is trained: ``final_loss`` is ``None``.
+    """
+    plan = config.plan if isinstance(config.plan, ParallelPlan) else load_plan(config.plan)
+    phase(f"starting {config.devices or 'all'} devices")
     devices = select_devices(config.devices)
     mesh = build_mesh(plan, devices)
     cfg = model_config(config)
@@ -76,12 +90,15 @@ def run_demo(config: DemoConfig, *, emit: Callable[[dict], None]) -> dict:
     batch_of = lambda i: synthetic_tokens(
         cfg, batch_size=train.global_batch_size, seed=config.seed * 100003 + i
     )
+    phase("compiling the train step")
     state = train.init(params)
     report = headline(inspect_step(train, state, batch_of(0)))
+    if config.verify:
+        phase("building the single-device twin")
     twin = make_reference_step(loss_fn(cfg), optimizer, plan) if config.verify else None
     twin_state = twin[0](params) if twin else None
     tokens = train.global_batch_size * cfg.seq_len
-    max_rel_err, loss = 0.0, float("nan")
+    max_rel_err, loss = 0.0, None
     for i in range(config.steps):
         batch = batch_of(i)
         start = time.perf_counter()
@@ -108,5 +125,5 @@ def run_demo(config: DemoConfig, *, emit: Callable[[dict], None]) -> dict:
         **report,
     }
     if twin:
-        summary["max_rel_err"] = max_rel_err
+        summary["max_rel_err"] = max_rel_err if config.steps else None
     return summary

@@ -34,7 +34,7 @@ __getattr__, __dir__ = lazy_exports("torsh_jax.distributed", _EXPORTS, globals()
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torsh_jax.distributed.data import global_batch_from_local, local_batch_slice  # noqa: F401
-    from torsh_jax.distributed.env import ProcessEnv, detect_environment, expand_hostlist  # noqa: F401
-    from torsh_jax.distributed.init import initialize, initialized_environment  # noqa: F401
-    from torsh_jax.distributed.launcher import launch  # noqa: F401
+    from torsh_jax.distributed.data import global_batch_from_local, local_batch_slice
+    from torsh_jax.distributed.env import ProcessEnv, detect_environment, expand_hostlist
+    from torsh_jax.distributed.init import initialize, initialized_environment
+    from torsh_jax.distributed.launcher import launch

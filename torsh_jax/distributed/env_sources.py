@@ -71,13 +71,19 @@ class Reader:
                 f"must be an integer, got {raw!r}", key=name, fix=f"export {name}=<integer>"
             ) from None
         if value < minimum:
-            raise DistributedError(f"must be >= {minimum}, got {value}", key=name)
+            raise DistributedError(
+                f"must be >= {minimum}, got {value}", key=name, fix=f"export {name}=<integer >= {minimum}>"
+            )
         return value
 
     def port(self, name: str) -> int | None:
         value = self.integer(name, minimum=1)
         if value is not None and value > 65535:
-            raise DistributedError(f"must be a TCP port in 1..65535, got {value}", key=name)
+            raise DistributedError(
+                f"must be a TCP port in 1..65535, got {value}",
+                key=name,
+                fix=f"export {name}=<port in 1..65535>",
+            )
         return value
 
     def required(self, name: str, *, minimum: int = 0, why: str) -> int:

@@ -41,7 +41,11 @@ def expand_tasks_per_node(raw: str, *, key: str) -> list[int]:
     for part in raw.split(","):
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
         if match is None:
-            raise DistributedError(f"cannot parse {raw!r} (expected e.g. '2(x3),1')", key=key)
+            raise DistributedError(
+                f"cannot parse {raw!r} (expected e.g. '2(x3),1')",
+                key=key,
+                fix="use counts like '2(x3),1' (SLURM_TASKS_PER_NODE syntax)",
+            )
         counts += [int(match.group(1))] * int(match.group(2) or 1)
     return counts
 
@@ -68,14 +72,22 @@ def _split_outside_brackets(text: str, *, key: str) -> list[str]:
     for ch in text:
         depth += {"[": 1, "]": -1}.get(ch, 0)
         if depth not in (0, 1):
-            raise DistributedError(f"unbalanced brackets in host list {text!r}", key=key)
+            raise DistributedError(
+                f"unbalanced brackets in host list {text!r}",
+                key=key,
+                fix="close every '[' with ']' and do not nest brackets, as in node[01-04]",
+            )
         if ch == "," and depth == 0:
             items.append(current)
             current = ""
         else:
             current += ch
     if depth != 0:
-        raise DistributedError(f"unbalanced brackets in host list {text!r}", key=key)
+        raise DistributedError(
+            f"unbalanced brackets in host list {text!r}",
+            key=key,
+            fix="close every '[' with ']', as in node[01-04],login1",
+        )
     return [item.strip() for item in [*items, current] if item.strip()]
 
 
@@ -88,7 +100,9 @@ def _expand_host(item: str, *, key: str) -> list[str]:
     for part in match.group(1).split(","):
         bounds = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
         if bounds is None:
-            raise DistributedError(f"bad range {part!r} in host list {item!r}", key=key)
+            raise DistributedError(
+                f"bad range {part!r} in host list {item!r}", key=key, fix="use ranges like node[01-04,07]"
+            )
         low, high = bounds.group(1), bounds.group(2) or bounds.group(1)
         values += [f"{n:0{len(low)}d}" for n in range(int(low), int(high) + 1)]
     return [prefix + value + tail for value in values for tail in _expand_host(rest, key=key)]

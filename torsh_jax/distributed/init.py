@@ -120,7 +120,11 @@ def _check_choice(cpu_collectives: str, timeout_s: int) -> None:
             fix="use 'gloo' (no MPI installation needed)",
         )
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, int) or timeout_s < 1:
-        raise DistributedError(f"must be an integer >= 1, got {timeout_s!r}", key="timeout_s")
+        raise DistributedError(
+            f"must be an integer >= 1, got {timeout_s!r}",
+            key="timeout_s",
+            fix="pass timeout_s as a positive number of seconds",
+        )
 
 
 def _repeat_call(joined: ProcessEnv, env: ProcessEnv) -> ProcessEnv:
@@ -182,7 +186,11 @@ def _configure_cpu(env: ProcessEnv, cpu_collectives: str) -> None:
 def _join(env: ProcessEnv, *, timeout_s: int, local_device_ids: Sequence[int] | None) -> None:
     address = env.coordinator_address
     if address is None:
-        raise DistributedError(f"{env.num_processes} processes but no coordinator", key="coordinator_address")
+        raise DistributedError(
+            f"{env.num_processes} processes but no coordinator",
+            key="coordinator_address",
+            fix="set coordinator_address to process 0's host:port, e.g. JAX_COORDINATOR_ADDRESS=host0:1234",
+        )
     host, port = _host_port(address)
     started = time.monotonic()
     if env.process_id == 0:

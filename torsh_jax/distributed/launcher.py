@@ -132,13 +132,29 @@ def _check_arguments(
     if not script.is_file():
         raise DistributedError("script not found", key=str(script), fix="pass the path of a Python file")
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
-        raise DistributedError(f"must be >= 1, got {num_processes!r}", key="num_processes")
+        raise DistributedError(
+            f"must be >= 1, got {num_processes!r}",
+            key="num_processes",
+            fix="pass -n/--num-processes as a positive integer",
+        )
     if devices_per_process is not None and devices_per_process < 1:
-        raise DistributedError(f"must be >= 1, got {devices_per_process}", key="devices_per_process")
+        raise DistributedError(
+            f"must be >= 1, got {devices_per_process}",
+            key="devices_per_process",
+            fix="pass --devices-per-process as a positive integer",
+        )
     if port is not None and not 1 <= port <= 65535:
-        raise DistributedError(f"must be in 1..65535, got {port}", key="port")
+        raise DistributedError(
+            f"must be in 1..65535, got {port}",
+            key="port",
+            fix="pass --port in 1..65535, or leave it out to pick a free port",
+        )
     if timeout_s is not None and timeout_s <= 0:
-        raise DistributedError(f"must be > 0 seconds, got {timeout_s}", key="timeout")
+        raise DistributedError(
+            f"must be > 0 seconds, got {timeout_s}",
+            key="timeout",
+            fix="pass --timeout as a positive number of seconds",
+        )
 
 
 @dataclass

@@ -104,8 +104,39 @@ def _cycle_shape(params: Params) -> tuple[float, float, int, int]:
     return first, second, max(first_stairs, 0), max(second_stairs, 0)
 
 
+def _floor_mul_div(a: jnp.ndarray, num: int, den: int) -> jnp.ndarray:
+    """``floor(a * num / den)`` in int32 for ``a >= 0`` and static positive ``num``, ``den``.
+
+    Split as ``a = k * den + r`` so that no product exceeds the result or
+    ``den**2``: exact while the reduced ``den`` is at most 46,340.
+    """
+    g = math.gcd(num, den)
+    num, den = num // g, den // g
+    whole, part = divmod(num, den)
+    k, r = a // den, a % den
+    rest = (r * part) // den if den <= 46_340 else jnp.floor(r * (part / den)).astype(jnp.int32)
+    return k * num + r * whole + rest
+
+
+def _stair_index(batch: jnp.ndarray, params: Params) -> jnp.ndarray | None:
+    """The stair OneCycle is on, counted in integers; ``None`` for fractional step sizes."""
+    first, second, first_stairs, second_stairs = _cycle_shape(params)
+    if not (first.is_integer() and second.is_integer()):
+        return None
+    first, second = int(first), int(second)
+    b = jnp.round(batch).astype(jnp.int32)
+    offset = jnp.mod(b, first + second)
+    up = _floor_mul_div(offset, max(first_stairs, 1), first)
+    down = _floor_mul_div(first + second - offset, max(second_stairs, 1), second)
+    return jnp.where(offset <= first, up, down)
+
+
 def _cycle_scale(it: jnp.ndarray, params: Params) -> jnp.ndarray:
-    """OneCycle's ``_get_scale_factor`` (stair counts quantise from the batch offset)."""
+    """OneCycle's ``_get_scale_factor`` (stair counts quantise from the batch offset).
+
+    The stair index is an integer division, as in DeepSpeed's float64
+    ``math.floor``: a float32 ratio would round across stair edges.
+    """
     first, second, first_stairs, second_stairs = _cycle_shape(params)
     total = first + second
     ratio = first / total
@@ -114,9 +145,11 @@ def _cycle_scale(it: jnp.ndarray, params: Params) -> jnp.ndarray:
     rising = x <= ratio
     scale = jnp.where(rising, x / ratio, (x - 1) / (ratio - 1))
     stairs = jnp.where(rising, first_stairs, second_stairs)
-    offset = jnp.mod(batch, total)
-    position = jnp.where(offset <= first, offset / first, (total - offset) / second) * stairs
-    stepped = jnp.floor(position) / jnp.maximum(stairs, 1)
+    index = _stair_index(batch, params)
+    if index is None:
+        offset = jnp.mod(batch, total)
+        index = jnp.floor(jnp.where(offset <= first, offset / first, (total - offset) / second) * stairs)
+    stepped = index / jnp.maximum(stairs, 1)
     return jnp.where(stairs > 0, stepped, scale)
 
 
@@ -232,7 +265,11 @@ def build_schedule(spec: ScheduleSpec | None, base_lr: float) -> optax.Schedule:
     try:
         curve = factory(spec.params, base_lr)
     except KeyError as err:
-        raise PlanError(f"missing parameter {err.args[0]!r}", key="optimizer.schedule.params") from None
+        raise PlanError(
+            f"missing parameter {err.args[0]!r}",
+            key="optimizer.schedule.params",
+            fix=f"add {err.args[0]!r} under optimizer.schedule.params",
+        ) from None
     start = int(spec.params.get("last_batch_iteration", -1))
 
     def schedule(count):

@@ -69,7 +69,11 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         raise errors[-1]
     if origin is Literal:
         if value not in typing.get_args(tp):
-            raise PlanError(f"must be one of {list(typing.get_args(tp))}, got {value!r}", key=path)
+            raise PlanError(
+                f"must be one of {list(typing.get_args(tp))}, got {value!r}",
+                key=path,
+                fix=f"use one of {list(typing.get_args(tp))}",
+            )
         return value
     if origin is tuple:
         return _convert_tuple(tp, value, path)
@@ -84,29 +88,45 @@ def _convert_scalar(tp: Any, value: Any, path: str) -> Any:
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp in (int, float) and isinstance(value, bool):
-        raise PlanError(f"must be a number, got {value!r}", key=path)
+        raise PlanError(
+            f"must be a number, got {value!r}", key=path, fix="write a number without quotes, not true/false"
+        )
     if not isinstance(value, tp):
-        raise PlanError(f"must be {_type_name(tp)}, got {type(value).__name__} {value!r}", key=path)
+        raise PlanError(
+            f"must be {_type_name(tp)}, got {type(value).__name__} {value!r}",
+            key=path,
+            fix=f"write {_type_name(tp)}",
+        )
     return value
 
 
 def _convert_tuple(tp: Any, value: Any, path: str) -> tuple:
     if not isinstance(value, (list, tuple)):
-        raise PlanError(f"must be a list, got {type(value).__name__}", key=path)
+        raise PlanError(
+            f"must be a list, got {type(value).__name__}", key=path, fix="write a list, e.g. [1, 2]"
+        )
     args = typing.get_args(tp)
     if len(args) == 2 and args[1] is Ellipsis:
         return tuple(_convert(args[0], v, _join(path, i)) for i, v in enumerate(value))
     if len(args) != len(value):
-        raise PlanError(f"must have {len(args)} items, got {len(value)}", key=path)
+        raise PlanError(
+            f"must have {len(args)} items, got {len(value)}", key=path, fix=f"write exactly {len(args)} items"
+        )
     return tuple(_convert(t, v, _join(path, i)) for i, (t, v) in enumerate(zip(args, value)))
 
 
 def _convert_mapping(value: Any, path: str) -> dict:
     if not isinstance(value, dict):
-        raise PlanError(f"must be a table, got {type(value).__name__}", key=path)
+        raise PlanError(
+            f"must be a table, got {type(value).__name__}", key=path, fix="write a table of key = value pairs"
+        )
     for key, item in value.items():
         if not isinstance(item, (int, float, str, bool)):
-            raise PlanError(f"must be a number, string or boolean, got {item!r}", key=_join(path, key))
+            raise PlanError(
+                f"must be a number, string or boolean, got {item!r}",
+                key=_join(path, key),
+                fix="write a number, quoted string or true/false",
+            )
     return dict(value)
 
 
@@ -116,7 +136,11 @@ def _convert_dataclass(cls: Any, value: Any, path: str) -> Any:
     if cls is CompressorSpec and isinstance(value, str):
         return _compressor_preset(value, path)
     if not isinstance(value, dict):
-        raise PlanError(f"must be a table, got {type(value).__name__} {value!r}", key=path or "plan")
+        raise PlanError(
+            f"must be a table, got {type(value).__name__} {value!r}",
+            key=path or "plan",
+            fix="write a table of key = value pairs",
+        )
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in value if k not in names]
@@ -212,7 +236,11 @@ def _parse(text: str, *, fmt: str, source: str) -> dict:
     try:
         return loads(text)
     except error as err:
-        raise PlanError(f"not valid {fmt.upper()}: {err}", key=source) from None
+        raise PlanError(
+            f"not valid {fmt.upper()}: {err}",
+            key=source,
+            fix="correct the syntax at the line and column given",
+        ) from None
 
 
 def plan_from_toml(text: str, *, name: str | None = None, source: str = "<toml>") -> ParallelPlan:
@@ -231,21 +259,31 @@ def plan_to_json(plan: ParallelPlan) -> str:
     return json.dumps(plan_to_dict(plan), indent=2)
 
 
-def load_plan(name_or_path: str | Path) -> ParallelPlan:
+def load_plan(name_or_path: str | Path, *, key: str = "plan") -> ParallelPlan:
     """Load a plan preset by name (``ddp``) or from a ``.toml``/``.json`` path.
+
+    ``key`` names where the name came from in errors (``--plan`` on the
+    command line).
 
     Raises:
         PresetNotFoundError: no such preset or file; the message lists presets.
-        PlanError: the file is not a valid plan; the message names the key.
+        PlanError: the file is empty or not a valid plan; the message names
+            the file and the key.
     """
-    path = presets.find("meshes", str(name_or_path))
-    text = path.read_text()
+    path = presets.find("meshes", str(name_or_path), key=key)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise PlanError(f"not UTF-8 text: {err}", key=str(path), fix="save the plan as UTF-8") from None
+    if not text.strip():
+        raise PlanError("the plan file is empty", key=str(path), fix="write a plan (see meshes/*.toml)")
     try:
         if path.suffix == ".json":
             return plan_from_json(text, name=path.stem, source=str(path))
         return plan_from_toml(text, name=path.stem, source=str(path))
     except TorshError as err:
-        err.args = (f"{path}: {err}",)
+        if err.key != str(path):  # field errors: say which file
+            err.args = (f"{path}: {err}",)
         raise
 
 

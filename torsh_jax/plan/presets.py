@@ -37,8 +37,11 @@ def names(kind: str) -> list[str]:
     return sorted({p.stem for d in preset_dirs(kind) for p in d.iterdir() if p.suffix in _SUFFIXES})
 
 
-def find(kind: str, name_or_path: str) -> Path:
+def find(kind: str, name_or_path: str, *, key: str | None = None) -> Path:
     """The file for a preset name or an explicit path.
+
+    ``key`` names where the name came from in errors (``--plan``, a plan
+    field); it defaults to ``kind``.
 
     Raises:
         PresetNotFoundError: neither a file nor a known preset name.
@@ -53,6 +56,6 @@ def find(kind: str, name_or_path: str) -> Path:
                 return candidate
     raise PresetNotFoundError(
         f"no {kind} preset or file named {name_or_path!r}",
-        key=kind,
+        key=key or kind,
         fix=f"use one of {names(kind)} or a path to a .toml/.json file",
     )

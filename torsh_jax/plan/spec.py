@@ -62,14 +62,22 @@ DATA_AXES = ("data", "fsdp")
 Scalar = int | float | str | bool
 
 
+#: Largest batch count (micro batch per device, accumulation steps, global batch): int32 indexing.
+MAX_BATCH_SIZE = 2**31 - 1
+
+
 def _check(ok: bool, key: str, message: str, fix: str | None = None) -> None:
     if not ok:
-        raise PlanError(message, key=key, fix=fix)
+        raise PlanError(message, key=key, fix=fix or f"change {key} in the plan (docs/plans.md describes it)")
 
 
-def _check_positive_int(value: object, key: str) -> None:
+def _check_positive_int(value: object, key: str, *, maximum: int | None = None) -> None:
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-    _check(ok, key, f"must be an integer >= 1, got {value!r}")
+    _check(ok, key, f"must be an integer >= 1, got {value!r}", fix="write a whole number >= 1")
+    if maximum is not None:
+        _check(
+            value <= maximum, key, f"must be at most {maximum:,}, got {value:,}", fix=f"use at most {maximum}"
+        )
 
 
 def _check_choice(value: object, choices: tuple, key: str) -> None:
@@ -234,8 +242,8 @@ class BatchSpec:
     accumulation_reduce: Literal["mean", "sum"] = "mean"
 
     def __post_init__(self):
-        _check_positive_int(self.micro_batch_size, "batch.micro_batch_size")
-        _check_positive_int(self.accumulation_steps, "batch.accumulation_steps")
+        _check_positive_int(self.micro_batch_size, "batch.micro_batch_size", maximum=MAX_BATCH_SIZE)
+        _check_positive_int(self.accumulation_steps, "batch.accumulation_steps", maximum=MAX_BATCH_SIZE)
         _check_choice(self.accumulation_reduce, ("mean", "sum"), "batch.accumulation_reduce")
 
     def global_batch_size(self, data_parallel_size: int) -> int:
@@ -452,7 +460,11 @@ class ParallelPlan:
             try:
                 re.compile(pattern)
             except re.error as err:
-                raise PlanError(f"bad regex {pattern!r}: {err}", key=f"param_dims[{i}]") from None
+                raise PlanError(
+                    f"bad regex {pattern!r}: {err}",
+                    key=f"param_dims[{i}]",
+                    fix="write a valid Python regular expression",
+                ) from None
 
     def replace(self, **changes) -> ParallelPlan:
         """A copy with some top-level fields replaced (validated again)."""

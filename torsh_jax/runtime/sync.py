@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from torsh_jax.compress import (
     FeedbackState,
@@ -47,6 +49,7 @@ __all__ = [
     "sync_gradients",
     "sync_leaf",
     "sync_feedback",
+    "feedback_specs",
 ]
 
 PyTree = Any
@@ -75,6 +78,8 @@ class SyncSpec(NamedTuple):
             axis (``None``: all-reduce everything).
         scatter_size: size of ``scatter_axis``.
         routes: compressed axes (a subset of ``axes``).
+        sharded_over: the axis gradients of sharded leaves already vary over
+            (their parameter shards differ along it: ZeRO's ``fsdp``).
         factors: ``(pre, post)`` multipliers around the sum.
         bucket_bytes: bucket size bound (``<= 0``: one bucket per leaf).
         itemsize: bytes per element of the reduction dtype (sizes the buckets).
@@ -84,6 +89,7 @@ class SyncSpec(NamedTuple):
     scatter_axis: str | None = None
     scatter_size: int = 1
     routes: Mapping[str, AxisRoute] = {}
+    sharded_over: str | None = None
     factors: tuple[float, float] = (1.0, 1.0)
     bucket_bytes: int = 0
     itemsize: int = 4
@@ -99,11 +105,37 @@ class SyncSpec(NamedTuple):
             return None
         return jax.random.fold_in(jax.random.key(_ROUNDING_SEED), step)
 
+    def feedback_axes(self, bucket: BucketPlan) -> dict[str, tuple[str, ...]]:
+        """Per compressed axis of ``bucket``: the axes its feedback differs over.
+
+        A compressor's input (and so its feedback) still varies over the axes
+        not reduced before it: every axis for the reduce-scatter, and for the
+        all-reduces the compressed axes from this one on, plus the shard axis
+        of sharded leaves. It is the same on every device of the other axes.
+        """
+        _, compressed = self.reduce_axes(bucket.scattered)
+        shard = (self.scatter_axis,) if bucket.scattered else ()
+        shard += (self.sharded_over,) if bucket.sharded and self.sharded_over else ()
+        out = {}
+        if bucket.scattered and self.scatter_axis in self.routes:
+            out[self.scatter_axis] = self._ordered(self.axes + shard)
+        for k, axis in enumerate(compressed):
+            out[axis] = self._ordered(compressed[k:] + shard)
+        return out
+
+    def _ordered(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+        rank = {a: i for i, a in enumerate((*self.axes, self.scatter_axis, self.sharded_over))}
+        return tuple(sorted(set(axes), key=rank.__getitem__))
+
 
 class BucketPlan(NamedTuple):
-    """Leaves ``leaf_ids`` as ``rows`` rows of ``row_length`` (padded to ``padded_length``)."""
+    """Leaves ``leaf_ids`` as ``rows`` rows of ``row_length`` (padded to ``padded_length``).
+
+    ``sharded``: the leaves have a shard dim; ``scattered``: they are reduce-scattered.
+    """
 
     leaf_ids: tuple[int, ...]
+    sharded: bool
     scattered: bool
     rows: int
     row_length: int
@@ -121,22 +153,23 @@ def _padded(spec: SyncSpec, m: int, scattered: bool) -> int:
 
 
 def plan_buckets(leaves: Sequence[Any], dims: Sequence[int | None], spec: SyncSpec) -> list[BucketPlan]:
-    """The buckets of ``leaves`` (shapes suffice): scattered leaves first, then all-reduced ones."""
-    scatter = [i for i, d in enumerate(dims) if d is not None and spec.scatter_axis is not None]
-    whole = [i for i in range(len(leaves)) if i not in set(scatter)]
+    """The buckets of ``leaves`` (shapes suffice): sharded leaves first, then replicated ones.
+
+    Sharded and replicated leaves never share a bucket (their values vary over
+    different axes); sharded leaves are reduce-scattered when ``spec`` has a
+    scatter axis, and otherwise (ZeRO-3's stored shards) all-reduced.
+    """
+    sharded = [i for i, d in enumerate(dims) if d is not None]
+    replicated = [i for i, d in enumerate(dims) if d is None]
     out = []
-    for ids, scattered in ((scatter, True), (whole, False)):
+    groups = ((sharded, True, spec.scatter_axis is not None), (replicated, False, False))
+    for ids, has_dim, scattered in groups:
         k = spec.scatter_size if scattered else 1
-        layout = bucket_layout(
-            [leaves[i] for i in ids], bucket_bytes=spec.bucket_bytes, itemsize=spec.itemsize
-        )
-        for bucket in layout:
+        leaves_of = [leaves[i] for i in ids]
+        for bucket in bucket_layout(leaves_of, bucket_bytes=spec.bucket_bytes, itemsize=spec.itemsize):
             m = bucket.size // k
-            out.append(
-                BucketPlan(
-                    tuple(ids[j] for j in bucket.leaf_ids), scattered, k, m, _padded(spec, m, scattered)
-                )
-            )
+            ids_of = tuple(ids[j] for j in bucket.leaf_ids)
+            out.append(BucketPlan(ids_of, has_dim, scattered, k, m, _padded(spec, m, scattered)))
     return out
 
 
@@ -241,29 +274,56 @@ def sync_gradients(
 def sync_leaf(grad: jax.Array, dim: int | None, spec: SyncSpec) -> jax.Array:
     """Synchronise one leaf with fresh (discarded) feedback: for a backward pass, which keeps no state."""
     bucket = plan_buckets([grad], [dim], spec)[0]
-    feedback = _bucket_feedback(bucket, spec, copies=1)
+    feedback = _bucket_feedback(bucket, spec, copies=dict.fromkeys(spec.routes, 1))
     row, _ = _sync_bucket(_bucket_rows([grad], [dim], bucket), feedback, bucket, spec, None)
     out: list[jax.Array | None] = [None]
     _split_row(row, [grad], [dim], bucket, out)
     return out[0]
 
 
-def _bucket_feedback(bucket: BucketPlan, spec: SyncSpec, *, copies: int) -> dict[str, FeedbackState]:
+def _feedback_lengths(bucket: BucketPlan, spec: SyncSpec) -> dict[str, int]:
     lengths = {axis: bucket.padded_length for axis in spec.reduce_axes(bucket.scattered)[1]}
     if bucket.scattered and spec.scatter_axis in spec.routes:
         lengths[spec.scatter_axis] = bucket.rows * bucket.padded_length
-    stack = lambda a: a if copies == 1 else jnp.concatenate([a] * copies)
-    return {axis: jax.tree.map(stack, spec.routes[axis].init(n)) for axis, n in sorted(lengths.items())}
+    return dict(sorted(lengths.items()))
+
+
+def _bucket_feedback(bucket: BucketPlan, spec: SyncSpec, *, copies: Mapping[str, int]) -> dict:
+    def stacked(axis: str, length: int) -> FeedbackState:
+        n = copies[axis]
+        zeros = spec.routes[axis].init(length)
+        return jax.tree.map(lambda a: a if n == 1 else jnp.concatenate([a] * n), zeros)
+
+    return {axis: stacked(axis, n) for axis, n in _feedback_lengths(bucket, spec).items()}
 
 
 def sync_feedback(
-    leaves_like: Sequence[Any], dims: Sequence[int | None], spec: SyncSpec, *, copies: int
+    leaves_like: Sequence[Any], dims: Sequence[int | None], spec: SyncSpec, *, axis_sizes: Mapping[str, int]
 ) -> tuple:
-    """Zero feedback of every bucket :func:`sync_gradients` forms (``copies`` devices stacked on dim 0).
+    """Global zero feedback of every bucket :func:`sync_gradients` forms.
 
-    ``leaves_like`` are the per-device gradient shapes, in flattened leaf order.
+    ``leaves_like`` are the per-device gradient shapes, in flattened leaf
+    order; each feedback holds one copy per device of the axes it differs
+    over (:meth:`SyncSpec.feedback_axes`), stacked on dim 0.
     """
     if not spec.routes:
         return ()
-    buckets = plan_buckets(list(leaves_like), list(dims), spec)
-    return tuple(_bucket_feedback(b, spec, copies=copies) for b in buckets)
+    out = []
+    for bucket in plan_buckets(list(leaves_like), list(dims), spec):
+        axes = spec.feedback_axes(bucket)
+        copies = {axis: math.prod(axis_sizes[a] for a in over) for axis, over in axes.items()}
+        out.append(_bucket_feedback(bucket, spec, copies=copies))
+    return tuple(out)
+
+
+def feedback_specs(leaves_like: Sequence[Any], dims: Sequence[int | None], spec: SyncSpec) -> tuple:
+    """``PartitionSpec`` of each leaf of :func:`sync_feedback`: dim 0 over the axes it differs over."""
+    if not spec.routes:
+        return ()
+    out = []
+    for bucket in plan_buckets(list(leaves_like), list(dims), spec):
+        lengths = _feedback_lengths(bucket, spec)
+        axes = spec.feedback_axes(bucket)
+        shapes = {axis: jax.eval_shape(partial(spec.routes[axis].init, n)) for axis, n in lengths.items()}
+        out.append({axis: jax.tree.map(lambda _, a=axes[axis]: P(a), s) for axis, s in shapes.items()})
+    return tuple(out)

@@ -25,6 +25,7 @@ from typing import Any
 
 from torsh_jax.errors import PlanError, TranslationError
 from torsh_jax.plan.spec import (
+    MAX_BATCH_SIZE,
     AxisCompression,
     AxisSize,
     BatchSpec,
@@ -51,7 +52,8 @@ from torsh_jax.translate.ds_sections import (
 )
 from torsh_jax.translate.ds_values import apply_overrides, fill_auto
 from torsh_jax.translate.ds_zero import ZeroResult, translate_zero
-from torsh_jax.translate.hf_trainer import hf_auto_values
+from torsh_jax.translate.hf_trainer import hf_auto_values, hf_mismatches
+from torsh_jax.translate.overrides import PLAN_SECTIONS, apply_plan_overrides
 from torsh_jax.translate.result import Note, TranslationResult
 
 __all__ = ["translate_deepspeed", "load_deepspeed_config", "PINNED_DEEPSPEED", "GRADIENT_CLIPPING_DEFAULTS"]
@@ -76,6 +78,40 @@ _MAIN_KEYS = {
 }
 
 
+#: ``--set`` prefix that addresses the plan when its first segment is also a DeepSpeed key.
+PLAN_PREFIX = "plan."
+
+
+def split_overrides(overrides: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``--set`` items -> (DeepSpeed keys, plan fields applied after translation).
+
+    A key is a plan field when its first segment is a plan section and not a
+    DeepSpeed key (``zero.stage``), or when it starts with ``plan.``
+    (``plan.optimizer.gradient_clipping``: ``optimizer`` alone is DeepSpeed's).
+
+    Example:
+        >>> split_overrides({"zero.stage": 3, "optimizer.params.lr": 0.1})
+        ({'optimizer.params.lr': 0.1}, {'zero.stage': 3})
+    """
+    config_keys: dict[str, Any] = {}
+    plan_fields: dict[str, Any] = {}
+    for key, value in (overrides or {}).items():
+        head = key.split(".", 1)[0] if isinstance(key, str) else None
+        if isinstance(key, str) and key.startswith(PLAN_PREFIX):
+            plan_fields[key.removeprefix(PLAN_PREFIX)] = value
+        elif head in PLAN_SECTIONS and head not in _MAIN_KEYS:
+            plan_fields[key] = value
+        else:
+            config_keys[key] = value
+    return config_keys, plan_fields
+
+
+def _apply_plan_fields(ctx: Context, plan: ParallelPlan, fields: dict[str, Any]) -> ParallelPlan:
+    for key, value in fields.items():
+        ctx.mapped(key, value, "plan field set by --set after translation")
+    return apply_plan_overrides(plan, fields)
+
+
 def _load(source: str | Path | dict) -> tuple[dict, str]:
     if isinstance(source, dict):
         return plain(source), "<dict>"
@@ -92,6 +128,7 @@ def _prepare(config, source, overrides, hf_trainer, world_size, extras) -> tuple
     if overrides:
         extras["overrides"] = dict(overrides)
     if hf_trainer is not None:
+        _check_trainer_matches(config, hf_trainer, world_size)
         dropped = config.get(ds_batch.TRAIN) == "auto"
         if dropped:  # the Trainer's value follows from the other two
             del config[ds_batch.TRAIN]
@@ -101,8 +138,22 @@ def _prepare(config, source, overrides, hf_trainer, world_size, extras) -> tuple
     return config, neox
 
 
+def _check_trainer_matches(config: dict, hf_trainer: Mapping[str, Any], world_size: int | None) -> None:
+    """Refuse what the Trainer refuses: set values that differ from its arguments."""
+    mismatches = hf_mismatches(config, hf_trainer, world_size=world_size)
+    if mismatches:
+        raise TranslationError(
+            "DeepSpeed config values mismatch the Trainer's arguments (transformers refuses them): "
+            + " ".join(mismatches),
+            key="hf_trainer",
+            fix='set these DeepSpeed config values to "auto", or pass matching --hf-trainer values',
+        )
+
+
 def _batch(ctx: Context, config: dict, world_size: int | None, parallel: int) -> BatchSpec:
-    values = {k: ctx.read_int(k, config[k]) if k in config else None for k in _BATCH_KEYS}
+    values = {
+        k: ctx.read_int(k, config[k], maximum=MAX_BATCH_SIZE) if k in config else None for k in _BATCH_KEYS
+    }
     if any(k in ctx.missing_auto for k in _BATCH_KEYS):
         return BatchSpec()
     train, micro, accum = (values[k] for k in _BATCH_KEYS)
@@ -157,12 +208,12 @@ def _optimizer(ctx, config, neox: NeoxResult | None) -> tuple[OptimizerSpec | No
     result = OptimizerResult("adamw", 1e-3, {})
     if "optimizer" in config:
         result = translate_optimizer(ctx, config["optimizer"])
-    elif "scheduler" in config or "gradient_clipping" in config:
+    elif not neox:
         ctx.approximated(
             "optimizer",
             None,
-            "absent: DeepSpeed uses the client's optimizer; the plan uses optax adamw, "
-            "lr 1e-3, no weight decay",
+            "absent: DeepSpeed uses the client's optimizer (and still clips gradients, see "
+            "gradient_clipping); the plan uses optax adamw, lr 1e-3, no weight decay",
         )
     schedule = translate_scheduler(ctx, config["scheduler"]) if "scheduler" in config else None
     params = dict(result.params)
@@ -171,13 +222,6 @@ def _optimizer(ctx, config, neox: NeoxResult | None) -> tuple[OptimizerSpec | No
         if neox.weight_decay is not None:
             params["weight_decay"] = neox.weight_decay
     clip = _clipping(ctx, config)
-    if (
-        "optimizer" not in config
-        and "scheduler" not in config
-        and "gradient_clipping" not in config
-        and not neox
-    ):
-        return None, None
     if schedule is not None and schedule.name == "one_cycle" and schedule.params.get("cycle_momentum"):
         if result.name not in ("adam", "adamw", "lamb"):
             schedule = ScheduleSpec(schedule.name, {**schedule.params, "cycle_momentum": False})
@@ -235,7 +279,7 @@ def _sections(ctx: Context, config: dict, neox: bool, world_size: int | None) ->
     neox_result = translate_neox(ctx, config) if neox else None
     for key, value in config.items():
         if key not in _MAIN_KEYS and not (neox and key in NEOX_KEYS):
-            translate_other(ctx, key, value)
+            translate_other(ctx, key, value, _MAIN_KEYS)
     zero = translate_zero(ctx, config.get("zero_optimization", {}))
     precision = translate_precision(ctx, config)
     tensor, stages = translate_layout(ctx, config)
@@ -286,6 +330,7 @@ def translate_deepspeed(
     overrides: Mapping[str, Any] | None = None,
     hf_trainer: Mapping[str, Any] | None = None,
     lenient: bool = False,
+    strict: bool = False,
 ) -> TranslationResult:
     """Translate a DeepSpeed config into a plan with one note per input key.
 
@@ -294,10 +339,12 @@ def translate_deepspeed(
         world_size: devices; the batch triple is resolved for
             ``world_size / (tensor x pipeline)`` data-parallel ranks. Without
             it, only what does not depend on it is inferred.
-        overrides: dotted key -> value, applied first (``--set``).
+        overrides: dotted key -> value (``--set``): DeepSpeed keys are applied
+            first; plan fields (see :func:`split_overrides`) after translation.
         hf_trainer: ``TrainingArguments`` names -> values; fills ``"auto"``
             values as the Hugging Face Trainer does.
         lenient: record unsupported keys as notes instead of raising.
+        strict: raise for keys DeepSpeed ignores (unknown top-level keys).
 
     Returns:
         The plan (mesh ``data=-1`` for stage 0, ``fsdp=-1`` otherwise), notes,
@@ -312,8 +359,9 @@ def translate_deepspeed(
     Context().read_table(name, config)  # top-level keys must be strings
     spellings = {k.replace("-", "_"): k for k in config if isinstance(k, str) and "-" in k}
     extras: dict[str, Any] = {"deepspeed_version": PINNED_DEEPSPEED}
+    overrides, plan_fields = split_overrides(overrides)
     config, neox = _prepare(config, name, overrides, hf_trainer, world_size, extras)
-    ctx = Context(lenient=lenient)
+    ctx = Context(lenient=lenient, strict=strict)
     ctx.extras.update(extras, dialect="gpt-neox" if neox else "deepspeed")
     if ds_batch.TRAIN in extras.get("hf_trainer_filled", ()):
         ctx.mapped(ds_batch.TRAIN, "auto", "Trainer rule: data-parallel size x micro batch x accumulation")
@@ -321,11 +369,12 @@ def translate_deepspeed(
         plan = _sections(ctx, config, neox, world_size)
         if not name.startswith("<"):
             plan = plan.replace(name=Path(name).stem, description=f"translated from DeepSpeed config {name}")
+        plan = _apply_plan_fields(ctx, plan, plan_fields)
     except PlanError as err:
         raise TranslationError(err.message, key=err.key, fix=err.fix) from None
     if ctx.missing_auto:
         _raise_missing_auto(ctx)
-    if "gradient_clipping" not in config and plan.optimizer is not None:
+    if "gradient_clipping" not in config:
         ctx.extras["gradient_clipping_default"] = (
             f"{GRADIENT_CLIPPING_DEFAULTS['pinned']} (DeepSpeed {PINNED_DEEPSPEED}); earlier releases "
             "used 0.0: pass overrides={'gradient_clipping': 0} for that"

@@ -71,6 +71,8 @@ def detect_kind(path: str | Path, /) -> str:
         raise TranslationError(
             f"cannot read file: {err.strerror or err}", key=str(path), fix="check the path"
         ) from None
+    if not text.strip():
+        raise TranslationError("the file is empty", key=str(path), fix="pass a config, launch line or script")
     suffix = path.suffix.lower()
     if suffix == ".json" or (suffix not in (".py", ".sh", ".txt", ".bash") and text.lstrip().startswith("{")):
         return _json_kind(text)
@@ -97,6 +99,7 @@ def translate_file(
     overrides: Mapping[str, Any] | None = None,
     hf_trainer: Mapping[str, Any] | None = None,
     lenient: bool = False,
+    strict: bool = False,
 ) -> TranslationResult:
     """Translate a DeepSpeed, Horovod or PyTorch FSDP file into a plan.
 
@@ -108,6 +111,8 @@ def translate_file(
         hf_trainer: Hugging Face ``TrainingArguments`` values that fill
             DeepSpeed's ``"auto"`` entries (DeepSpeed only).
         lenient: note unsupported settings instead of raising.
+        strict: raise for keys the source tool itself ignores (DeepSpeed's
+            unknown top-level keys).
 
     Returns:
         The :class:`TranslationResult`; ``kind`` says which translator ran.
@@ -122,8 +127,9 @@ def translate_file(
     if kind == "deepspeed":
         translate = _deepspeed()
         return translate(
-            path, world_size=world_size, overrides=overrides, hf_trainer=hf_trainer, lenient=lenient
-        )
+            path, world_size=world_size, overrides=overrides, hf_trainer=hf_trainer, lenient=lenient,
+            strict=strict,
+        )  # fmt: skip
     if hf_trainer:
         raise TranslationError(
             f"Hugging Face Trainer values only apply to DeepSpeed configs, not {kind}",

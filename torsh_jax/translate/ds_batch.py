@@ -89,7 +89,11 @@ def resolve_batch(train: int | None, micro: int | None, accum: int | None, *, wo
             DeepSpeed's wording and the fix gives consistent values.
     """
     if world_size < 1:
-        raise TranslationError(f"world size must be >= 1, got {world_size}", key="world_size")
+        raise TranslationError(
+            f"world size must be >= 1, got {world_size}",
+            key="world_size",
+            fix="pass --world-size as a positive integer (devices in the job)",
+        )
     given = {k for k, v in ((TRAIN, train), (MICRO, micro), (ACCUM, accum)) if v is not None}
     t, m, a = _infer(train, micro, accum, world_size)
     _check(t, m, a, world_size, given)

@@ -29,15 +29,21 @@ def join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
+#: Floats above this may not be the integer that was written.
+_EXACT_FLOAT_INT = 2**53
+
+
 class Context:
     """Collects notes; raises :class:`TranslationError` naming key paths.
 
     Args:
         lenient: record unsupported keys as notes instead of raising.
+        strict: raise for keys DeepSpeed itself ignores (unknown top-level keys).
     """
 
-    def __init__(self, *, lenient: bool = False):
+    def __init__(self, *, lenient: bool = False, strict: bool = False):
         self.lenient = lenient
+        self.strict = strict
         self.notes = Notes()
         self.extras: dict[str, Any] = {}
         self.missing_auto: list[str] = []
@@ -75,6 +81,14 @@ class Context:
         fix = f"did you mean {close[0]!r}?" if close else f"remove it; DeepSpeed {where} has no such key"
         self.unsupported(key, value, f"unknown key in {where}", fix)
 
+    def ignored_unknown(self, key: str, value: Any, known: Iterable[str], why: str) -> None:
+        """A key DeepSpeed accepts and ignores: an ``ignored`` note (an error when strict)."""
+        close = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(known), n=1, cutoff=0.75)
+        hint = f"did you mean {close[0]!r}?" if close else None
+        if self.strict:
+            raise TranslationError(f"unknown key; {why}", key=key, fix=hint or "remove it, or drop --strict")
+        self.ignored(key, value, f"unknown key; {why}" + (f"; {hint}" if hint else ""))
+
     # -- typed readers (``"auto"`` -> None and remembered) ---------------------
     def _auto(self, key: str, value: Any) -> bool:
         if isinstance(value, str) and value == AUTO:
@@ -100,13 +114,20 @@ class Context:
             self.fail(key, f"must be >= {minimum}, got {value!r}")
         return float(value)
 
-    def read_int(self, key: str, value: Any, *, minimum: int | None = None) -> int | None:
+    def read_int(
+        self, key: str, value: Any, *, minimum: int | None = None, maximum: int | None = None
+    ) -> int | None:
+        """An integer; a float only when it is exactly a whole number (at most 2**53)."""
         number = self.read_number(key, value, minimum=minimum)
         if number is None:
             return None
         if not number.is_integer():
-            self.fail(key, f"must be a whole number, got {value!r}")
-        return int(number)
+            self.fail(key, f"must be a whole number, got {value!r}", fix="write it as an integer, e.g. 32")
+        if maximum is not None and number > maximum:
+            self.fail(key, f"must be at most {maximum:,}, got {value!r}", fix=f"use at most {maximum}")
+        if isinstance(value, float) and abs(value) > _EXACT_FLOAT_INT:
+            self.fail(key, f"{value!r} is too large to be an exact integer", fix="write it as an integer")
+        return int(value)
 
     def read_str(self, key: str, value: Any, *, choices: Iterable[str] | None = None) -> str | None:
         if self._auto(key, value):

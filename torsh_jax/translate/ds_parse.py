@@ -39,13 +39,18 @@ def _parse_yaml(text: str, source: str) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise TranslationError(f"not valid YAML: {err}".replace("\n", " "), key=source) from None
+        raise TranslationError(
+            f"not valid YAML: {err}".replace("\n", " "),
+            key=source,
+            fix="correct the YAML syntax at the line and column given",
+        ) from None
 
 
 def _parse_hjson(text: str, source: str) -> Any:
     try:
         return plain(hjson.loads(text))
-    except (hjson.HjsonDecodeError, ValueError, RecursionError) as err:
+    # hjson raises IndexError on some truncated input (an unterminated "/*")
+    except (hjson.HjsonDecodeError, ValueError, RecursionError, IndexError) as err:
         raise TranslationError(
             f"not valid JSON or hjson: {err}",
             key=source,
@@ -85,5 +90,9 @@ def load_deepspeed_config(path: str | Path) -> dict:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise TranslationError(f"cannot read the file: {err}", key=str(path)) from None
+        raise TranslationError(
+            f"cannot read the file: {err}", key=str(path), fix="pass a readable UTF-8 text file"
+        ) from None
+    if not text.strip():
+        raise TranslationError("the file is empty", key=str(path), fix="pass a DeepSpeed config file")
     return parse_text(text, source=str(path))

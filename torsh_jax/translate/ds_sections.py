@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from torsh_jax.translate.ds_context import Context, join
@@ -92,8 +93,12 @@ def _note_leaves(ctx: Context, key: str, value: Any, status: str, reason: str) -
         ctx.notes.add(key, status, value, reason)
 
 
-def translate_other(ctx: Context, key: str, value: Any) -> None:
-    """Note a top-level key that does not reach the plan, or raise for an unsupported one."""
+def translate_other(ctx: Context, key: str, value: Any, main_keys: Iterable[str] = ()) -> None:
+    """Note a top-level key that does not reach the plan, or raise for an unsupported one.
+
+    DeepSpeed ignores unknown top-level keys: they are noted as ignored, with
+    the closest known key (``main_keys`` or another section) when one is close.
+    """
     key = join("", key)
     if key in IGNORED:
         _note_leaves(ctx, key, value, "ignored", IGNORED[key])
@@ -109,7 +114,8 @@ def translate_other(ctx: Context, key: str, value: Any) -> None:
     elif key.startswith("_"):
         ctx.ignored(key, value, "keys starting with '_' are comments by convention")
     else:
-        ctx.unknown(key, value, [*IGNORED, *REMOVED, *_ENABLED_UNSUPPORTED], "config")
+        known = [*main_keys, *IGNORED, *REMOVED, *_ENABLED_UNSUPPORTED]
+        ctx.ignored_unknown(key, value, known, "DeepSpeed ignores unknown top-level keys")
 
 
 def _tensor_parallel(ctx: Context, value: Any) -> int:

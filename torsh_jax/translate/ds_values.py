@@ -42,7 +42,11 @@ def _set(config: dict, dotted: str, value: Any) -> None:
             node[part] = child
         if not isinstance(child, dict):
             where = ".".join(parts[: i + 1])
-            raise TranslationError(f"cannot set {dotted!r}: {where} is not a table", key=where)
+            raise TranslationError(
+                f"cannot set {dotted!r}: {where} is not a table",
+                key=where,
+                fix=f"set a key inside {where}'s parent, or make {where} a table",
+            )
         node = child
     node[parts[-1]] = value
 
@@ -52,7 +56,11 @@ def apply_overrides(config: dict, overrides: Mapping[str, Any] | None) -> dict:
     out = copy.deepcopy(config)
     for dotted, value in (overrides or {}).items():
         if not isinstance(dotted, str):
-            raise TranslationError(f"override keys must be strings, got {dotted!r}", key=str(dotted))
+            raise TranslationError(
+                f"override keys must be strings, got {dotted!r}",
+                key=str(dotted),
+                fix="use dotted string keys, e.g. zero_optimization.stage",
+            )
         _set(out, dotted, _coerce(value))
     return out
 

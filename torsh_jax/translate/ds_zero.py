@@ -229,6 +229,14 @@ def _legacy_offload(ctx: Context, table: dict, stage: int) -> dict:
     return out
 
 
+def _drop_auto(ctx: Context, table: dict) -> dict:
+    """DeepSpeed's config models drop ``"auto"`` values (``DeepSpeedConfigModel``): the default applies."""
+    for name, item in table.items():
+        if item == "auto":
+            ctx.mapped(join(Z, name), item, 'DeepSpeed drops "auto" here and uses its default')
+    return {name: item for name, item in table.items() if item != "auto"}
+
+
 def translate_zero(ctx: Context, value: Any) -> ZeroResult:
     """Translate ``zero_optimization`` (a table, or the legacy boolean).
 
@@ -239,7 +247,7 @@ def translate_zero(ctx: Context, value: Any) -> ZeroResult:
     if isinstance(value, bool):
         ctx.mapped(Z, value, f"zero.stage = {1 if value else 0} (legacy boolean form)")
         return ZeroResult(ZeroSpec(stage=1 if value else 0))
-    table = ctx.read_table(Z, value)
+    table = _drop_auto(ctx, ctx.read_table(Z, value))
     stage = _stage(ctx, table)
     fields: dict[str, Any] = {"stage": stage, **_legacy_offload(ctx, table, stage)}
     for name in ("offload_optimizer", "offload_param"):

@@ -156,7 +156,11 @@ def calls_from_dict(data: Any) -> list[FsdpCall]:
         TranslationError: another top-level key, or a section that is not a table.
     """
     if not isinstance(data, dict):
-        raise TranslationError(f"must be a JSON object, got {type(data).__name__}", key="<root>")
+        raise TranslationError(
+            f"must be a JSON object, got {type(data).__name__}",
+            key="<root>",
+            fix='write {"fsdp": {...keyword arguments...}}',
+        )
     calls = []
     for key, section in data.items():
         if key not in ("fsdp", "fully_shard"):
@@ -166,7 +170,11 @@ def calls_from_dict(data: Any) -> list[FsdpCall]:
                 fix='use {"fsdp": {...}} or {"fully_shard": {...}}',
             )
         if not isinstance(section, dict):
-            raise TranslationError(f"must be a table of keyword arguments, got {section!r}", key=key)
+            raise TranslationError(
+                f"must be a table of keyword arguments, got {section!r}",
+                key=key,
+                fix="write the keyword arguments as a table",
+            )
         calls.append(FsdpCall(key, key, dict(section)))
     if not calls:
         raise TranslationError(
@@ -208,18 +216,32 @@ def load_calls(source: str | Path | dict) -> tuple[list[FsdpCall], str]:
         try:
             text = source.read_text(errors="replace")
         except OSError as err:
-            raise TranslationError(f"cannot read file: {err.strerror}", key=str(source)) from None
+            raise TranslationError(
+                f"cannot read file: {err.strerror}", key=str(source), fix="pass the path of a readable file"
+            ) from None
         label = str(source)
     elif isinstance(source, str):
         text, label = source, "<text>"
     else:
-        raise TranslationError(f"expected a dict, text or path, got {type(source).__name__}", key="source")
+        raise TranslationError(
+            f"expected a dict, text or path, got {type(source).__name__}",
+            key="source",
+            fix="pass a dict, the source text, or a path",
+        )
     if text.lstrip().startswith("{"):
         try:
             return calls_from_dict(json.loads(text)), label
         except (json.JSONDecodeError, RecursionError) as err:
-            raise TranslationError(f"not valid JSON: {err}", key=label) from None
+            raise TranslationError(
+                f"not valid JSON: {err}",
+                key=label,
+                fix="correct the JSON syntax at the line and column given",
+            ) from None
     calls = calls_from_python(text)
     if not calls:
-        raise TranslationError("no FullyShardedDataParallel/FSDP/fully_shard call found", key=label)
+        raise TranslationError(
+            "no FullyShardedDataParallel/FSDP/fully_shard call found",
+            key=label,
+            fix='pass a Python file that calls FSDP(...) or fully_shard(...), or JSON {"fsdp": {...}}',
+        )
     return calls, label

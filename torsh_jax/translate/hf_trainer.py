@@ -6,6 +6,8 @@ The Trainer replaces each ``"auto"`` with a value from its
 ``trainer_config_process`` / ``trainer_config_finalize``). Arguments not given
 take the ``TrainingArguments`` defaults below. Values the Trainer derives from
 the model (``hidden_size``) or from the data (``max_steps``) must be passed.
+Like the Trainer (``fill_match``), a value that is set (not ``"auto"``) and
+differs from the Trainer's is a mismatch: :func:`hf_mismatches` lists them.
 
 Example:
     >>> values = hf_auto_values({"learning_rate": 3e-5, "max_steps": 100, "warmup_ratio": 0.1}, world_size=8)
@@ -21,7 +23,7 @@ from typing import Any
 
 from torsh_jax.errors import TranslationError
 
-__all__ = ["hf_auto_values", "TRAINING_ARGUMENT_DEFAULTS"]
+__all__ = ["hf_auto_values", "hf_mismatches", "TRAINING_ARGUMENT_DEFAULTS"]
 
 #: ``transformers.TrainingArguments`` defaults for the arguments the DeepSpeed integration reads.
 TRAINING_ARGUMENT_DEFAULTS: dict[str, Any] = {
@@ -102,8 +104,51 @@ def hf_auto_values(args: Mapping[str, Any], *, world_size: int | None) -> dict[s
         "scheduler.params.warmup_max_lr": a["learning_rate"],
         "fp16.enabled": bool(a["fp16"]),
         "bf16.enabled": bool(a["bf16"]),
-        "bfloat16.enabled": bool(a["bf16"]),
     }
     if world is not None:
         values["train_batch_size"] = world * micro * accum
     return {**values, **_step_values(a), **_model_values(a)}
+
+
+#: DeepSpeed keys the Trainer requires to match its arguments -> the argument named in its message.
+#: ``warmup_min_lr`` and the ``hidden_size`` bucket sizes are only filled, never checked.
+_MUST_MATCH = {
+    "train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "train_batch_size": "train_batch_size (calculated)",
+    "gradient_clipping": "max_grad_norm",
+    "optimizer.params.lr": "learning_rate",
+    "optimizer.params.betas": "adam_beta1+adam_beta2",
+    "optimizer.params.eps": "adam_epsilon",
+    "optimizer.params.weight_decay": "weight_decay",
+    "scheduler.params.warmup_max_lr": "learning_rate",
+    "fp16.enabled": "fp16",
+    "bf16.enabled": "bf16",
+    "scheduler.params.total_num_steps": "num_training_steps (calculated)",
+    "scheduler.params.warmup_num_steps": "warmup_steps",
+}
+
+
+def _lookup(config: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def hf_mismatches(config: Mapping[str, Any], args: Mapping[str, Any], *, world_size: int | None) -> list[str]:
+    """Values set in ``config`` that differ from the Trainer's, in the Trainer's wording.
+
+    Example:
+        >>> hf_mismatches({"fp16": {"enabled": True}}, {"fp16": False}, world_size=None)
+        ['- ds fp16.enabled=True vs hf fp16=False']
+    """
+    values = hf_auto_values(args, world_size=world_size)
+    out = []
+    for key, hf_key in _MUST_MATCH.items():
+        ds_value = _lookup(config, key)
+        if key in values and ds_value is not None and ds_value != "auto" and ds_value != values[key]:
+            out.append(f"- ds {key}={ds_value} vs hf {hf_key}={values[key]}")
+    return out

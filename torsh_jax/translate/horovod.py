@@ -69,9 +69,15 @@ def _read(source: str | Path) -> tuple[str, str]:
         try:
             return source.read_text(errors="replace"), str(source)
         except OSError as err:
-            raise TranslationError(f"cannot read file: {err.strerror}", key=str(source)) from None
+            raise TranslationError(
+                f"cannot read file: {err.strerror}", key=str(source), fix="pass the path of a readable file"
+            ) from None
     if not isinstance(source, str):
-        raise TranslationError(f"expected text or a path, got {type(source).__name__}", key="source")
+        raise TranslationError(
+            f"expected text or a path, got {type(source).__name__}",
+            key="source",
+            fix="pass the script or launch line as text, or a path",
+        )
     return source, "<text>"
 
 
@@ -283,6 +289,14 @@ def translate_horovod(
     settings = read_optimizer_calls(script, book, overrides=groups["opt"], base=base)
     note_api_uses(script, book, has_optimizer_call=settings.found)
     extras = _extras(script, layout, world_size, book)
+    if not book.notes():
+        raise TranslationError(
+            "no Horovod launch line (horovodrun / mpirun) or Horovod API use (hvd.init, "
+            "hvd.DistributedOptimizer, HOROVOD_* variables) found",
+            key=label,
+            fix="pass a launch command such as 'horovodrun -np 4 python train.py' or the training "
+            "script that calls hvd.*",
+        )
     for key, value in groups["args"].items():
         book.mapped(f"args.{key}", value, "resolves the script option in the excerpt")
     layout.world_size = extras["world_size"]
@@ -296,7 +310,11 @@ def translate_horovod(
 
 def _extras(script: PyScript, layout: Layout, world_size: int | None, book: NoteBook) -> dict[str, Any]:
     if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
-        raise TranslationError(f"must be an integer >= 1, got {world_size!r}", key="world_size")
+        raise TranslationError(
+            f"must be an integer >= 1, got {world_size!r}",
+            key="world_size",
+            fix="pass --world-size as a positive integer (processes in the job)",
+        )
     extras: dict[str, Any] = {"world_size": world_size or layout.world_size or layout.total_slots()}
     extras.update(layout.extras())
     lr_lines = find_lr_scaling(script)

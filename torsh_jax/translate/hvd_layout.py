@@ -21,7 +21,7 @@ from torsh_jax.errors import TranslationError
 from torsh_jax.plan.spec import AxisSize, MeshSpec
 from torsh_jax.translate.hvd_launch import LaunchFlag
 from torsh_jax.translate.hvd_tables import HOROVOD_ENV, env_role
-from torsh_jax.translate.overrides import NoteBook, as_bool, as_float, as_int
+from torsh_jax.translate.overrides import MAX_PROCESSES, NoteBook, as_bool, as_float, as_int
 
 __all__ = ["Layout", "apply_flag", "apply_env", "layout_mesh", "parse_hosts"]
 
@@ -117,7 +117,7 @@ def parse_hosts(text: str, key: str) -> list[tuple[str, int]]:
             name, slots = slots, "1"
         if not name:
             raise TranslationError(f"empty host name in {text!r}", key=key, fix="write host:slots,host:slots")
-        hosts.append((name, as_int(slots, key, minimum=1)))
+        hosts.append((name, as_int(slots, key, minimum=1, maximum=MAX_PROCESSES)))
     return hosts
 
 
@@ -126,7 +126,11 @@ def _set_fusion(
 ) -> None:
     amount = as_float(value, key)
     if amount * scale > 2**53:
-        raise TranslationError(f"fusion threshold {value!r} is too large", key=key)
+        raise TranslationError(
+            f"fusion threshold {value!r} is too large",
+            key=key,
+            fix="give a fusion threshold below 2**53 bytes",
+        )
     setattr(layout, attr, int(amount * scale))
     mb = amount * scale / 1e6
     book.mapped(key, value, f"communication.bucket_mb = {mb:g} ({what})")
@@ -148,7 +152,7 @@ def apply_flag(flag: LaunchFlag, key: str, value: Any, layout: Layout, book: Not
         layout.hostfile = flag.values[0]
         book.approximated(key, value, "hosts are read at launch time; the host layout is unknown here")
     elif role == "slots":
-        layout.slots_per_host = as_int(flag.values[0], key, minimum=1)
+        layout.slots_per_host = as_int(flag.values[0], key, minimum=1, maximum=MAX_PROCESSES)
         book.mapped(key, value, f"{layout.slots_per_host} processes per host (extras.processes_per_host)")
     elif role == "fusion_mb":
         _set_fusion(layout, "fusion_flag_bytes", flag.values[0], key, _MIB, book, "MiB, 0 = no fusion")
@@ -169,14 +173,18 @@ def apply_flag(flag: LaunchFlag, key: str, value: Any, layout: Layout, book: Not
             key, list(flag.values), "Open MPI module parameter; JAX's distributed start-up replaces it"
         )
     else:
-        raise TranslationError(f"no handler for launch option role {role!r}", key=key)
+        raise TranslationError(
+            f"no handler for launch option role {role!r}",
+            key=key,
+            fix="report this launch option; its role has no translation rule",
+        )
 
 
 def _apply_num_proc(text: str, key: str, layout: Layout, book: NoteBook) -> None:
     if text.startswith("$"):
         book.approximated(key, text, "a shell variable; the world size is unknown, pass --world-size N")
         return
-    layout.world_size = as_int(text, key, minimum=1)
+    layout.world_size = as_int(text, key, minimum=1, maximum=MAX_PROCESSES)
     book.mapped(key, text, f"world size {layout.world_size} (extras.world_size); mesh.data fills the devices")
 
 

@@ -231,7 +231,9 @@ def _apply_op(key, value, shown, assumptions, settings: OptimizerSettings, book:
 def _apply_predivide(key, value, shown, assumptions, settings: OptimizerSettings, book: NoteBook) -> None:
     factor = as_float(value, key)
     if factor <= 0:
-        raise TranslationError(f"must be > 0, got {factor}", key=key)
+        raise TranslationError(
+            f"must be > 0, got {factor}", key=key, fix="use a positive gradient_predivide_factor, e.g. 1.0"
+        )
     if factor != 1.0 and settings.reduce_op != "mean":
         raise TranslationError(
             "gradient_predivide_factor needs op=Average (Horovod rejects it otherwise)",

@@ -17,7 +17,7 @@ from typing import Any
 
 from torsh_jax.errors import PlanError, TranslationError
 from torsh_jax.plan.io import plan_from_dict, plan_to_dict
-from torsh_jax.plan.spec import ParallelPlan
+from torsh_jax.plan.spec import MAX_BATCH_SIZE, ParallelPlan
 from torsh_jax.translate.result import Note, Notes, Status
 
 __all__ = [
@@ -28,9 +28,13 @@ __all__ = [
     "apply_plan_overrides",
     "plain",
     "as_int",
+    "MAX_PROCESSES",
     "as_float",
     "as_bool",
 ]
+
+#: Largest process count a launch line may ask for (no cluster has more).
+MAX_PROCESSES = 2**20
 
 #: First key segments that address the plan itself in ``--set``.
 PLAN_SECTIONS = tuple(f.name for f in dataclasses.fields(ParallelPlan))
@@ -142,8 +146,8 @@ def apply_plan_overrides(plan: ParallelPlan, overrides: dict[str, Any]) -> Paral
     return plan_from_dict(data)
 
 
-def as_int(value: Any, key: str, *, minimum: int = 0) -> int:
-    """``value`` as an int >= ``minimum`` (numeric strings accepted)."""
+def as_int(value: Any, key: str, *, minimum: int = 0, maximum: int = MAX_BATCH_SIZE) -> int:
+    """``value`` as an int in ``minimum..maximum`` (numeric strings accepted)."""
     number = value
     if isinstance(value, str):
         try:
@@ -153,7 +157,15 @@ def as_int(value: Any, key: str, *, minimum: int = 0) -> int:
     if isinstance(number, float) and math.isfinite(number) and number.is_integer():
         number = int(number)
     if not isinstance(number, int) or isinstance(number, bool) or number < minimum:
-        raise TranslationError(f"must be an integer >= {minimum}, got {plain(value)!r}", key=key)
+        raise TranslationError(
+            f"must be an integer >= {minimum}, got {plain(value)!r}",
+            key=key,
+            fix=f"use a whole number >= {minimum}",
+        )
+    if number > maximum:
+        raise TranslationError(
+            f"must be at most {maximum:,}, got {plain(value)!r}", key=key, fix=f"use at most {maximum}"
+        )
     return number
 
 
@@ -167,7 +179,9 @@ def as_float(value: Any, key: str, *, minimum: float = 0.0) -> float:
             number = None
     ok = isinstance(number, (int, float)) and not isinstance(number, bool)
     if not ok or not math.isfinite(number) or number < minimum:
-        raise TranslationError(f"must be a number >= {minimum}, got {plain(value)!r}", key=key)
+        raise TranslationError(
+            f"must be a number >= {minimum}, got {plain(value)!r}", key=key, fix=f"use a number >= {minimum}"
+        )
     return float(number)
 
 
@@ -182,4 +196,6 @@ def as_bool(value: Any, key: str) -> bool:
         return True
     if text in ("0", "false", "no", "off", ""):
         return False
-    raise TranslationError(f"must be a boolean (0/1, true/false), got {plain(value)!r}", key=key)
+    raise TranslationError(
+        f"must be a boolean (0/1, true/false), got {plain(value)!r}", key=key, fix="use 0/1 or true/false"
+    )

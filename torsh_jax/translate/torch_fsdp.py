@@ -47,7 +47,14 @@ from torsh_jax.translate.fsdp_args import (
     strategy_name,
 )
 from torsh_jax.translate.hvd_pyexpr import Unknown
-from torsh_jax.translate.overrides import PLAN_SECTIONS, NoteBook, apply_plan_overrides, as_bool, as_int
+from torsh_jax.translate.overrides import (
+    MAX_PROCESSES,
+    PLAN_SECTIONS,
+    NoteBook,
+    apply_plan_overrides,
+    as_bool,
+    as_int,
+)
 from torsh_jax.translate.result import TranslationResult
 
 __all__ = ["translate_torch_fsdp", "looks_like_fsdp", "calls_from_dict", "calls_from_python", "FsdpCall"]
@@ -180,7 +187,11 @@ def _note_precision(value: Any, key: str, st: _Settings, book: NoteBook) -> None
         book.mapped(key, value, f"precision.compute_dtype = precision.reduce_dtype = {dtype}")
         return
     if not isinstance(value, dict):
-        raise TranslationError(f"must be a MixedPrecision table, got {value!r}", key=key)
+        raise TranslationError(
+            f"must be a MixedPrecision table, got {value!r}",
+            key=key,
+            fix="pass MixedPrecision(param_dtype=..., reduce_dtype=...) or a table of its fields",
+        )
     _note_fields(value, key, st, book, value.get("__class__", "MixedPrecision"))
 
 
@@ -223,7 +234,7 @@ def _note_argument(name: str, value: Any, key: str, st: _Settings, book: NoteBoo
     elif name == "reshard_after_forward":
         _note_reshard(value, key, st, book)
     elif name == "devices_per_node":
-        st.set("devices_per_node", as_int(value, key, minimum=1), key)
+        st.set("devices_per_node", as_int(value, key, minimum=1, maximum=MAX_PROCESSES), key)
         book.mapped(key, value, "node size for hybrid sharding: fsdp ici size")
     else:
         _note_structural(name, value, key, book)
@@ -283,7 +294,9 @@ def _mesh(st: _Settings, world_size: int | None, book: NoteBook) -> MeshSpec:
     if world_size:
         if world_size % node:
             raise TranslationError(
-                f"world size {world_size} is not a multiple of {node}", key="devices_per_node"
+                f"world size {world_size} is not a multiple of {node}",
+                key="devices_per_node",
+                fix=f"use a world size that is a multiple of {node} devices per node",
             )
         nodes = world_size // node
     return MeshSpec(data=AxisSize(ici=1, dcn=nodes), fsdp=AxisSize(ici=node))
@@ -354,7 +367,11 @@ def translate_torch_fsdp(
         for name, value in call.arguments.items():
             _note_argument(name, value, f"{call.prefix}.{name}", st, book)
     if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
-        raise TranslationError(f"must be an integer >= 1, got {world_size!r}", key="world_size")
+        raise TranslationError(
+            f"must be an integer >= 1, got {world_size!r}",
+            key="world_size",
+            fix="pass --world-size as a positive integer (processes in the job)",
+        )
     api = calls[0].api
     name = "torch_fsdp" if label.startswith("<") else Path(label).stem
     plan = apply_plan_overrides(_plan(st, api, world_size, book, name), plan_overrides)

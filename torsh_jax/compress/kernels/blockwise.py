@@ -78,7 +78,9 @@ def _call_options(platform: str) -> dict:
 
 def _check_shape(method: str, n: int, block_size: int) -> None:
     if method not in ("int8", "int4", "sign"):
-        raise CompressionError(f"no blockwise kernel for {method!r}", key="method")
+        raise CompressionError(
+            f"no blockwise kernel for {method!r}", key="method", fix="use method int8, int4 or sign"
+        )
     parts = len(column_parts(method, block_size))
     if n % block_size or block_size % parts:
         raise CompressionError(

@@ -10,10 +10,10 @@ left out (they shard nothing).
 Example:
     >>> import jax, jax.numpy as jnp
     >>> from torsh_jax.plan import ParallelPlan
-    >>> from torsh_jax.parallel.mesh import build_mesh
+    >>> from torsh_jax.runtime.mesh import build_mesh
     >>> mesh = build_mesh(ParallelPlan(), jax.devices()[:1])
     >>> param_specs({"embed": {"embedding": jnp.zeros((256, 64))}}, ParallelPlan(), mesh)
-    {'embed': {'embedding': PartitionSpec(None, None)}}
+    {'embed': {'embedding': P(None, None)}}
 """
 
 from __future__ import annotations
@@ -26,15 +26,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from torsh_jax.errors import ShardingError
-from torsh_jax.parallel.mesh import mesh_shape_str
 from torsh_jax.plan.spec import ParallelPlan
+from torsh_jax.runtime.mesh import mesh_shape_str
 
 __all__ = [
     "path_str",
     "logical_dims",
     "param_specs",
     "named_shardings",
-    "batch_spec",
     "check_divisible",
     "is_boxed",
     "param_dims_from_metadata",
@@ -188,10 +187,3 @@ def param_specs(params: PyTree, plan: ParallelPlan, mesh: Mesh) -> PyTree:
 def named_shardings(specs: PyTree, mesh: Mesh) -> PyTree:
     """``NamedSharding`` for every ``PartitionSpec`` leaf of ``specs``."""
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-
-
-def batch_spec(mesh: Mesh, ndim: int = 1) -> P:
-    """Leading (batch) dim split over the data-parallel axes, the rest replicated."""
-    from torsh_jax.parallel.mesh import data_axes
-
-    return P(data_axes(mesh), *([None] * (ndim - 1)))

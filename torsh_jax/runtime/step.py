@@ -6,7 +6,7 @@ every collective; it is jitted once with donated state.
 Example:
     >>> import jax, jax.numpy as jnp, optax
     >>> from torsh_jax.plan import ParallelPlan, BatchSpec
-    >>> from torsh_jax.parallel.mesh import build_mesh
+    >>> from torsh_jax.runtime.mesh import build_mesh
     >>> plan = ParallelPlan(batch=BatchSpec(micro_batch_size=2))
     >>> mesh = build_mesh(plan, jax.devices()[:1])
     >>> loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
@@ -19,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,35 +30,24 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from torsh_jax.errors import NotSupportedYetError, ShardingError
-from torsh_jax.parallel.layered import LayeredModel
-from torsh_jax.parallel.mesh import data_axes, mesh_shape_str
-from torsh_jax.parallel.sharding import named_shardings, path_str
+from torsh_jax.errors import ShardingError
+from torsh_jax.plan.roles import compose
 from torsh_jax.plan.spec import ParallelPlan
-from torsh_jax.train.compression_check import check_compression
-from torsh_jax.train.offload import check_offload, host_shardings, to_device_memory
-from torsh_jax.train.precision import cast_tree
-from torsh_jax.train.programs import build_program
-from torsh_jax.train.state import TrainState
-from torsh_jax.train.update import scaler_for
+from torsh_jax.runtime.checks import check_supported
+from torsh_jax.runtime.layered import LayeredModel
+from torsh_jax.runtime.layout import StateLayout
+from torsh_jax.runtime.mesh import mesh_shape_str
+from torsh_jax.runtime.offload import check_offload, to_device_memory
+from torsh_jax.runtime.params import take_params
+from torsh_jax.runtime.precision import cast_tree
+from torsh_jax.runtime.program import build_program
+from torsh_jax.runtime.specs import path_str
+from torsh_jax.runtime.state import TrainState
+from torsh_jax.runtime.update import scaler_for
 
-__all__ = ["TrainStep", "make_train_step", "check_supported"]
+__all__ = ["TrainStep", "make_train_step"]
 
 PyTree = Any
-
-
-def check_supported(plan: ParallelPlan, mesh: Mesh) -> None:
-    """Raise :class:`NotSupportedYetError` for plan features this version cannot run."""
-    for axis in ("tensor", "stage"):
-        if mesh.shape[axis] > 1:
-            raise NotSupportedYetError(
-                f"the {axis} axis has size {mesh.shape[axis]} (mesh {mesh_shape_str(mesh)}); "
-                f"{'tensor' if axis == 'tensor' else 'pipeline'}-parallel train steps are not supported yet",
-                key=f"mesh.{axis}",
-                fix=f"set mesh.{axis} = 1 and use data/fsdp axes",
-            )
-    check_compression(plan, mesh)
-    check_offload(plan, mesh)
 
 
 def _validate_batch(batch: PyTree, *, global_batch: int, plan: ParallelPlan, mesh: Mesh) -> None:
@@ -117,6 +105,16 @@ class TrainStep:
         """``NamedSharding`` pytree of the state (after ``init`` was called)."""
         return self._built["shardings"]
 
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """What the step changes about the parameters it was given (dtype casts), one line each."""
+        return self._built.get("notes", ())
+
+    @property
+    def layout(self) -> StateLayout:
+        """The state layout (after ``init`` was called, or with ``example_params``)."""
+        return self._built["layout"]
+
     def lower(self, state: TrainState, batch: PyTree) -> jax.stages.Lowered:
         """Lower the step for ``state`` and a global ``batch`` (for inspection)."""
         return self._built["jitted"].lower(state, self.shard_batch(batch))
@@ -154,11 +152,11 @@ def make_train_step(
 
     Args:
         loss_fn: ``(params, batch) -> scalar mean loss`` over a batch, or a
-            :class:`~torsh_jax.parallel.layered.LayeredModel` (lets ZeRO-3
+            :class:`~torsh_jax.runtime.layered.LayeredModel` (lets ZeRO-3
             gather one layer at a time).
         optimizer: optax transformation.
         plan: the parallel plan.
-        mesh: from :func:`torsh_jax.parallel.mesh.build_mesh`.
+        mesh: from :func:`torsh_jax.runtime.mesh.build_mesh`.
         example_params: parameters (or ``jax.ShapeDtypeStruct`` s) to derive
             shardings from before ``init`` is called; default: from ``init``'s argument.
 
@@ -169,42 +167,47 @@ def make_train_step(
         NotSupportedYetError: the plan needs a strategy not built yet.
         ShardingError: a parameter or batch does not divide the mesh.
     """
-    check_supported(plan, mesh)
-    axes = data_axes(mesh)
-    dp_size = math.prod(mesh.shape[a] for a in axes)
-    global_batch = plan.batch.global_batch_size(dp_size)
-    batch_p = P(axes)
+    roles = compose(plan, mesh.shape)
+    check_supported(plan, roles)
+    check_offload(plan, mesh)
+    global_batch = plan.batch.global_batch_size(roles.batch_size)
     built: dict[str, Any] = {"traces": 0}
 
-    def build(params_like: PyTree) -> None:
-        program = build_program(loss_fn, optimizer, plan, mesh, params_like)
-
-        device_shardings = named_shardings(program.state_specs, mesh)
-        shardings = host_shardings(device_shardings, plan)
+    def build(params_like: PyTree, layout_plan: ParallelPlan) -> None:
+        program = build_program(loss_fn, optimizer, layout_plan, mesh, params_like)
+        layout = program.layout
+        device_shardings = layout.shardings(stored=False)
+        shardings = layout.shardings()
 
         def traced(state, batch):
             built["traces"] += 1
             return program.run(to_device_memory(state, device_shardings, plan), batch)
 
-        built["shardings"] = shardings
+        built.update(layout=layout, shardings=shardings)
         built["jitted"] = jax.jit(
             traced, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0
         )
-        built["init"] = jax.jit(_init_state(optimizer, plan, program.init_feedback), out_shardings=shardings)
+        built["init"] = jax.jit(_init_state(optimizer, plan, layout.init_feedback), out_shardings=shardings)
 
-    def ensure_built(params_like: PyTree) -> None:
+    def ensure_built(params_like: PyTree) -> PyTree:
+        """Plain parameters of ``params_like``; builds the step the first time."""
+        intake = take_params(params_like, plan, warn="jitted" not in built)
         if "jitted" not in built:
-            build(jax.eval_shape(lambda p: cast_tree(p, plan.precision.param_dtype), params_like))
+            built["notes"] = intake.notes
+            like = jax.eval_shape(lambda p: cast_tree(p, plan.precision.param_dtype), intake.params)
+            build(like, intake.plan)
+        return intake.params
 
     if example_params is not None:
         ensure_built(example_params)
 
     def init(params: PyTree) -> TrainState:
-        ensure_built(params)
-        return built["init"](params)
+        plain = ensure_built(params)
+        return built["init"](plain)
 
     def step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
-        ensure_built(state.params)
+        if "jitted" not in built:
+            ensure_built(state.params)
         return built["jitted"](state, train_step.shard_batch(batch))
 
     train_step = TrainStep(
@@ -212,7 +215,7 @@ def make_train_step(
         step=step,
         plan=plan,
         mesh=mesh,
-        batch_spec=batch_p,
+        batch_spec=P(roles.batch_axes),
         global_batch_size=global_batch,
         loss=loss_fn,
         _built=built,

@@ -3,9 +3,9 @@
 Example:
     >>> import jax, optax
     >>> from torsh_jax.demo.model import LMConfig, init_params, loss_fn, synthetic_tokens
-    >>> from torsh_jax.parallel.mesh import build_mesh
+    >>> from torsh_jax.runtime.mesh import build_mesh
     >>> from torsh_jax.plan import load_plan
-    >>> from torsh_jax.train.step import make_train_step
+    >>> from torsh_jax.runtime.step import make_train_step
     >>> cfg, plan = LMConfig(layers=1), load_plan("ddp")
     >>> train = make_train_step(loss_fn(cfg), optax.adamw(1e-3), plan, build_mesh(plan, jax.devices()[:1]))
     >>> state = train.init(init_params(cfg, jax.random.key(0)))
@@ -23,10 +23,10 @@ import numpy as np
 
 from torsh_jax.analysis import summarize
 from torsh_jax.analysis.theory import plan_theory
-from torsh_jax.parallel.layered import LayeredModel
-from torsh_jax.parallel.mesh import default_num_slices
-from torsh_jax.train.state import TrainState
-from torsh_jax.train.step import TrainStep
+from torsh_jax.runtime.layered import LayeredModel
+from torsh_jax.runtime.mesh import default_num_slices
+from torsh_jax.runtime.state import TrainState
+from torsh_jax.runtime.step import TrainStep
 
 __all__ = ["inspect_step", "headline"]
 
@@ -47,7 +47,10 @@ def inspect_step(train: TrainStep, state: TrainState, batch: Any) -> dict:
     """Summary of the compiled step: collectives, totals, memory and theory.
 
     See :func:`torsh_jax.analysis.summarize` for the keys; adds
-    ``param_count`` and ``plan``.
+    ``param_count``, ``plan``, ``roles`` (what each mesh axis does) and
+    ``state_bytes_per_device`` (from the state layout: ``step``, ``params``,
+    ``opt_state``, ``loss_scale``, ``feedback`` and ``total``) and ``notes``
+    (what the step changed about the parameters, e.g. a dtype cast).
     """
     compiled = train.lower(state, batch).compile()
     theory = plan_theory(
@@ -60,7 +63,16 @@ def inspect_step(train: TrainStep, state: TrainState, batch: Any) -> dict:
     summary = summarize(compiled, train.mesh, theory=theory)
     summary["param_count"] = _param_count(state.params)
     summary["plan"] = train.plan.name
+    summary["roles"] = train.layout.roles.describe()
+    summary["state_bytes_per_device"] = _state_bytes(train)
+    summary["notes"] = list(train.notes)
     return summary
+
+
+def _state_bytes(train: TrainStep) -> dict[str, int]:
+    """Bytes of each train-state field one device holds, from the state layout, and their total."""
+    parts = train.layout.bytes_per_device()
+    return {**parts, "total": sum(parts.values())}
 
 
 def headline(summary: dict) -> dict:

@@ -30,15 +30,7 @@ from jax.sharding import AxisType, Mesh
 from torsh_jax.errors import MeshError
 from torsh_jax.plan.spec import MESH_AXIS_ORDER, ParallelPlan, ResolvedMesh
 
-__all__ = ["build_mesh", "resolve_mesh", "data_axes", "mesh_shape_str", "default_num_slices"]
-
-#: Mesh axes that split the batch (and over which gradients are reduced).
-_DATA_AXES = ("data", "fsdp")
-
-
-def data_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The data-parallel axes of ``mesh`` (``data``, ``fsdp``) larger than 1."""
-    return tuple(a for a in _DATA_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+__all__ = ["build_mesh", "resolve_mesh", "mesh_shape_str", "default_num_slices"]
 
 
 def mesh_shape_str(mesh: Mesh) -> str:

@@ -23,9 +23,10 @@ import jax.numpy as jnp
 import optax
 
 from torsh_jax.plan.spec import ParallelPlan
-from torsh_jax.train.precision import cast_tree
-from torsh_jax.train.state import TrainState
-from torsh_jax.train.update import guarded_update, scaler_for
+from torsh_jax.runtime.params import take_params
+from torsh_jax.runtime.precision import cast_tree
+from torsh_jax.runtime.state import TrainState
+from torsh_jax.runtime.update import guarded_update, scaler_for
 
 __all__ = ["make_reference_step", "reference_gradients"]
 
@@ -57,7 +58,7 @@ def make_reference_step(loss_fn: Callable, optimizer: optax.GradientTransformati
     scaler = scaler_for(plan)
 
     def init(params: PyTree) -> TrainState:
-        params = cast_tree(params, plan.precision.param_dtype)
+        params = cast_tree(take_params(params, plan).params, plan.precision.param_dtype)
         scale_state = None if scaler is None else scaler.init()
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), scale_state)
 

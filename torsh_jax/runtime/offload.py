@@ -21,10 +21,10 @@ import jax
 from jax.sharding import Mesh
 
 from torsh_jax.errors import NotSupportedYetError
-from torsh_jax.parallel.mesh import mesh_shape_str
 from torsh_jax.plan.spec import ParallelPlan
+from torsh_jax.runtime.mesh import mesh_shape_str
 
-__all__ = ["HOST", "offloaded_parts", "check_offload", "host_shardings", "to_device_memory"]
+__all__ = ["HOST", "offloaded_parts", "check_offload", "to_device_memory"]
 
 HOST = "pinned_host"
 PyTree = Any
@@ -56,12 +56,6 @@ def check_offload(plan: ParallelPlan, mesh: Mesh) -> None:
             key=key,
             fix=f"set {key} = false on this backend",
         )
-
-
-def host_shardings(shardings: PyTree, plan: ParallelPlan) -> PyTree:
-    """The state's shardings with the offloaded fields in host memory."""
-    moved = {part: _with_kind(getattr(shardings, part), HOST) for part in offloaded_parts(plan)}
-    return shardings._replace(**moved)
 
 
 def to_device_memory(state: PyTree, shardings: PyTree, plan: ParallelPlan) -> PyTree:

@@ -1,0 +1,187 @@
+"""The ``torsh-jax`` command line as a user meets it: bad input gets one line with a ``Fix:``,
+results on stdout, progress on stderr, strict JSON, quiet closed pipes, ``--version``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torsh_jax.cli.main import main
+from torsh_jax.demo import host
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
+SMALL = ["--layers", "1", "--d-model", "16"]
+
+
+def _run(*args: str, cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torsh_jax", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+        input=stdin,
+    )
+
+
+def _strict_json(text: str) -> dict:
+    def refuse(constant: str):
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _error_line(capsys, argv: list[str]) -> str:
+    """Run ``argv`` in process; it must fail with one error line that has a Fix."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse rejects the value
+        code = exit_.code
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    assert out == ""
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert "error:" in last and "Fix:" in last, err
+    return last
+
+
+def test_version_and_python_dash_m(tmp_path):
+    from torsh_jax import __version__
+
+    proc = _run("--version", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"torsh-jax {__version__}"
+
+
+@pytest.mark.parametrize(
+    "argv, where",
+    [
+        (["demo", "--steps", "-1"], "--steps"),
+        (["demo", "--steps", "99999999999999999999999"], "--steps"),
+        (["demo", "--devices", "99999999999999999999"], "--devices"),
+        (["demo", "--devices", "0"], "--devices"),
+        (["demo", "--plan", "no_such_plan"], "--plan"),
+        (["inspect", "--devices", "-3"], "--devices"),
+        (["launch", "-n", "banana", "x.py"], "--num-processes"),
+        (["launch", "-n", "0", "x.py"], "--num-processes"),
+        (["translate", "x.json", "--world-size", "0"], "--world-size"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_are_one_line_with_a_fix(capsys, argv, where):
+    assert where in _error_line(capsys, argv)
+
+
+def _write(tmp_path: Path, name: str, content: str | bytes) -> str:
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "name, content, extra, says",
+    [
+        ("empty.json", "", [], "empty"),
+        ("blank.toml", "\n  \n", ["--as-plan"], "empty"),
+        ("latin1.json", b'{"train_batch_size": 8, "x": "\xff"}', [], "UTF-8"),
+        ("bad.toml", "mesh = [\n", ["--as-plan"], "not valid TOML"),
+        ("huge.json", '{"train_batch_size": 1e32}', ["--world-size", "8"], "at most"),
+        ("half.json", '{"train_batch_size": 16.5}', ["--world-size", "8"], "whole number"),
+        ("garbage.sh", "hvd. horovodrun mpirun -x -x -x -np -np\n", [], "no Horovod launch line"),
+        ("np.sh", "horovodrun -np 999999999999999999999999 python t.py\n", [], "at most"),
+        ("np2.sh", "horovodrun -np banana python t.py\n", [], "-np"),
+    ],
+)  # fmt: skip
+def test_bad_files_are_one_line_with_a_fix(capsys, tmp_path, name, content, extra, says):
+    path = _write(tmp_path, name, content)
+    if extra[:1] == ["--as-plan"]:
+        argv = ["inspect", "--plan", path]
+    else:
+        argv = ["translate", path, *extra]
+    line = _error_line(capsys, argv)
+    assert says in line
+    assert line.count(name) <= 1, "the file is never named twice"
+
+
+def test_output_into_a_missing_directory_is_an_error(capsys, tmp_path):
+    config = _write(tmp_path, "ds.json", '{"train_batch_size": 16}')
+    line = _error_line(
+        capsys, ["translate", config, "--world-size", "8", "-o", str(tmp_path / "no/dir/p.toml")]
+    )
+    assert "--output" in line and "does not exist" in line
+
+
+def test_batch_size_written_as_an_exact_float_is_accepted(capsys, tmp_path):
+    config = _write(tmp_path, "ds.json", '{"train_batch_size": 16.0}')
+    assert main(["translate", config, "--world-size", "8", "--format", "toml"]) == 0
+    assert "micro_batch_size = 2" in capsys.readouterr().out
+
+
+def test_set_takes_plan_fields_after_deepspeed_keys(capsys, tmp_path):
+    config = _write(tmp_path, "ds.json", '{"train_batch_size": 16, "zero_optimization": {"stage": 1}}')
+    argv = ["translate", config, "--world-size", "8", "--format", "json", "--set", "zero.stage=3",
+            "plan.optimizer.gradient_clipping=0.5", "optimizer.type=AdamW", "optimizer.params.lr=0.01"]  # fmt: skip
+    assert main(argv) == 0
+    data = _strict_json(capsys.readouterr().out)
+    assert data["plan"]["zero"]["stage"] == 3
+    assert data["plan"]["optimizer"]["gradient_clipping"] == 0.5
+    assert data["plan"]["optimizer"]["learning_rate"] == 0.01
+    notes = {n["key"]: n for n in data["notes"]}
+    assert notes["zero.stage"]["status"] == "mapped"
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    config = _write(tmp_path, "ds.json", '{"train_batch_size": 16}')
+    proc = subprocess.run(
+        f"{sys.executable} -m torsh_jax translate {config} --world-size 8 --format json | head -n 1",
+        shell=True, cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=120,
+    )  # fmt: skip
+    assert proc.stdout.strip() == "{"
+    assert proc.stderr == ""
+
+
+def test_simulated_devices_are_bounded_by_host_memory(monkeypatch, capsys):
+    monkeypatch.setattr(host, "available_memory_bytes", lambda: 4 * 2**30)
+    limit = host.simulated_device_limit()
+    assert 100 < limit < 1000
+    line = _error_line(capsys, ["demo", "--devices", str(limit + 1), "--steps", "1"])
+    assert f"at most {limit:,}" in line and "GiB" in line
+
+
+def test_demo_zero_steps_compiles_reports_and_trains_nothing(capsys):
+    assert main(["demo", "--plan", "zero2", "--devices", "2", "--steps", "0", "--json", *SMALL]) == 0
+    out, err = capsys.readouterr()
+    summary = _strict_json(out.strip().splitlines()[-1])
+    assert summary["steps"] == 0 and summary["final_loss"] is None
+    assert summary["memory_per_device_bytes"] > 0 and summary["wire_bytes_per_step"] > 0
+    assert err == "", "--json keeps stderr quiet"
+
+
+def test_demo_progress_goes_to_stderr_as_whole_plain_lines(capsys):
+    assert main(["demo", "--plan", "ddp", "--devices", "2", "--steps", "2", *SMALL]) == 0
+    out, err = capsys.readouterr()
+    assert "compiling the train step" in err
+    steps = [line for line in err.splitlines() if "step 2/2" in line]
+    assert len(steps) == 1 and steps[0].endswith("/device"), err
+    assert "\x1b" not in err, "no terminal control codes when stderr is not a terminal"
+    assert "compiling" not in out and "final loss" in out and "KiB" in out
+
+
+def test_plan_errors_come_before_any_progress(capsys):
+    assert main(["demo", "--plan", "no_such_plan"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("torsh-jax demo: error: --plan:"), err
+
+
+def test_inspect_text_uses_binary_units(capsys):
+    assert main(["inspect", "--plan", "zero1", "--devices", "2", *SMALL]) == 0
+    out, err = capsys.readouterr()
+    assert "KiB" in out and " kB" not in out and " MB" not in out
+    assert "compiling" in err and "compiling" not in out

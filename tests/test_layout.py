@@ -1,0 +1,54 @@
+"""The state layout answers for every preset without a loss function, and holds what the step holds."""
+
+from __future__ import annotations
+
+import jax
+import optax
+import pytest
+from conftest import require_devices
+from helpers import SMALL
+
+from torsh_jax.demo.model import init_params, layered_model, synthetic_tokens
+from torsh_jax.plan import load_plan
+from torsh_jax.plan.presets import names
+from torsh_jax.runtime.inspect import inspect_step
+from torsh_jax.runtime.layout import state_layout
+from torsh_jax.runtime.mesh import build_mesh
+from torsh_jax.runtime.step import make_train_step
+
+PRESETS = names("meshes")
+
+
+def _largest_shard(x: jax.Array) -> int:
+    return max(shard.data.nbytes for shard in x.addressable_shards)
+
+
+def _held_bytes(state) -> dict[str, int]:
+    """Bytes per device of each state field, read from the arrays' shards."""
+    return {
+        part: sum(_largest_shard(x) for x in jax.tree.leaves(value))
+        for part, value in state._asdict().items()
+    }
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_layout_of_every_preset_equals_what_the_step_holds(preset):
+    require_devices(8)
+    plan = load_plan(preset)
+    mesh = build_mesh(plan)
+    params = init_params(SMALL, jax.random.key(0))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    optimizer = optax.adamw(1e-3)
+    layout = state_layout(plan, mesh, abstract, optimizer)  # no loss function
+
+    train = make_train_step(layered_model(SMALL), optimizer, plan, mesh)
+    state = train.init(params)
+    assert jax.tree.map(lambda x: x.sharding, state) == layout.shardings()
+    assert layout.bytes_per_device() == _held_bytes(state)
+
+    batch = synthetic_tokens(SMALL, batch_size=train.global_batch_size, seed=0)
+    report = inspect_step(train, state, batch)
+    reported = report["state_bytes_per_device"]
+    assert reported == {**_held_bytes(state), "total": sum(_held_bytes(state).values())}
+    batch_bytes = sum(_largest_shard(x) for x in jax.tree.leaves(train.shard_batch(batch)))
+    assert report["memory"]["argument_bytes"] == reported["total"] + batch_bytes

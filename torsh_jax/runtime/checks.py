@@ -1,0 +1,122 @@
+"""What the train step can run: checks that read the plan's axis roles.
+
+* Tensor and pipeline roles (``tensor``, ``stage`` > 1) are not built yet.
+* Gradients may be compressed over every batch axis, in every mode; ZeRO-3
+  reduces ``fsdp`` gradients inside the backward pass, which keeps no state
+  (no error feedback, no warm-up, nearest rounding).
+* Weights are compressed only where they are gathered: ZeRO-3 over ``fsdp``.
+* No dynamic loss scaling with compressed gradients (a skipped step would
+  corrupt the error feedback).
+* The plan's rules may not split a parameter over a batch axis (``data``,
+  ``fsdp``): those split the batch, and ZeRO picks each parameter's ``fsdp`` dim.
+
+Example:
+    >>> import jax
+    >>> from torsh_jax.plan import plan_from_dict
+    >>> from torsh_jax.plan.roles import compose
+    >>> plan = plan_from_dict({"compression": [{"axis": "data", "gradients": "int8"}]})
+    >>> check_supported(plan, compose(plan, {"data": 1, "stage": 1, "fsdp": 1, "tensor": 1}))
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from torsh_jax.compress.collectives import WEIGHT_METHODS
+from torsh_jax.errors import NotSupportedYetError, ShardingError
+from torsh_jax.plan.roles import Roles
+from torsh_jax.plan.spec import ParallelPlan
+
+__all__ = ["check_supported", "check_param_axes", "mesh_shape_text"]
+
+
+def mesh_shape_text(roles: Roles) -> str:
+    """``data=8, stage=1, ...``: the mesh shape for messages."""
+    return ", ".join(f"{a}={s}" for a, s in roles.mesh_shape.items())
+
+
+def _check_roles(roles: Roles) -> None:
+    for axis, size in roles.unsupported:
+        what = "tensor-parallel" if axis == "tensor" else "pipeline-parallel"
+        raise NotSupportedYetError(
+            f"the {axis} axis has size {size} (mesh {mesh_shape_text(roles)}); {what} train steps are "
+            "not supported yet",
+            key=f"mesh.{axis}",
+            fix=f"set mesh.{axis} = 1 and use data/fsdp axes",
+        )
+
+
+def _section_index(plan: ParallelPlan, axis: str) -> int:
+    return next(i for i, c in enumerate(plan.compression) if c.axis == axis)
+
+
+def _check_weights(plan: ParallelPlan, roles: Roles) -> None:
+    for axis, spec in roles.weight_compression.items():
+        key = f"compression[{_section_index(plan, axis)}].weights"
+        if roles.zero_stage != 3 or axis != roles.shard_axis:
+            raise NotSupportedYetError(
+                f"weight compression over {axis!r} under {roles.kind} (mesh {mesh_shape_text(roles)}): only "
+                "ZeRO-3 all-gathers weights, over fsdp",
+                key=key,
+                fix="remove `weights`, or use zero.stage = 3 with the section on axis = 'fsdp'",
+            )
+        if spec.method not in WEIGHT_METHODS:
+            raise NotSupportedYetError(
+                f"method {spec.method!r} cannot compress weight all-gathers",
+                key=f"{key}.method",
+                fix=f"use one of {list(WEIGHT_METHODS)}",
+            )
+
+
+def _check_stateless_gradients(plan: ParallelPlan, roles: Roles) -> None:
+    """ZeRO-3's fsdp gradients are reduced in the backward pass: no feedback, warm-up counter or key."""
+    spec = roles.gradient_compression.get(roles.shard_axis) if roles.zero_stage == 3 else None
+    if spec is None:
+        return
+    rules = (
+        ("error_feedback", spec.error_feedback, "set error_feedback = false"),
+        ("warmup_steps", spec.warmup_steps != 0, "set warmup_steps = 0"),
+        ("rounding", spec.rounding != "nearest", "set rounding = 'nearest'"),
+    )
+    for field, broken, fix in rules:
+        if broken:
+            raise NotSupportedYetError(
+                "ZeRO-3 reduces fsdp gradients inside the backward pass, which keeps no state; "
+                f"{field} needs state",
+                key=f"compression[{_section_index(plan, roles.shard_axis)}].gradients.{field}",
+                fix=f"{fix}, or compress the data axis (HSDP) instead",
+            )
+
+
+def check_supported(plan: ParallelPlan, roles: Roles) -> None:
+    """Raise :class:`NotSupportedYetError` for what this version cannot run on this composition."""
+    _check_roles(roles)
+    _check_weights(plan, roles)
+    if roles.gradient_compression and plan.precision.loss_scale.mode != "none":
+        raise NotSupportedYetError(
+            "compressed gradients with dynamic loss scaling: skipped steps would corrupt the error feedback",
+            key="precision.loss_scale",
+            fix="use bfloat16 compute without loss scaling, or remove the gradient compression",
+        )
+    _check_stateless_gradients(plan, roles)
+
+
+def check_param_axes(compute_specs, roles: Roles) -> None:
+    """Raise :class:`ShardingError` when a rule splits a parameter over a batch axis."""
+    batch = set(roles.batch_axes)
+
+    def one(path, spec: P) -> None:
+        for dim, entry in enumerate(spec):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            used = sorted(batch.intersection(axes))
+            if used:
+                raise ShardingError(
+                    f"dim {dim} is split over the batch axis {used[0]!r} by the plan's rules "
+                    f"(mesh {mesh_shape_text(roles)}); batch axes split the batch, and ZeRO picks "
+                    "the dim each parameter is sharded along over fsdp",
+                    key=jax.tree_util.keystr(path, simple=True, separator="/"),
+                    fix="map the parameter's logical names to 'tensor' or to no axis in the plan's rules",
+                )
+
+    jax.tree_util.tree_map_with_path(one, compute_specs, is_leaf=lambda x: isinstance(x, P))

@@ -1,0 +1,206 @@
+"""The shard role: ZeRO shards the state over ``fsdp`` and gathers parameters on use.
+
+Stage 1: ``opt[D/fsdp]``; stage 2: also ``dW[D/fsdp]``; stage 3: also
+``W[D/fsdp]``, all-gathered on use (per layer of a :class:`LayeredModel`) with
+the gradient reduce-scattered in the gather's backward pass.
+
+A parameter is sharded along its largest dim that divides the ``fsdp`` size
+and is neither the stacked layer dim nor already split by another mesh axis;
+a parameter with no such dim, or with fewer elements than
+``zero.persistence_threshold``, stays replicated (its gradient is
+all-reduced instead of reduce-scattered).
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from torsh_jax.plan import plan_from_dict
+    >>> from torsh_jax.runtime.mesh import build_mesh
+    >>> plan = plan_from_dict({"mesh": {"data": 1, "fsdp": -1}, "zero": {"stage": 3}})
+    >>> mesh = build_mesh(plan, jax.devices()[:8])
+    >>> shard_dims({"layers": {"wq": jnp.zeros((2, 64, 4, 16)), "b": jnp.zeros((2, 3))}}, plan, mesh)
+    {'layers': {'b': None, 'wq': 1}}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from torsh_jax.compress import compressed_all_gather
+from torsh_jax.compress.factory import length_unit
+from torsh_jax.plan.roles import SHARD_AXIS, Roles, compose
+from torsh_jax.plan.spec import CompressorSpec, ParallelPlan
+from torsh_jax.runtime.layered import LayeredModel, scan_layers, split_params
+from torsh_jax.runtime.specs import logical_dims, param_specs, path_str
+from torsh_jax.runtime.sync import SyncSpec, sync_leaf
+
+__all__ = ["shard_dims", "sharded_specs", "all_gather_params", "gathered_loss", "GATHERED"]
+
+PyTree = Any
+FSDP = SHARD_AXIS
+#: Name given to gathered parameters, for remat policies.
+GATHERED = "torsh_gathered_param"
+
+
+def _pick_dim(shape, names, spec: P, size: int, stacked: bool) -> int | None:
+    best = None
+    for dim, length in enumerate(shape):
+        taken = dim < len(spec) and spec[dim] is not None
+        if (stacked and dim == 0) or names[dim] == "layers" or taken or length % size:
+            continue
+        if best is None or length > shape[best]:
+            best = dim
+    return best
+
+
+def shard_dims(
+    params: PyTree,
+    plan: ParallelPlan,
+    mesh: Mesh,
+    *,
+    roles: Roles | None = None,
+    specs: PyTree = None,
+    stacked_key: str = "layers",
+) -> PyTree:
+    """Per parameter leaf: the dim sharded over ``fsdp``, or ``None`` (replicated).
+
+    Leaves under the top-level ``stacked_key`` (a :class:`LayeredModel`'s
+    stacked layers) are never split along dim 0, the layer dim.
+    """
+    roles = roles or compose(plan, mesh.shape)
+    specs = param_specs(params, plan, mesh) if specs is None else specs
+    size = mesh.shape[FSDP]
+    threshold = max(plan.zero.persistence_threshold, 1)
+
+    def one(path, leaf, spec):
+        shape = tuple(leaf.shape)
+        if roles.shard_axis is None or int(np.prod(shape)) < threshold:
+            return None
+        stacked = bool(path) and path_str(path[:1]) == stacked_key
+        return _pick_dim(shape, logical_dims(path_str(path), leaf, plan), spec, size, stacked)
+
+    return jax.tree_util.tree_map_with_path(one, params, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def sharded_specs(base_specs: PyTree, dims: PyTree) -> PyTree:
+    """``base_specs`` with ``fsdp`` added at each leaf's shard dim."""
+
+    def one(spec: P, dim: int | None) -> P:
+        entries = list(spec)
+        if dim is not None:
+            entries[dim] = FSDP
+        return P(*entries)
+
+    return jax.tree.map(one, base_specs, dims, is_leaf=lambda x: isinstance(x, P))
+
+
+def all_gather_params(shards: PyTree, dims: PyTree) -> PyTree:
+    """All-gather every sharded leaf over ``fsdp`` along its shard dim (inside ``shard_map``)."""
+
+    def one(shard, dim):
+        return shard if dim is None else jax.lax.all_gather(shard, FSDP, axis=dim, tiled=True)
+
+    return jax.tree.map(one, shards, dims, is_leaf=lambda x: x is None)
+
+
+def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+def _compressed_gather(shard: jax.Array, dim: int, spec: CompressorSpec) -> jax.Array:
+    """All-gather ``shard`` along ``dim`` over ``fsdp`` with a compressed payload."""
+    size = jax.lax.axis_size(FSDP)
+    row = jnp.moveaxis(shard, dim, 0).reshape(-1).astype(jnp.float32)
+    m, unit = row.shape[0], length_unit(spec)
+    padded = jnp.pad(row, (0, -(-m // unit) * unit - m))
+    rows = compressed_all_gather(padded, spec=spec, axis_name=FSDP, axis_size=size).reshape(size, -1)
+    full = rows[:, :m].reshape(size * shard.shape[dim], *jnp.moveaxis(shard, dim, 0).shape[1:])
+    return jnp.moveaxis(full, 0, dim)
+
+
+def make_gather(dim: int | None, plan: ParallelPlan, backward: SyncSpec, weights: CompressorSpec | None):
+    """Gather-on-use of a parameter sharded along ``dim`` (``None``: replicated).
+
+    Forward: ``W_shard -> W`` in the compute dtype (compressed when ``weights``).
+    Backward: ``dW`` in the reduction dtype through :func:`~torsh_jax.runtime.sync.sync_leaf`
+    (reduce-scatter over ``fsdp``, sum over the other non-deferred axes), returned in the parameter dtype.
+    """
+    precision = plan.precision
+    spec = backward if dim is not None else backward._replace(scatter_axis=None)
+    replicas = tuple(a for a in backward.axes if a != FSDP)
+
+    def forward(shard: jax.Array) -> jax.Array:
+        full = shard.astype(precision.compute_dtype)
+        if dim is None:
+            return _vary(full, backward.axes)
+        if weights is not None:  # the compressed gather is typed as replicated over fsdp
+            return _vary(
+                _compressed_gather(shard, dim, weights).astype(precision.compute_dtype), (*replicas, FSDP)
+            )
+        return _vary(jax.lax.all_gather(full, FSDP, axis=dim, tiled=True), replicas)
+
+    def grad(g: jax.Array) -> jax.Array:
+        return sync_leaf(g.astype(precision.reduce_dtype), dim, spec).astype(precision.param_dtype)
+
+    @jax.custom_vjp
+    def gather(shard):
+        return forward(shard)
+
+    gather.defvjp(lambda shard: (forward(shard), None), lambda _, g: (grad(g),))
+    return gather
+
+
+def _weights(plan: ParallelPlan) -> CompressorSpec | None:
+    section = plan.compression_for(FSDP)
+    spec = None if section is None else section.weights
+    return spec if spec is not None and spec.method != "none" else None
+
+
+def _gather_tree(shards: PyTree, dims: PyTree, plan: ParallelPlan, backward: SyncSpec) -> PyTree:
+    weights = _weights(plan)
+
+    def one(shard, dim):
+        return checkpoint_name(make_gather(dim, plan, backward, weights)(shard), GATHERED)
+
+    return jax.tree.map(one, shards, dims, is_leaf=lambda x: x is None)
+
+
+def _remat(fn: Callable, plan: ParallelPlan) -> Callable:
+    """Re-gather in the backward pass (``reshard_after_forward``): recompute from the shards."""
+    if not plan.zero.reshard_after_forward:
+        return fn
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+
+
+def _layer_dims(dims: PyTree) -> PyTree:
+    """Shard dims of one layer's slice of stacked parameters (the layer dim is gone)."""
+    return jax.tree.map(lambda d: None if d is None else d - 1, dims, is_leaf=lambda x: x is None)
+
+
+def gathered_loss(loss, plan: ParallelPlan, dims: PyTree, *, backward: SyncSpec) -> Callable:
+    """ZeRO-3: ``loss(shards, batch)`` that gathers parameters on use.
+
+    A :class:`LayeredModel` gathers one layer at a time inside the layer scan
+    (embed and head stay gathered through the backward pass, like FSDP's root
+    module); a plain loss gathers every leaf before use.
+    """
+    gather = lambda shards, d: _gather_tree(shards, d, plan, backward)
+    if not isinstance(loss, LayeredModel):
+        return _remat(lambda shards, batch: loss(gather(shards, dims), batch), plan)
+    model = loss
+
+    def layered(shards, batch):
+        embed_s, stacked_s, head_s = split_params(model, shards)
+        embed_d, stacked_d, head_d = split_params(model, dims)
+        layer = _remat(lambda s, h: model.layer(gather(s, _layer_dims(stacked_d)), h), plan)
+        hidden = model.embed(gather(embed_s, embed_d), batch)
+        hidden = scan_layers(layer, stacked_s, hidden)
+        return model.head(gather(head_s, head_d), hidden, batch)
+
+    return layered

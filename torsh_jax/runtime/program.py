@@ -1,0 +1,163 @@
+"""The one step shape every composition of axis roles runs.
+
+``shard_map(local gradients -> sync) -> optax update on the update layout -> stored layout``
+
+1. Inside one ``shard_map`` over the whole mesh, every device computes its
+   gradients (gathering sharded parameters on use at ZeRO-3) and synchronises
+   them (:mod:`torsh_jax.runtime.sync`): all collectives are placed here.
+2. The optax update runs on the update layout (sharded from ZeRO stage 1 on),
+   so global norms and trust ratios see the whole model.
+3. Updated parameters return to the stored layout: ZeRO-1/2 all-gather them
+   over ``fsdp``; DDP and ZeRO-3 store them as updated.
+
+Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from torsh_jax.plan import load_plan
+    >>> from torsh_jax.runtime.mesh import build_mesh
+    >>> plan = load_plan("ddp")
+    >>> loss = lambda p, b: jnp.mean((b @ p["w"]) ** 2)
+    >>> program = build_program(loss, optax.sgd(0.1), plan, build_mesh(plan, jax.devices()[:1]),
+    ...                         {"w": jnp.zeros((3, 1))})
+    >>> program.layout.roles.kind
+    'ddp'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from torsh_jax.plan.spec import ParallelPlan
+from torsh_jax.runtime.accumulate import local_gradients
+from torsh_jax.runtime.data_parallel import backward_sync, batch_specs, mark_varying
+from torsh_jax.runtime.fsdp import all_gather_params, gathered_loss
+from torsh_jax.runtime.layered import LayeredModel, layered_loss
+from torsh_jax.runtime.layout import StateLayout, state_layout
+from torsh_jax.runtime.precision import cast_tree
+from torsh_jax.runtime.state import TrainState
+from torsh_jax.runtime.sync import sync_gradients
+from torsh_jax.runtime.update import guarded_update, scaler_for
+
+__all__ = ["Program", "build_program", "gradient_program"]
+
+PyTree = Any
+LossOrModel = Callable[[PyTree, PyTree], jax.Array] | LayeredModel
+
+
+class Program(NamedTuple):
+    """A plan's state layout and per-step function (to be jitted)."""
+
+    layout: StateLayout
+    run: Callable[[TrainState, PyTree], tuple[TrainState, dict]]
+
+
+def _accumulate(plan: ParallelPlan, loss_fn, params, batch, scale, per_step=None):
+    precision = plan.precision
+    return local_gradients(
+        loss_fn,
+        params,
+        batch,
+        steps=plan.batch.accumulation_steps,
+        reduce=plan.batch.accumulation_reduce,
+        accum_dtype=jax.numpy.dtype(precision.param_dtype),
+        per_step=per_step,
+        loss_scale=scale,
+    )
+
+
+def gradient_program(loss: LossOrModel, plan: ParallelPlan, layout: StateLayout) -> Callable:
+    """Per device: ``(stored params, local batch, scale, feedback, step) -> (grads, mean loss, feedback)``.
+
+    The gradients come back synchronised, in the update layout and the plan's parameter dtype.
+    """
+    roles, sync, precision = layout.roles, layout.sync, plan.precision
+    if roles.zero_stage == 3:
+        loss_fn = gathered_loss(loss, plan, layout.dims, backward=backward_sync(plan, roles))
+        vary = sync.axes  # only the deferred (compressed) replica axes are left to sync
+    else:
+        loss_fn = layered_loss(loss) if isinstance(loss, LayeredModel) else loss
+        vary = roles.batch_axes
+    per_micro_step = roles.zero_stage == 2 and not sync.routes
+
+    def reduce(grads, feedback, step):
+        grads = cast_tree(grads, precision.reduce_dtype)
+        return sync_gradients(grads, feedback, spec=sync, dims=layout.dims, step=step)
+
+    def program(params, batch, scale=None, feedback=(), step=None):
+        if roles.zero_stage != 3:
+            params = cast_tree(params, precision.compute_dtype)
+        per_step = (lambda g: reduce(g, (), None)[0]) if per_micro_step else None
+        grads, value = _accumulate(plan, loss_fn, mark_varying(params, vary), batch, scale, per_step)
+        if sync.axes and not per_micro_step:
+            grads, feedback = reduce(grads, feedback, step)
+        return cast_tree(grads, precision.param_dtype), jax.lax.pmean(value, roles.batch_axes), feedback
+
+    return program
+
+
+def _to_stored(layout: StateLayout, mesh: Mesh) -> Callable[[PyTree], PyTree]:
+    """Updated parameters (update layout) -> stored layout: ZeRO-1/2 all-gather over ``fsdp``."""
+    if layout.update is layout.state.params:
+        return lambda params: params
+    # all_gather results are typed per-device; they are replicated by construction.
+    return jax.shard_map(
+        lambda s: all_gather_params(s, layout.dims),
+        mesh=mesh,
+        in_specs=(layout.update,),
+        out_specs=layout.state.params,
+        check_vma=False,
+    )
+
+
+def build_program(
+    loss: LossOrModel,
+    optimizer: optax.GradientTransformation,
+    plan: ParallelPlan,
+    mesh: Mesh,
+    params_like: PyTree,
+) -> Program:
+    """The step of ``plan`` on ``mesh`` for ``loss``.
+
+    Args:
+        loss: ``loss_fn(params, batch)`` or a :class:`LayeredModel`.
+        optimizer: optax transformation.
+        plan: the plan.
+        mesh: the mesh.
+        params_like: parameters or their shapes (in the plan's param dtype).
+    """
+    stacked = loss.layers_key if isinstance(loss, LayeredModel) else "layers"
+    layout = state_layout(plan, mesh, params_like, optimizer, stacked_key=stacked)
+    grads_of = gradient_program(loss, plan, layout)
+    fb_specs = () if layout.state.feedback is None else layout.state.feedback
+    update_shardings = jax.tree.map(
+        lambda s: jax.sharding.NamedSharding(mesh, s), layout.update, is_leaf=lambda x: isinstance(x, P)
+    )
+    to_stored = _to_stored(layout, mesh)
+    scaler = scaler_for(plan)
+
+    def run(state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
+        program = jax.shard_map(
+            grads_of,
+            mesh=mesh,
+            in_specs=(layout.state.params, batch_specs(batch, layout.roles), P(), fb_specs, P()),
+            out_specs=(layout.update, P(), fb_specs),
+        )
+        scale = None if scaler is None else state.loss_scale.scale
+        feedback = () if state.feedback is None else state.feedback
+        grads, loss_value, feedback = program(state.params, batch, scale, feedback, state.step)
+        # this device's slice of the stored parameters: no communication
+        params = jax.lax.with_sharding_constraint(state.params, update_shardings)
+        update = guarded_update(
+            optimizer, grads, state.opt_state, params, scaler=scaler, scale_state=state.loss_scale
+        )
+        new_state = update.advance(state, to_stored(update.params))
+        if layout.state.feedback is not None:
+            new_state = new_state._replace(feedback=feedback)
+        return new_state, {"loss": loss_value, **update.metrics}
+
+    return Program(layout, run)
