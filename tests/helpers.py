@@ -11,6 +11,7 @@ from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.step import make_train_step
 from torsh_jax.runtime.twin import make_reference_step
 from torsh_jax.runtime.verify import compare_with_twin, record_gradients
+from torsh_jax.tensor import tensor_axis
 
 SMALL = LMConfig(vocab=64, d_model=32, heads=2, head_dim=16, mlp=64, layers=2, seq_len=16)
 
@@ -23,8 +24,9 @@ def twin_report(plan: ParallelPlan, *, devices=None, steps: int = 5, cfg: LMConf
     """Run ``plan`` and its single-device twin for ``steps`` steps on the demo model."""
     optimizer = optimizer or recording_optimizer()
     mesh = build_mesh(plan, devices)
-    train = make_train_step(layered_model(cfg), optimizer, plan, mesh)
-    twin = make_reference_step(loss_fn(cfg), optimizer, plan)
+    tp = tensor_axis(plan)
+    train = make_train_step(layered_model(cfg, tp=tp), optimizer, plan, mesh)
+    twin = make_reference_step(loss_fn(cfg, tp=tp), optimizer, plan)
     params = init_params(cfg, jax.random.key(0))
     batches = [synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=i) for i in range(steps)]
     return compare_with_twin(tuple(train), twin, params, batches), train

@@ -100,17 +100,31 @@ def _totals(found: list[Collective]) -> dict:
     }
 
 
+def _covered(key: str, axes: set[str]) -> bool:
+    """Whether collectives over the axes of ``key`` are ones the theory models."""
+    return key == "-" or (key != "?" and set(key.split("+")) <= axes)
+
+
 def _theory_section(theory: Theory | None, totals: dict) -> dict | None:
+    """The theory with measured/theory ratios over the axes it models (its data-parallel axes).
+
+    Collectives over other axes (``tensor`` activations) are left out of the
+    ratios and reported as ``other_axes_wire_bytes``.
+    """
     if theory is None:
         return None
     section = theory.to_dict()
+    axes = {a for c in theory.collectives for a in c.axes} or {"data", "fsdp"}
+    covered = {k: v for k, v in totals["by_axis"].items() if _covered(k, axes)}
     # Ratios use the data's own dtype: the CPU backend widens bf16/f16 collectives to f32
     # (``wire_ratio_as_compiled`` keeps the widened figure).
-    measured = totals["unwidened_wire_bytes"]
+    measured = sum(v["unwidened_wire_bytes"] for v in covered.values())
+    as_compiled = sum(v["wire_bytes"] for v in covered.values())
     section["wire_ratio"] = measured / theory.wire_bytes if theory.wire_bytes else None
-    section["wire_ratio_as_compiled"] = (
-        totals["wire_bytes"] / theory.wire_bytes if theory.wire_bytes else None
-    )
+    section["wire_ratio_as_compiled"] = as_compiled / theory.wire_bytes if theory.wire_bytes else None
+    section["other_axes_wire_bytes"] = {
+        k: v["wire_bytes"] for k, v in totals["by_axis"].items() if not _covered(k, axes)
+    }
     section["payload_ratio_by_kind"] = {
         kind: totals["by_kind"].get(kind, {}).get("unwidened_payload_bytes", 0) / want
         for kind, want in theory.payload_bytes_by_kind.items()

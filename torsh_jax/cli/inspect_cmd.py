@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from torsh_jax.runtime.inspect import inspect_step
     from torsh_jax.runtime.mesh import build_mesh
     from torsh_jax.runtime.step import make_train_step
+    from torsh_jax.tensor.axis import tensor_axis
 
     plan = load_plan(args.plan, key="--plan")
     if not args.json:  # stdout carries the report only; say on stderr what takes time
@@ -49,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
         )
     mesh = build_mesh(plan, select_devices(args.devices))
     cfg = model_config(DemoConfig(layers=args.layers, d_model=args.d_model))
-    train = make_train_step(layered_model(cfg), build_optimizer(plan.optimizer), plan, mesh)
+    model = layered_model(cfg, tp=tensor_axis(plan))
+    train = make_train_step(model, build_optimizer(plan.optimizer), plan, mesh)
     state = train.init(init_params(cfg, jax.random.key(0)))
     summary = inspect_step(train, state, synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=0))
     print(json_text(summary) if args.json else render_text(summary))

@@ -25,7 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from torsh_jax import tensor
 from torsh_jax.runtime.layered import LayeredModel, layered_loss
+from torsh_jax.tensor.axis import TensorAxis
 
 __all__ = ["LMConfig", "init_params", "layered_model", "loss_fn", "synthetic_tokens", "param_count"]
 
@@ -49,53 +51,59 @@ def _rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 class Embed(nn.Module):
+    """Token (vocabulary-parallel) plus position embedding; split on the sequence under SP."""
+
     cfg: LMConfig
+    tp: TensorAxis = TensorAxis()
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.cfg
-        table = self.param("embedding", nn.initializers.normal(0.02), (cfg.vocab, cfg.d_model))
+        table = self.param(
+            "embedding", nn.initializers.normal(0.02), (cfg.vocab // self.tp.size(), cfg.d_model)
+        )
         pos = self.param("position", nn.initializers.normal(0.02), (cfg.seq_len, cfg.d_model))
-        return table[tokens] + pos[: tokens.shape[-1]]
+        x = tensor.embed(tokens, table, tp=self.tp) + pos[: tokens.shape[-1]]
+        return self.tp.split_sequence(x)
 
 
 class Block(nn.Module):
-    """Pre-norm causal self-attention and MLP: ``x[B, T, D] -> x[B, T, D]``."""
+    """Pre-norm causal self-attention and MLP: ``x[B, T, D] -> x[B, T, D]``.
+
+    Heads and MLP features are split over the tensor axis (Megatron column/row pairs).
+    """
 
     cfg: LMConfig
+    tp: TensorAxis = TensorAxis()
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
         dense = nn.initializers.lecun_normal()
-        qkv_shape = (cfg.d_model, cfg.heads, cfg.head_dim)
+        heads, mlp = cfg.heads // self.tp.size(), cfg.mlp // self.tp.size()  # this device's share
+        qkv_shape = (cfg.d_model, heads, cfg.head_dim)
         wq, wk, wv = (self.param(n, dense, qkv_shape) for n in ("wq", "wk", "wv"))
-        wo = self.param("wo", dense, (cfg.heads, cfg.head_dim, cfg.d_model))
-        w_in = self.param("w_in", dense, (cfg.d_model, cfg.mlp))
-        w_out = self.param("w_out", dense, (cfg.mlp, cfg.d_model))
+        wo = self.param("wo", dense, (heads, cfg.head_dim, cfg.d_model))
+        w_in = self.param("w_in", dense, (cfg.d_model, mlp))
+        w_out = self.param("w_out", dense, (mlp, cfg.d_model))
         attn_norm = self.param("attn_norm", nn.initializers.ones, (cfg.d_model,))
         mlp_norm = self.param("mlp_norm", nn.initializers.ones, (cfg.d_model,))
-
-        h = _rms_norm(x, attn_norm)
-        q, k, v = (jnp.einsum("btd,dhk->bthk", h, w) for w in (wq, wk, wv))
-        logits = jnp.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(cfg.head_dim).astype(x.dtype)
-        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
-        logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
-        weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(x.dtype)
-        attended = jnp.einsum("bhqs,bshk->bqhk", weights, v)
-        x = x + jnp.einsum("bthk,hkd->btd", attended, wo)
-        h = _rms_norm(x, mlp_norm)
-        return x + jax.nn.gelu(h @ w_in) @ w_out
+        x = x + tensor.attention(_rms_norm(x, attn_norm), wq, wk, wv, wo, tp=self.tp)
+        return x + tensor.mlp(_rms_norm(x, mlp_norm), w_in, w_out, tp=self.tp)
 
 
 class Head(nn.Module):
+    """Final norm and the vocabulary-parallel output projection (local logits ``[B, T, V_t]``)."""
+
     cfg: LMConfig
+    tp: TensorAxis = TensorAxis()
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         norm = self.param("final_norm", nn.initializers.ones, (self.cfg.d_model,))
-        kernel = self.param("kernel", nn.initializers.lecun_normal(), (self.cfg.d_model, self.cfg.vocab))
-        return _rms_norm(x, norm) @ kernel
+        vocab = self.cfg.vocab // self.tp.size()  # this device's share
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (self.cfg.d_model, vocab))
+        return tensor.column(_rms_norm(x, norm), kernel, tp=self.tp)
 
 
 def init_params(cfg: LMConfig, key: jax.Array) -> dict:
@@ -110,26 +118,29 @@ def init_params(cfg: LMConfig, key: jax.Array) -> dict:
     return {"embed": embed, "layers": layers, "head": head}
 
 
-def _cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    logits = logits.astype(jnp.float32)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-    return -jnp.mean(picked)
+def layered_model(cfg: LMConfig, *, remat: bool = False, tp: TensorAxis | None = None) -> LayeredModel:
+    """The model as embed -> stacked blocks -> head (next-token cross-entropy).
 
-
-def layered_model(cfg: LMConfig, *, remat: bool = False) -> LayeredModel:
-    """The model as embed -> stacked blocks -> head (next-token cross-entropy)."""
+    Built from :mod:`torsh_jax.tensor` blocks (``tensor_blocks=True``): under a
+    plan with ``tensor`` > 1 each device computes with its heads, MLP features and
+    vocabulary rows; ``tp`` (default: the ``tensor`` axis, no sequence
+    parallelism) says how.
+    """
+    tp = TensorAxis() if tp is None else tp
     return LayeredModel(
-        embed=lambda p, batch: Embed(cfg).apply({"params": p["embed"]}, batch["inputs"]),
-        layer=lambda p, h: Block(cfg).apply({"params": p}, h),
-        head=lambda p, h, batch: _cross_entropy(Head(cfg).apply({"params": p["head"]}, h), batch["targets"]),
+        embed=lambda p, batch: Embed(cfg, tp).apply({"params": p["embed"]}, batch["inputs"]),
+        layer=lambda p, h: Block(cfg, tp).apply({"params": p}, h),
+        head=lambda p, h, batch: tensor.cross_entropy(
+            Head(cfg, tp).apply({"params": p["head"]}, h), batch["targets"], tp=tp
+        ),
         remat=remat,
+        tensor_blocks=True,
     )
 
 
-def loss_fn(cfg: LMConfig):
+def loss_fn(cfg: LMConfig, *, tp: TensorAxis | None = None):
     """``loss_fn(params, batch) -> mean next-token cross-entropy``."""
-    return layered_loss(layered_model(cfg))
+    return layered_loss(layered_model(cfg, tp=tp))
 
 
 def param_count(params: dict) -> int:

@@ -29,6 +29,7 @@ from torsh_jax.runtime.inspect import headline, inspect_step
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.step import make_train_step
 from torsh_jax.runtime.twin import make_reference_step
+from torsh_jax.tensor.axis import tensor_axis
 
 __all__ = ["DemoConfig", "run_demo"]
 
@@ -85,7 +86,8 @@ def run_demo(
     mesh = build_mesh(plan, devices)
     cfg = model_config(config)
     optimizer = build_optimizer(plan.optimizer)
-    train = make_train_step(layered_model(cfg), optimizer, plan, mesh)
+    tp = tensor_axis(plan)
+    train = make_train_step(layered_model(cfg, tp=tp), optimizer, plan, mesh)
     params = init_params(cfg, jax.random.key(config.seed))
     batch_of = lambda i: synthetic_tokens(
         cfg, batch_size=train.global_batch_size, seed=config.seed * 100003 + i
@@ -95,7 +97,7 @@ def run_demo(
     report = headline(inspect_step(train, state, batch_of(0)))
     if config.verify:
         phase("building the single-device twin")
-    twin = make_reference_step(loss_fn(cfg), optimizer, plan) if config.verify else None
+    twin = make_reference_step(loss_fn(cfg, tp=tp), optimizer, plan) if config.verify else None
     twin_state = twin[0](params) if twin else None
     tokens = train.global_batch_size * cfg.seq_len
     max_rel_err, loss = 0.0, None

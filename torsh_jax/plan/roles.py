@@ -5,8 +5,11 @@ A plan's axes compose into a train step by role:
 * **batch** (``data``, ``fsdp``): split the batch and synchronise gradients;
 * **shard** (``fsdp`` with ``zero.stage`` >= 1): shard optimizer state
   (stage 1), gradients (2) and parameters, gathered on use (3);
-* **tensor** and **pipeline** (``tensor``, ``stage``): not built yet; a mesh
-  that needs them is refused with :class:`~torsh_jax.errors.NotSupportedYetError`.
+* **tensor** (``tensor``): split weights (heads, MLP features, vocabulary)
+  and the work on them; the model's :mod:`torsh_jax.tensor` blocks place its
+  collectives, with sequence parallelism when ``tensor.sequence_parallel``;
+* **pipeline** (``stage``): not built yet; a mesh that needs it is refused
+  with :class:`~torsh_jax.errors.NotSupportedYetError`.
 
 :func:`compose` reads only the plan and the mesh shape (no JAX), so the
 runtime, the support checks, ``inspect`` and the communication theory all
@@ -29,10 +32,12 @@ from dataclasses import dataclass, field
 
 from torsh_jax.plan.spec import DATA_AXES, CompressorSpec, ParallelPlan
 
-__all__ = ["Roles", "compose", "SHARD_AXIS"]
+__all__ = ["Roles", "compose", "SHARD_AXIS", "TENSOR_AXIS"]
 
 #: The mesh axis ZeRO shards state over.
 SHARD_AXIS = "fsdp"
+#: The mesh axis weights are split over by tensor parallelism.
+TENSOR_AXIS = "tensor"
 
 
 def _active(spec: CompressorSpec | None) -> bool:
@@ -50,6 +55,8 @@ class Roles:
         zero_stage: the stage that runs (0 when nothing is sharded).
         gradient_compression: axis -> compressor of the gradient reductions over it.
         weight_compression: axis -> compressor of the parameter gathers over it.
+        tensor_axis: the axis weights are split over (``tensor``), or ``None``.
+        sequence_parallel: activations split on the sequence over ``tensor_axis``.
         unsupported: ``(axis, size)`` of the axes whose role is not built yet.
     """
 
@@ -59,6 +66,8 @@ class Roles:
     zero_stage: int
     gradient_compression: Mapping[str, CompressorSpec] = field(default_factory=dict)
     weight_compression: Mapping[str, CompressorSpec] = field(default_factory=dict)
+    tensor_axis: str | None = None
+    sequence_parallel: bool = False
     unsupported: tuple[tuple[str, int], ...] = ()
 
     @property
@@ -100,13 +109,22 @@ class Roles:
         return int(self.mesh_shape[axis])
 
     def describe(self) -> str:
-        """One line, e.g. ``ZeRO-2 over fsdp=8`` or ``DDP over data=2 x fsdp=4``."""
+        """One line, e.g. ``ZeRO-2 over fsdp=8`` or ``DDP over data=4 x tensor=2 (sequence parallel)``."""
+        return self._data_parallel() + self._tensor()
+
+    def _data_parallel(self) -> str:
         axes = " x ".join(f"{a}={self.size(a)}" for a in self.batch_axes) or "data=1"
         if self.shard_axis is None:
             return f"DDP over {axes}"
         if self.hybrid:
             return f"HSDP ZeRO-{self.zero_stage}: {axes}"
         return f"ZeRO-{self.zero_stage} over {axes}"
+
+    def _tensor(self) -> str:
+        if self.tensor_axis is None:
+            return ""
+        sp = " (sequence parallel)" if self.sequence_parallel else ""
+        return f" x {self.tensor_axis}={self.size(self.tensor_axis)}{sp}"
 
 
 def _compressors(plan: ParallelPlan, shape: Mapping[str, int], part: str) -> dict[str, CompressorSpec]:
@@ -123,6 +141,7 @@ def compose(plan: ParallelPlan, mesh_shape: Mapping[str, int]) -> Roles:
     shape = {a: int(s) for a, s in mesh_shape.items()}
     batch = tuple(a for a in DATA_AXES if shape.get(a, 1) > 1)
     sharded = plan.zero.stage > 0 and shape.get(SHARD_AXIS, 1) > 1
+    tensor = shape.get(TENSOR_AXIS, 1) > 1
     return Roles(
         mesh_shape=shape,
         batch_axes=batch,
@@ -130,5 +149,7 @@ def compose(plan: ParallelPlan, mesh_shape: Mapping[str, int]) -> Roles:
         zero_stage=plan.zero.stage if sharded else 0,
         gradient_compression=_compressors(plan, shape, "gradients"),
         weight_compression=_compressors(plan, shape, "weights"),
-        unsupported=tuple((a, shape[a]) for a in ("tensor", "stage") if shape.get(a, 1) > 1),
+        tensor_axis=TENSOR_AXIS if tensor else None,
+        sequence_parallel=tensor and plan.tensor.sequence_parallel,
+        unsupported=tuple((a, shape[a]) for a in ("stage",) if shape.get(a, 1) > 1),
     )

@@ -1,6 +1,9 @@
 """What the train step can run: checks that read the plan's axis roles.
 
-* Tensor and pipeline roles (``tensor``, ``stage`` > 1) are not built yet.
+* The pipeline role (``stage`` > 1) is not built yet.
+* ``tensor`` > 1 needs a loss written with :mod:`torsh_jax.tensor` blocks
+  (it computes on local shards); a loss without them would compute on shards
+  as if they were whole weights.
 * Gradients may be compressed over every batch axis, in every mode; ZeRO-3
   reduces ``fsdp`` gradients inside the backward pass, which keeps no state
   (no error feedback, no warm-up, nearest rounding).
@@ -27,8 +30,9 @@ from torsh_jax.compress.collectives import WEIGHT_METHODS
 from torsh_jax.errors import NotSupportedYetError, ShardingError
 from torsh_jax.plan.roles import Roles
 from torsh_jax.plan.spec import ParallelPlan
+from torsh_jax.tensor.axis import has_tensor_blocks
 
-__all__ = ["check_supported", "check_param_axes", "mesh_shape_text"]
+__all__ = ["check_supported", "check_tensor_loss", "check_param_axes", "mesh_shape_text"]
 
 
 def mesh_shape_text(roles: Roles) -> str:
@@ -38,13 +42,26 @@ def mesh_shape_text(roles: Roles) -> str:
 
 def _check_roles(roles: Roles) -> None:
     for axis, size in roles.unsupported:
-        what = "tensor-parallel" if axis == "tensor" else "pipeline-parallel"
         raise NotSupportedYetError(
-            f"the {axis} axis has size {size} (mesh {mesh_shape_text(roles)}); {what} train steps are "
-            "not supported yet",
+            f"the {axis} axis has size {size} (mesh {mesh_shape_text(roles)}); pipeline-parallel train "
+            "steps are not supported yet",
             key=f"mesh.{axis}",
-            fix=f"set mesh.{axis} = 1 and use data/fsdp axes",
+            fix=f"set mesh.{axis} = 1 and use data/fsdp/tensor axes",
         )
+
+
+def check_tensor_loss(loss, roles: Roles) -> None:
+    """Refuse ``tensor`` > 1 for a loss that does not compute on local tensor shards."""
+    if roles.tensor_axis is None or has_tensor_blocks(loss):
+        return
+    raise NotSupportedYetError(
+        f"the tensor axis has size {roles.size(roles.tensor_axis)} (mesh {mesh_shape_text(roles)}) but the "
+        "loss is not written with torsh_jax.tensor blocks; compiler-partitioned tensor parallelism for "
+        "unmodified models is not supported yet",
+        key="mesh.tensor",
+        fix="build the model from torsh_jax.tensor blocks and mark it (LayeredModel(..., tensor_blocks=True) "
+        "or torsh_jax.tensor.uses_tensor_blocks(loss_fn)), or set mesh.tensor = 1",
+    )
 
 
 def _section_index(plan: ParallelPlan, axis: str) -> int:

@@ -35,19 +35,37 @@ def _param_count(params: Any) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
 
 
-def _regathered_fraction(train: TrainStep, state: TrainState) -> float:
+def _shard_counts(train: TrainStep) -> dict:
+    """Per parameter: its element count in one tensor shard (the whole leaf when not split)."""
+    sizes = dict(train.mesh.shape)
+
+    def one(leaf, split: tuple[str, ...]) -> int:
+        return int(np.prod(leaf.shape)) // int(np.prod([sizes[a] for a in split]))
+
+    layout = train.layout
+    return jax.tree.map(one, layout.abstract.params, layout.split, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _shard_param_count(train: TrainStep) -> int:
+    """Parameters of one tensor shard: what the data-parallel axes synchronise per device group."""
+    return int(sum(jax.tree.leaves(_shard_counts(train))))
+
+
+def _regathered_fraction(train: TrainStep) -> float:
     """Part of the parameters ZeRO-3 gathers again in the backward pass: the
     stacked layers of a layered model, everything for a plain loss."""
     if not isinstance(train.loss, LayeredModel):
         return 1.0
-    return _param_count(state.params[train.loss.layers_key]) / _param_count(state.params)
+    counts = _shard_counts(train)
+    return sum(jax.tree.leaves(counts[train.loss.layers_key])) / sum(jax.tree.leaves(counts))
 
 
 def inspect_step(train: TrainStep, state: TrainState, batch: Any) -> dict:
     """Summary of the compiled step: collectives, totals, memory and theory.
 
     See :func:`torsh_jax.analysis.summarize` for the keys; adds
-    ``param_count``, ``plan``, ``roles`` (what each mesh axis does) and
+    ``param_count``, ``shard_param_count`` (parameters of one tensor shard,
+    which the theory of the data-parallel axes counts), ``plan``, ``roles`` (what each mesh axis does) and
     ``state_bytes_per_device`` (from the state layout: ``step``, ``params``,
     ``opt_state``, ``loss_scale``, ``feedback`` and ``total``) and ``notes``
     (what the step changed about the parameters, e.g. a dtype cast).
@@ -55,13 +73,14 @@ def inspect_step(train: TrainStep, state: TrainState, batch: Any) -> dict:
     compiled = train.lower(state, batch).compile()
     theory = plan_theory(
         train.plan,
-        param_count=_param_count(state.params),
+        param_count=_shard_param_count(train),
         num_devices=train.mesh.size,
         num_slices=default_num_slices(train.plan),
-        regathered_fraction=_regathered_fraction(train, state),
+        regathered_fraction=_regathered_fraction(train),
     )
     summary = summarize(compiled, train.mesh, theory=theory)
     summary["param_count"] = _param_count(state.params)
+    summary["shard_param_count"] = _shard_param_count(train)
     summary["plan"] = train.plan.name
     summary["roles"] = train.layout.roles.describe()
     summary["state_bytes_per_device"] = _state_bytes(train)

@@ -41,6 +41,9 @@ class LayeredModel(NamedTuple):
         head_keys: top-level parameter keys passed to ``head``.
         layers_key: top-level key of the stacked layer parameters.
         remat: recompute each layer's activations in the backward pass.
+        tensor_blocks: the functions are written with :mod:`torsh_jax.tensor`
+            blocks, so they run on local tensor shards (required when the
+            plan's ``tensor`` axis is larger than 1).
     """
 
     embed: Callable[[PyTree, PyTree], jax.Array]
@@ -50,6 +53,7 @@ class LayeredModel(NamedTuple):
     head_keys: tuple[str, ...] = ("head",)
     layers_key: str = "layers"
     remat: bool = False
+    tensor_blocks: bool = False
 
 
 def split_params(model: LayeredModel, params: dict) -> tuple[dict, PyTree, dict]:

@@ -65,6 +65,8 @@ class StateLayout:
         state: ``PartitionSpec`` pytree of the stored :class:`TrainState`.
         sync: the gradient synchronisation the step runs once per optimizer step.
         abstract: the stored state's shapes and dtypes (global).
+        split: per parameter, the mesh axes its compute layout splits it over
+            (``("tensor",)`` or ``()``); gradient buckets never mix them.
     """
 
     roles: Roles
@@ -77,6 +79,7 @@ class StateLayout:
     abstract: TrainState
     init_feedback: Callable[[], PyTree] | None = None
     offloaded: tuple[str, ...] = ()
+    split: PyTree = None
 
     def memory_kind(self, part: str) -> str:
         """``pinned_host`` for an offloaded state field, ``device`` otherwise."""
@@ -147,15 +150,28 @@ def _local_shape(shape, spec: P, mesh: Mesh) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _feedback(sync: SyncSpec, params_like, compute, update, dims, roles: Roles, mesh: Mesh):
+def split_axes(compute: PyTree) -> PyTree:
+    """Per parameter: the mesh axes its compute spec splits it over, in spec order."""
+
+    def one(spec: P) -> tuple[str, ...]:
+        axes = []
+        for entry in spec:
+            axes += [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
+        return tuple(axes)
+
+    return jax.tree.map(one, compute, is_leaf=_is_spec)
+
+
+def _feedback(sync: SyncSpec, params_like, compute, update, dims, split, roles: Roles, mesh: Mesh):
     """``(init, specs)`` of the error feedback of ``sync`` (``(None, None)`` without compression)."""
     if not sync.routes:
         return None, None
     sharded_sync = roles.zero_stage == 3  # stage 3 synchronises the stored shards
     shapes = _local_shapes(params_like, update if sharded_sync else compute, mesh)
     leaf_dims = jax.tree.leaves(dims, is_leaf=lambda x: x is None)
-    init = lambda: sync_feedback(shapes, leaf_dims, sync, axis_sizes=dict(mesh.shape))
-    return init, feedback_specs(shapes, leaf_dims, sync)
+    leaf_split = jax.tree.leaves(split, is_leaf=lambda x: isinstance(x, tuple))
+    init = lambda: sync_feedback(shapes, leaf_dims, sync, axis_sizes=dict(mesh.shape), split_over=leaf_split)
+    return init, feedback_specs(shapes, leaf_dims, sync, leaf_split)
 
 
 def state_layout(
@@ -187,7 +203,8 @@ def state_layout(
     update = sharded_specs(compute, dims) if roles.opt_state_sharded else compute
     stored = update if roles.params_sharded else compute
     sync = gradient_sync(plan, roles)
-    init_feedback, fb_specs = _feedback(sync, params_like, compute, update, dims, roles, mesh)
+    split = split_axes(compute)
+    init_feedback, fb_specs = _feedback(sync, params_like, compute, update, dims, split, roles, mesh)
     abstract_opt = jax.eval_shape(optimizer.init, params_like)
     scaler = scaler_for(plan)
     specs = TrainState(
@@ -205,5 +222,5 @@ def state_layout(
         feedback=None if init_feedback is None else jax.eval_shape(init_feedback),
     )
     return StateLayout(
-        roles, mesh, compute, dims, update, specs, sync, abstract, init_feedback, offloaded_parts(plan)
+        roles, mesh, compute, dims, update, specs, sync, abstract, init_feedback, offloaded_parts(plan), split
     )

@@ -86,7 +86,9 @@ def gradient_program(loss: LossOrModel, plan: ParallelPlan, layout: StateLayout)
 
     def reduce(grads, feedback, step):
         grads = cast_tree(grads, precision.reduce_dtype)
-        return sync_gradients(grads, feedback, spec=sync, dims=layout.dims, step=step)
+        return sync_gradients(
+            grads, feedback, spec=sync, dims=layout.dims, step=step, split_over=layout.split
+        )
 
     def program(params, batch, scale=None, feedback=(), step=None):
         if roles.zero_stage != 3:

@@ -116,6 +116,7 @@ class SyncSpec(NamedTuple):
         _, compressed = self.reduce_axes(bucket.scattered)
         shard = (self.scatter_axis,) if bucket.scattered else ()
         shard += (self.sharded_over,) if bucket.sharded and self.sharded_over else ()
+        shard += bucket.split_over
         out = {}
         if bucket.scattered and self.scatter_axis in self.routes:
             out[self.scatter_axis] = self._ordered(self.axes + shard)
@@ -125,13 +126,15 @@ class SyncSpec(NamedTuple):
 
     def _ordered(self, axes: tuple[str, ...]) -> tuple[str, ...]:
         rank = {a: i for i, a in enumerate((*self.axes, self.scatter_axis, self.sharded_over))}
-        return tuple(sorted(set(axes), key=rank.__getitem__))
+        return tuple(sorted(set(axes), key=lambda a: (rank.get(a, len(rank)), a)))
 
 
 class BucketPlan(NamedTuple):
     """Leaves ``leaf_ids`` as ``rows`` rows of ``row_length`` (padded to ``padded_length``).
 
-    ``sharded``: the leaves have a shard dim; ``scattered``: they are reduce-scattered.
+    ``sharded``: the leaves have a shard dim; ``scattered``: they are reduce-scattered;
+    ``split_over``: other mesh axes the leaves are split over (``tensor``), so
+    the bucket's values differ along them.
     """
 
     leaf_ids: tuple[int, ...]
@@ -140,6 +143,7 @@ class BucketPlan(NamedTuple):
     rows: int
     row_length: int
     padded_length: int
+    split_over: tuple[str, ...] = ()
 
 
 def _padded(spec: SyncSpec, m: int, scattered: bool) -> int:
@@ -152,24 +156,31 @@ def _padded(spec: SyncSpec, m: int, scattered: bool) -> int:
     return m if unit == 1 else max(1, -(-m // unit)) * unit
 
 
-def plan_buckets(leaves: Sequence[Any], dims: Sequence[int | None], spec: SyncSpec) -> list[BucketPlan]:
+def plan_buckets(
+    leaves: Sequence[Any],
+    dims: Sequence[int | None],
+    spec: SyncSpec,
+    split_over: Sequence[tuple[str, ...]] | None = None,
+) -> list[BucketPlan]:
     """The buckets of ``leaves`` (shapes suffice): sharded leaves first, then replicated ones.
 
     Sharded and replicated leaves never share a bucket (their values vary over
-    different axes); sharded leaves are reduce-scattered when ``spec`` has a
-    scatter axis, and otherwise (ZeRO-3's stored shards) all-reduced.
+    different axes), nor do leaves split over different other axes
+    (``split_over``, per leaf: a tensor-split weight and a replicated norm);
+    sharded leaves are reduce-scattered when ``spec`` has a scatter axis, and
+    otherwise (ZeRO-3's stored shards) all-reduced.
     """
-    sharded = [i for i, d in enumerate(dims) if d is not None]
-    replicated = [i for i, d in enumerate(dims) if d is None]
+    split_over = [()] * len(leaves) if split_over is None else [tuple(a) for a in split_over]
     out = []
-    groups = ((sharded, True, spec.scatter_axis is not None), (replicated, False, False))
-    for ids, has_dim, scattered in groups:
+    for has_dim, scattered in ((True, spec.scatter_axis is not None), (False, False)):
         k = spec.scatter_size if scattered else 1
-        leaves_of = [leaves[i] for i in ids]
-        for bucket in bucket_layout(leaves_of, bucket_bytes=spec.bucket_bytes, itemsize=spec.itemsize):
-            m = bucket.size // k
-            ids_of = tuple(ids[j] for j in bucket.leaf_ids)
-            out.append(BucketPlan(ids_of, has_dim, scattered, k, m, _padded(spec, m, scattered)))
+        for over in dict.fromkeys(split_over):  # first-seen order
+            ids = [i for i, d in enumerate(dims) if (d is not None) == has_dim and split_over[i] == over]
+            leaves_of = [leaves[i] for i in ids]
+            for bucket in bucket_layout(leaves_of, bucket_bytes=spec.bucket_bytes, itemsize=spec.itemsize):
+                m = bucket.size // k
+                ids_of = tuple(ids[j] for j in bucket.leaf_ids)
+                out.append(BucketPlan(ids_of, has_dim, scattered, k, m, _padded(spec, m, scattered), over))
     return out
 
 
@@ -242,7 +253,14 @@ def _split_row(row: jax.Array, leaves, dims, bucket: BucketPlan, out: list) -> N
 
 
 def sync_gradients(
-    grads: PyTree, feedback: tuple, /, *, spec: SyncSpec, dims: PyTree = None, step: jax.Array | None = None
+    grads: PyTree,
+    feedback: tuple,
+    /,
+    *,
+    spec: SyncSpec,
+    dims: PyTree = None,
+    step: jax.Array | None = None,
+    split_over: PyTree = None,
 ) -> tuple[PyTree, tuple]:
     """Synchronise per-device gradients: this device's shards (scattered leaves) or sums.
 
@@ -252,16 +270,19 @@ def sync_gradients(
         spec: axes, scatter axis, compression, factors and bucket size.
         dims: shard dim per leaf (``None`` leaves, or ``dims=None``: all-reduced).
         step: optimizer step (seeds stochastic rounding).
+        split_over: per leaf, the other mesh axes it is split over (tuples;
+            ``None``: none). Leaves split differently never share a bucket.
 
     Returns:
         ``(synchronised gradients, new feedback)``.
     """
     leaves, treedef = jax.tree.flatten(grads)
     leaf_dims = [None] * len(leaves) if dims is None else treedef.flatten_up_to(dims)
+    leaf_split = None if split_over is None else treedef.flatten_up_to(split_over)
     out: list[jax.Array | None] = [None] * len(leaves)
     new_feedback = []
     key = spec.key(step)
-    for index, bucket in enumerate(plan_buckets(leaves, leaf_dims, spec)):
+    for index, bucket in enumerate(plan_buckets(leaves, leaf_dims, spec, leaf_split)):
         bucket_fb = feedback[index] if spec.routes else {}
         row, bucket_fb = _sync_bucket(
             _bucket_rows(leaves, leaf_dims, bucket), bucket_fb, bucket, spec, _fold(key, index)
@@ -298,7 +319,12 @@ def _bucket_feedback(bucket: BucketPlan, spec: SyncSpec, *, copies: Mapping[str,
 
 
 def sync_feedback(
-    leaves_like: Sequence[Any], dims: Sequence[int | None], spec: SyncSpec, *, axis_sizes: Mapping[str, int]
+    leaves_like: Sequence[Any],
+    dims: Sequence[int | None],
+    spec: SyncSpec,
+    *,
+    axis_sizes: Mapping[str, int],
+    split_over: Sequence[tuple[str, ...]] | None = None,
 ) -> tuple:
     """Global zero feedback of every bucket :func:`sync_gradients` forms.
 
@@ -309,19 +335,24 @@ def sync_feedback(
     if not spec.routes:
         return ()
     out = []
-    for bucket in plan_buckets(list(leaves_like), list(dims), spec):
+    for bucket in plan_buckets(list(leaves_like), list(dims), spec, split_over):
         axes = spec.feedback_axes(bucket)
         copies = {axis: math.prod(axis_sizes[a] for a in over) for axis, over in axes.items()}
         out.append(_bucket_feedback(bucket, spec, copies=copies))
     return tuple(out)
 
 
-def feedback_specs(leaves_like: Sequence[Any], dims: Sequence[int | None], spec: SyncSpec) -> tuple:
+def feedback_specs(
+    leaves_like: Sequence[Any],
+    dims: Sequence[int | None],
+    spec: SyncSpec,
+    split_over: Sequence[tuple[str, ...]] | None = None,
+) -> tuple:
     """``PartitionSpec`` of each leaf of :func:`sync_feedback`: dim 0 over the axes it differs over."""
     if not spec.routes:
         return ()
     out = []
-    for bucket in plan_buckets(list(leaves_like), list(dims), spec):
+    for bucket in plan_buckets(list(leaves_like), list(dims), spec, split_over):
         lengths = _feedback_lengths(bucket, spec)
         axes = spec.feedback_axes(bucket)
         shapes = {axis: jax.eval_shape(partial(spec.routes[axis].init, n)) for axis, n in lengths.items()}

@@ -1,0 +1,179 @@
+"""Tensor parallelism: the blocks equal dense math inside ``shard_map``, every data-parallel mode
+composes with ``tensor`` in one step and equals its single-device twin, and the bytes are measured."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import require_devices
+from helpers import SMALL, twin_report
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from torsh_jax import load_plan, tensor
+from torsh_jax.errors import NotSupportedYetError
+from torsh_jax.plan import plan_from_dict
+from torsh_jax.runtime.mesh import build_mesh
+from torsh_jax.runtime.step import make_train_step
+from torsh_jax.tensor import TensorAxis
+
+T = 4  # tensor axis size of the block tests
+
+
+def _tensor_mesh():
+    devices = require_devices(T)
+    return jax.make_mesh((T,), ("tensor",), axis_types=(AxisType.Explicit,), devices=devices)
+
+
+def _block_loss(tp: TensorAxis):
+    """Embedding -> attention -> MLP -> vocabulary-parallel loss, all from the blocks."""
+
+    def loss(p, tokens):
+        x = tp.split_sequence(tensor.embed(tokens, p["table"], tp=tp))
+        x = x + tensor.attention(x, p["wq"], p["wk"], p["wv"], p["wo"], tp=tp)
+        x = x + tensor.mlp(x, p["w_in"], p["w_out"], tp=tp)
+        return tensor.cross_entropy(tensor.column(x, p["head"], tp=tp), tokens, tp=tp)
+
+    return loss
+
+
+SPECS = {
+    "table": P("tensor", None),
+    "wq": P(None, "tensor", None),
+    "wk": P(None, "tensor", None),
+    "wv": P(None, "tensor", None),
+    "wo": P("tensor", None, None),
+    "w_in": P(None, "tensor"),
+    "w_out": P("tensor", None),
+    "head": P(None, "tensor"),
+}
+
+
+def _block_params() -> dict:
+    shapes = {"table": (32, 16), "wq": (16, 4, 8), "wk": (16, 4, 8), "wv": (16, 4, 8), "wo": (4, 8, 16),
+              "w_in": (16, 32), "w_out": (32, 16), "head": (16, 32)}  # fmt: skip
+    keys = jax.random.split(jax.random.key(1), len(shapes))
+    return {k: jax.random.normal(key, s) / np.sqrt(s[0]) for key, (k, s) in zip(keys, shapes.items())}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sequence-parallel"])
+def test_blocks_equal_dense_math_and_gradients(sequence_parallel):
+    mesh = _tensor_mesh()
+    tp = TensorAxis(sequence_parallel=sequence_parallel)
+    params = _block_params()
+    tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 32)
+    dense_loss, dense_grads = jax.value_and_grad(_block_loss(TensorAxis()))(params, tokens)
+    sharded = jax.shard_map(
+        jax.value_and_grad(_block_loss(tp)), mesh=mesh, in_specs=(SPECS, P()), out_specs=(P(), SPECS)
+    )
+    placed = {k: jax.device_put(v, jax.sharding.NamedSharding(mesh, SPECS[k])) for k, v in params.items()}
+    loss, grads = jax.jit(sharded)(placed, tokens)
+    np.testing.assert_allclose(loss, dense_loss, rtol=1e-5)
+    for name in params:
+        scale = float(jnp.max(jnp.abs(dense_grads[name])))
+        np.testing.assert_allclose(grads[name], dense_grads[name], rtol=0, atol=1e-5 * scale, err_msg=name)
+
+
+def test_vocab_parallel_loss_never_holds_full_logits():
+    """Inside the step, the largest logits buffer is one vocabulary shard: [B, T, V / t]."""
+    mesh = _tensor_mesh()
+    tp = TensorAxis()
+    x = jnp.ones((2, 8, 16))
+    kernel = jnp.ones((16, 32))
+    fn = jax.shard_map(
+        lambda x, k: tensor.cross_entropy(tensor.column(x, k, tp=tp), jnp.zeros((2, 8), jnp.int32), tp=tp),
+        mesh=mesh, in_specs=(P(), P(None, "tensor")), out_specs=P(),
+    )  # fmt: skip
+    hlo = jax.jit(fn).lower(x, jax.device_put(kernel, jax.sharding.NamedSharding(mesh, P(None, "tensor"))))
+    text = hlo.compile().as_text()
+    assert "f32[2,8,8]" in text and "f32[2,8,32]" not in text
+
+
+TP_PLANS = [
+    pytest.param(load_plan("tp"), id="tp"),
+    pytest.param(load_plan("tp_sp"), id="tp-sequence-parallel"),
+    pytest.param(load_plan("fsdp_tp"), id="fsdp-tp-zero3"),
+    pytest.param(load_plan("hsdp_tp"), id="hsdp-tp-zero3"),
+    pytest.param(
+        plan_from_dict({"mesh": {"data": 2, "fsdp": 2, "tensor": 2}, "zero": {"stage": 1},
+                        "batch": {"micro_batch_size": 2}}),
+        id="zero1-hsdp-tp",
+    ),
+    pytest.param(
+        plan_from_dict({"mesh": {"data": 1, "fsdp": -1, "tensor": 2}, "zero": {"stage": 2},
+                        "tensor": {"sequence_parallel": True},
+                        "batch": {"micro_batch_size": 2, "accumulation_steps": 2}}),
+        id="zero2-tp-sp-accum",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("plan", TP_PLANS)
+def test_every_data_parallel_mode_composes_with_tensor_and_equals_its_twin(plan):
+    require_devices(8)
+    report, train = twin_report(plan, steps=5)
+    assert train.layout.roles.tensor_axis == "tensor"
+    assert report.max_loss_rel_err <= 1e-5, report
+    assert report.max_grad_rel_err <= 1e-5, report
+    assert report.losses[-1] < report.losses[0]
+
+
+def test_tensor_split_weights_hold_half_the_bytes():
+    require_devices(8)
+    plan = load_plan("tp")
+    train = make_train_step(
+        tensor.uses_tensor_blocks(lambda p, b: jnp.sum(p["w"]) * 0), optax.sgd(0.1), plan, build_mesh(plan)
+    )
+    train.init({"layers": {"w_in": jnp.zeros((2, 8, 16))}, "w": jnp.zeros(3)})
+    layout = train.layout
+    assert layout.state.params["layers"]["w_in"] == P(None, None, "tensor")
+    assert layout.split["layers"]["w_in"] == ("tensor",) and layout.split["w"] == ()
+    assert layout.bytes_per_device()["params"] == (2 * 8 * 16 // 2 + 3) * 4
+
+
+def test_a_loss_without_tensor_blocks_is_refused_under_tensor():
+    require_devices(8)
+    plan = load_plan("tp")
+    with pytest.raises(NotSupportedYetError, match="mesh.tensor") as err:
+        make_train_step(lambda p, b: jnp.sum(p["w"]), optax.sgd(0.1), plan, build_mesh(plan))
+    assert "tensor_blocks" in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def tp_reports():
+    """inspect of the tp and tp_sp presets on the small model."""
+    from torsh_jax.demo.model import init_params, layered_model, synthetic_tokens
+    from torsh_jax.runtime.inspect import inspect_step
+    from torsh_jax.tensor import tensor_axis
+
+    require_devices(8)
+    out = {}
+    for name in ("tp", "tp_sp"):
+        plan = load_plan(name)
+        train = make_train_step(
+            layered_model(SMALL, tp=tensor_axis(plan)), optax.adamw(1e-3), plan, build_mesh(plan)
+        )
+        state = train.init(init_params(SMALL, jax.random.key(0)))
+        out[name] = inspect_step(
+            train, state, synthetic_tokens(SMALL, batch_size=train.global_batch_size, seed=0)
+        )
+    return out
+
+
+def test_data_parallel_bytes_equal_theory_for_one_tensor_shard(tp_reports):
+    for name, report in tp_reports.items():
+        assert report["shard_param_count"] < report["param_count"]
+        assert report["theory"]["wire_ratio"] == pytest.approx(1.0, abs=1e-3), name
+        assert report["theory"]["other_axes_wire_bytes"]["tensor"] > 0, name
+
+
+def test_sequence_parallel_sends_fewer_tensor_bytes(tp_reports):
+    """All-gather + reduce-scatter instead of all-reduce: each sends half an all-reduce's ring bytes."""
+    plain = tp_reports["tp"]["totals"]["by_axis"]["tensor"]
+    sp = tp_reports["tp_sp"]["totals"]["by_axis"]["tensor"]
+    assert sp["wire_bytes"] < plain["wire_bytes"]
+    kinds = {c["kind"] for c in tp_reports["tp_sp"]["collectives"] if c["axes"] == ["tensor"]}
+    assert {"all-gather", "reduce-scatter"} <= kinds

@@ -1,0 +1,118 @@
+"""The tensor axis as the building blocks see it: a name, whether sequence parallelism is on,
+and collectives that vanish when the axis is absent or has size 1.
+
+Outside ``shard_map`` (a single-device twin, a plain ``jit``) the axis is
+unbound and every block computes the dense result; inside the train step's
+``shard_map`` each device holds its shard and the blocks place the tensor
+collectives. Gradients need no extra code: under ``shard_map``'s varying-axis
+types, a value replicated over ``tensor`` that meets a split one is broadcast
+implicitly, and its gradient is summed over ``tensor`` by that broadcast's
+transpose (Megatron's "f" operator); ``psum`` transposes to a broadcast ("g").
+
+Example:
+    >>> tp = TensorAxis()
+    >>> tp.size(), tp.index()
+    (1, 0)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+
+__all__ = ["TensorAxis", "tensor_axis", "uses_tensor_blocks", "has_tensor_blocks"]
+
+
+@dataclass(frozen=True)
+class TensorAxis:
+    """Where the tensor blocks split work.
+
+    Args:
+        name: the mesh axis (``tensor``).
+        sequence_parallel: activations between blocks are split on the
+            sequence dim over the axis (all-gather before a column-parallel
+            matmul, reduce-scatter after a row-parallel one).
+        seq_dim: the sequence dim of activations ``[batch, seq, features]``.
+    """
+
+    name: str = "tensor"
+    sequence_parallel: bool = False
+    seq_dim: int = 1
+
+    def size(self) -> int:
+        """Devices along the axis here: 1 when it is unbound (outside ``shard_map``)."""
+        try:
+            return int(jax.lax.axis_size(self.name))
+        except NameError:
+            return 1
+
+    def active(self) -> bool:
+        return self.size() > 1
+
+    def index(self) -> jax.Array | int:
+        """This device's position along the axis (0 when inactive)."""
+        return jax.lax.axis_index(self.name) if self.active() else 0
+
+    def psum(self, x: jax.Array) -> jax.Array:
+        return jax.lax.psum(x, self.name) if self.active() else x
+
+    def pmax(self, x: jax.Array) -> jax.Array:
+        return jax.lax.pmax(x, self.name) if self.active() else x
+
+    def gather_sequence(self, x: jax.Array) -> jax.Array:
+        """``x[B, T/t, ...] -> x[B, T, ...]`` (sequence parallel only)."""
+        if not (self.sequence_parallel and self.active()):
+            return x
+        return jax.lax.all_gather(x, self.name, axis=self.seq_dim, tiled=True)
+
+    def scatter_sum_sequence(self, x: jax.Array) -> jax.Array:
+        """Partial sums ``x[B, T, ...]`` -> this device's summed chunk ``[B, T/t, ...]`` (or the full sum)."""
+        if not self.active():
+            return x
+        if not self.sequence_parallel:
+            return jax.lax.psum(x, self.name)
+        return jax.lax.psum_scatter(x, self.name, scatter_dimension=self.seq_dim, tiled=True)
+
+    def split_sequence(self, x: jax.Array) -> jax.Array:
+        """This device's chunk of a replicated ``x[B, T, ...]`` (sequence parallel only; no communication)."""
+        if not (self.sequence_parallel and self.active()):
+            return x
+        t, length = self.size(), x.shape[self.seq_dim]
+        if length % t:
+            from torsh_jax.errors import ShardingError
+
+            raise ShardingError(
+                f"sequence length {length} is not divisible by the tensor axis size {t}",
+                key="tensor.sequence_parallel",
+                fix=f"use a sequence length divisible by {t}, or set tensor.sequence_parallel = false",
+            )
+        chunk = length // t
+        return jax.lax.dynamic_slice_in_dim(x, self.index() * chunk, chunk, axis=self.seq_dim)
+
+
+def tensor_axis(plan) -> TensorAxis:
+    """The :class:`TensorAxis` of a :class:`~torsh_jax.plan.ParallelPlan`."""
+    return TensorAxis(sequence_parallel=plan.tensor.sequence_parallel)
+
+
+def uses_tensor_blocks(loss_fn: Callable) -> Callable:
+    """Mark a plain ``loss_fn(params, batch)`` as written with these blocks (it sees local tensor shards).
+
+    A :class:`~torsh_jax.runtime.layered.LayeredModel` says the same with
+    ``tensor_blocks=True``.
+    """
+
+    @functools.wraps(loss_fn)
+    def marked(*args, **kwargs):
+        return loss_fn(*args, **kwargs)
+
+    marked.tensor_blocks = True
+    return marked
+
+
+def has_tensor_blocks(loss) -> bool:
+    """Whether ``loss`` (a function or a layered model) computes on local tensor shards."""
+    return bool(getattr(loss, "tensor_blocks", False))

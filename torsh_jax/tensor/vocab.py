@@ -1,0 +1,51 @@
+"""Vocabulary-parallel embedding and cross-entropy: the vocabulary is split over the tensor axis
+and the full logits never exist on one device.
+
+The embedding looks up the tokens in this device's rows (zeros for the
+others) and sums over the axis. The loss takes the logits of this device's
+vocabulary slice: the maximum goes through ``stop_gradient`` before ``pmax``
+(``pmax`` has no differentiation rule, and the maximum only stabilises the
+exponent), the partition function and the target's logit are summed over the
+axis.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> logits = jnp.array([[[2.0, 0.0, 0.0, 0.0]]])
+    >>> round(float(cross_entropy(logits, jnp.array([[0]]))), 4)
+    0.3408
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from torsh_jax.tensor.axis import TensorAxis
+
+__all__ = ["embed", "cross_entropy"]
+
+_DEFAULT = TensorAxis()
+
+
+def embed(tokens: jax.Array, table: jax.Array, *, tp: TensorAxis = _DEFAULT) -> jax.Array:
+    """``table[V_t, D]`` rows of ``tokens[B, T]`` -> ``[B, T, D]``, summed over the tensor axis."""
+    if not tp.active():
+        return table[tokens]
+    rows = table.shape[0]
+    local = tokens - tp.index() * rows
+    inside = (local >= 0) & (local < rows)
+    found = table[jnp.clip(local, 0, rows - 1)] * inside[..., None].astype(table.dtype)
+    return tp.psum(found)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, *, tp: TensorAxis = _DEFAULT) -> jax.Array:
+    """Mean next-token cross-entropy from this device's ``logits[..., V_t]`` (float32)."""
+    logits = logits.astype(jnp.float32)
+    shift = tp.pmax(jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
+    sum_exp = tp.psum(jnp.sum(jnp.exp(logits - shift), axis=-1))
+    rows = logits.shape[-1]
+    local = targets - tp.index() * rows
+    inside = (local >= 0) & (local < rows)
+    picked = jnp.take_along_axis(logits, jnp.clip(local, 0, rows - 1)[..., None], axis=-1)[..., 0]
+    target_logit = tp.psum(jnp.where(inside, picked, 0.0))
+    return jnp.mean(jnp.log(sum_exp) + shift[..., 0] - target_logit)
