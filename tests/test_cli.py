@@ -125,8 +125,13 @@ def test_batch_size_written_as_an_exact_float_is_accepted(capsys, tmp_path):
 
 def test_set_takes_plan_fields_after_deepspeed_keys(capsys, tmp_path):
     config = _write(tmp_path, "ds.json", '{"train_batch_size": 16, "zero_optimization": {"stage": 1}}')
-    argv = ["translate", config, "--world-size", "8", "--format", "json", "--set", "zero.stage=3",
-            "plan.optimizer.gradient_clipping=0.5", "optimizer.type=AdamW", "optimizer.params.lr=0.01"]  # fmt: skip
+    sets = [
+        "zero.stage=3",
+        "plan.optimizer.gradient_clipping=0.5",
+        "optimizer.type=AdamW",
+        "optimizer.params.lr=0.01",
+    ]
+    argv = ["translate", config, "--world-size", "8", "--format", "json", "--set", *sets]
     assert main(argv) == 0
     data = _strict_json(capsys.readouterr().out)
     assert data["plan"]["zero"]["stage"] == 3
