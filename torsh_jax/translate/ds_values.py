@@ -15,7 +15,7 @@ from typing import Any
 from torsh_jax.errors import TranslationError
 from torsh_jax.translate.ds_context import AUTO
 
-__all__ = ["apply_overrides", "fill_auto", "auto_paths", "leaf_paths"]
+__all__ = ["apply_overrides", "fill_auto", "auto_paths", "leaf_paths", "get_path"]
 
 
 def _coerce(value: Any) -> Any:
@@ -65,10 +65,11 @@ def apply_overrides(config: dict, overrides: Mapping[str, Any] | None) -> dict:
     return out
 
 
-def _get(config: dict, dotted: str) -> Any:
+def get_path(config: Mapping[str, Any], dotted: str) -> Any:
+    """The value at ``a.b.c`` in nested tables, or ``None`` where the path is missing."""
     node: Any = config
     for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
+        if not isinstance(node, Mapping) or part not in node:
             return None
         node = node[part]
     return node
@@ -79,7 +80,7 @@ def fill_auto(config: dict, values: Mapping[str, Any]) -> tuple[dict, list[str]]
     out = copy.deepcopy(config)
     filled = []
     for dotted, value in values.items():
-        if _get(out, dotted) == AUTO:
+        if get_path(out, dotted) == AUTO:
             _set(out, dotted, value)
             filled.append(dotted)
     return out, filled
@@ -97,4 +98,4 @@ def leaf_paths(value: Any, prefix: str = "") -> list[str]:
 
 def auto_paths(config: dict) -> list[str]:
     """Dotted paths whose value is ``"auto"``."""
-    return [p for p in leaf_paths(config) if _get(config, p) == AUTO]
+    return [p for p in leaf_paths(config) if get_path(config, p) == AUTO]

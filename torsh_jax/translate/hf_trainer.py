@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torsh_jax.errors import TranslationError
+from torsh_jax.translate.ds_values import get_path
 
 __all__ = ["hf_auto_values", "hf_mismatches", "TRAINING_ARGUMENT_DEFAULTS"]
 
@@ -129,15 +130,6 @@ _MUST_MATCH = {
 }
 
 
-def _lookup(config: Mapping[str, Any], dotted: str) -> Any:
-    node: Any = config
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
 def hf_mismatches(config: Mapping[str, Any], args: Mapping[str, Any], *, world_size: int | None) -> list[str]:
     """Values set in ``config`` that differ from the Trainer's, in the Trainer's wording.
 
@@ -148,7 +140,7 @@ def hf_mismatches(config: Mapping[str, Any], args: Mapping[str, Any], *, world_s
     values = hf_auto_values(args, world_size=world_size)
     out = []
     for key, hf_key in _MUST_MATCH.items():
-        ds_value = _lookup(config, key)
+        ds_value = get_path(config, key)
         if key in values and ds_value is not None and ds_value != "auto" and ds_value != values[key]:
             out.append(f"- ds {key}={ds_value} vs hf {hf_key}={values[key]}")
     return out
