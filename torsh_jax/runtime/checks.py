@@ -30,6 +30,7 @@ from torsh_jax.compress.collectives import WEIGHT_METHODS
 from torsh_jax.errors import NotSupportedYetError, ShardingError
 from torsh_jax.plan.roles import Roles
 from torsh_jax.plan.spec import ParallelPlan
+from torsh_jax.runtime.specs import entry_axes
 from torsh_jax.tensor.axis import has_tensor_blocks
 
 __all__ = ["check_supported", "check_tensor_loss", "check_param_axes", "mesh_shape_text"]
@@ -125,7 +126,7 @@ def check_param_axes(compute_specs, roles: Roles) -> None:
 
     def one(path, spec: P) -> None:
         for dim, entry in enumerate(spec):
-            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            axes = entry_axes(entry)
             used = sorted(batch.intersection(axes))
             if used:
                 raise ShardingError(

@@ -41,7 +41,7 @@ from torsh_jax.runtime.checks import check_param_axes
 from torsh_jax.runtime.data_parallel import gradient_sync
 from torsh_jax.runtime.fsdp import shard_dims, sharded_specs
 from torsh_jax.runtime.offload import offloaded_parts
-from torsh_jax.runtime.specs import param_specs
+from torsh_jax.runtime.specs import entry_axes, param_specs
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.runtime.sync import SyncSpec, feedback_specs, sync_feedback
 from torsh_jax.runtime.update import scaler_for
@@ -111,7 +111,7 @@ def _sharding(mesh: Mesh, spec: P, kind: str) -> NamedSharding:
 def _shard_bytes(leaf: Any, spec: P, mesh: Mesh) -> int:
     shape = list(leaf.shape)
     for dim, entry in enumerate(spec):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        axes = entry_axes(entry)
         shape[dim] = -(-shape[dim] // int(np.prod([mesh.shape[a] for a in axes])))
     return int(np.prod(shape)) * jnp.dtype(leaf.dtype).itemsize
 
@@ -145,7 +145,7 @@ def _local_shapes(params_like: PyTree, specs: PyTree, mesh: Mesh) -> list[jax.Sh
 def _local_shape(shape, spec: P, mesh: Mesh) -> tuple[int, ...]:
     out = list(shape)
     for dim, entry in enumerate(spec):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        axes = entry_axes(entry)
         out[dim] //= int(np.prod([mesh.shape[a] for a in axes]))
     return tuple(out)
 
@@ -153,12 +153,7 @@ def _local_shape(shape, spec: P, mesh: Mesh) -> tuple[int, ...]:
 def split_axes(compute: PyTree) -> PyTree:
     """Per parameter: the mesh axes its compute spec splits it over, in spec order."""
 
-    def one(spec: P) -> tuple[str, ...]:
-        axes = []
-        for entry in spec:
-            axes += [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
-        return tuple(axes)
-
+    one = lambda spec: tuple(axis for entry in spec for axis in entry_axes(entry))
     return jax.tree.map(one, compute, is_leaf=_is_spec)
 
 

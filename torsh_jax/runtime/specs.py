@@ -35,6 +35,7 @@ __all__ = [
     "param_specs",
     "named_shardings",
     "check_divisible",
+    "entry_axes",
     "is_boxed",
     "param_dims_from_metadata",
 ]
@@ -147,10 +148,17 @@ def _spec_for(names: tuple[str | None, ...], rules: dict[str, tuple[str, ...]], 
     return P(*entries)
 
 
+def entry_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The mesh axes one ``PartitionSpec`` entry names: ``None`` -> ``()``, ``"x"`` -> ``("x",)``."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def check_divisible(path: str, shape: tuple[int, ...], spec: P, mesh: Mesh) -> None:
     """Raise :class:`ShardingError` when a dim does not divide its mesh axes."""
     for dim, entry in enumerate(spec):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        axes = entry_axes(entry)
         size = 1
         for axis in axes:
             size *= mesh.shape[axis]

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import jax
 
+from torsh_jax.errors import ShardingError
+
 __all__ = ["TensorAxis", "tensor_axis", "uses_tensor_blocks", "has_tensor_blocks"]
 
 
@@ -82,8 +84,6 @@ class TensorAxis:
             return x
         t, length = self.size(), x.shape[self.seq_dim]
         if length % t:
-            from torsh_jax.errors import ShardingError
-
             raise ShardingError(
                 f"sequence length {length} is not divisible by the tensor axis size {t}",
                 key="tensor.sequence_parallel",
