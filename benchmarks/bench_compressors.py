@@ -10,7 +10,7 @@ Collective rows time a jitted ``shard_map`` all-reduce on 8 simulated CPU
 devices, compressed and plain (``pmean``), alternating the same way.
 
 Usage:
-    python benchmarks/bench_compressors.py [--elements 4194304] [--repeats 7]
+    python benchmarks/bench_compressors.py [--elements 4194304] [--repeats 25]
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def _collective_rows(preset: str, elements: int, repeats: int):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--elements", type=int, default=1 << 22)
-    parser.add_argument("--repeats", type=int, default=15, help="alternating rounds per measurement")
+    parser.add_argument("--repeats", type=int, default=25, help="alternating rounds per measurement")
     parser.add_argument("--presets", nargs="*", default=list(PRESETS))
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
