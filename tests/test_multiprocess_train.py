@@ -186,3 +186,14 @@ def test_process_local_batches_equal_global_batches(runs, plan):
     assert local["local_batches"]
     assert_two_processes_agree(local)
     assert_same_training(local, placed)
+
+
+def test_fsdp_tp_tensor_inside_each_process_fsdp_across_them(runs):
+    """ZeRO-3 x tensor parallelism: each process holds one tensor pair, fsdp crosses the processes."""
+    launched, single = runs(Config("fsdp_tp", launched=True), Config("fsdp_tp", launched=False))
+    assert_two_processes_agree(launched)
+    assert launched["mesh"] == {"data": 1, "stage": 1, "fsdp": 2, "tensor": 2}
+    processes = np.asarray(launched["mesh_processes"]).reshape(2, 2)  # [fsdp, tensor]
+    assert all(len(set(row)) == 1 for row in processes.tolist()), processes
+    assert set(processes[:, 0].tolist()) == {0, 1}, processes
+    assert_same_training(launched, single)

@@ -14,7 +14,6 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from torsh_jax import load_plan, tensor
-from torsh_jax.errors import NotSupportedYetError
 from torsh_jax.plan import plan_from_dict
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.step import make_train_step
@@ -134,14 +133,6 @@ def test_tensor_split_weights_hold_half_the_bytes():
     assert layout.bytes_per_device()["params"] == (2 * 8 * 16 // 2 + 3) * 4
 
 
-def test_a_loss_without_tensor_blocks_is_refused_under_tensor():
-    require_devices(8)
-    plan = load_plan("tp")
-    with pytest.raises(NotSupportedYetError, match="mesh.tensor") as err:
-        make_train_step(lambda p, b: jnp.sum(p["w"]), optax.sgd(0.1), plan, build_mesh(plan))
-    assert "tensor_blocks" in str(err.value)
-
-
 @pytest.fixture(scope="module")
 def tp_reports():
     """inspect of the tp and tp_sp presets on the small model."""
@@ -177,3 +168,49 @@ def test_sequence_parallel_sends_fewer_tensor_bytes(tp_reports):
     assert sp["wire_bytes"] < plain["wire_bytes"]
     kinds = {c["kind"] for c in tp_reports["tp_sp"]["collectives"] if c["axes"] == ["tensor"]}
     assert {"all-gather", "reduce-scatter"} <= kinds
+
+
+def test_vocab_parallel_loss_temp_memory_is_one_vocabulary_shard():
+    """memory_analysis: the loss and its gradient hold [B, T, V / t] logits, not [B, T, V]."""
+    mesh = _tensor_mesh()
+    batch, length, width, vocab = 4, 64, 32, 1024
+    x, labels = jnp.ones((batch, length, width)), jnp.zeros((batch, length), jnp.int32)
+
+    def loss_and_grad(tp):
+        loss = lambda k: tensor.cross_entropy(tensor.column(x, k, tp=tp), labels, tp=tp)
+        return lambda k: jax.value_and_grad(loss)(k)
+
+    kernel = jnp.ones((width, vocab))
+    full = jax.jit(loss_and_grad(TensorAxis())).lower(kernel).compile().memory_analysis().temp_size_in_bytes
+    sharded = jax.shard_map(loss_and_grad(TensorAxis()), mesh=mesh, in_specs=P(None, "tensor"),
+                            out_specs=(P(), P(None, "tensor")))  # fmt: skip
+    placed = jax.device_put(kernel, jax.sharding.NamedSharding(mesh, P(None, "tensor")))
+    per_device = jax.jit(sharded).lower(placed).compile().memory_analysis().temp_size_in_bytes
+    assert per_device <= full / T * 1.1, (per_device, full)
+
+
+def test_fsdp_tp_state_per_device_is_the_total_over_all_devices():
+    from torsh_jax.demo.model import LMConfig, init_params, layered_model
+
+    require_devices(8)
+    plan = load_plan("fsdp_tp")
+    cfg = LMConfig(vocab=256, d_model=64, heads=4, head_dim=16, mlp=256, layers=2, seq_len=16)
+    train = make_train_step(layered_model(cfg), optax.adamw(1e-3), plan, build_mesh(plan))
+    train.init(init_params(cfg, jax.random.key(0)))
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(train.layout.abstract))
+    per_device = sum(train.layout.bytes_per_device().values())
+    assert per_device == pytest.approx(total / 8, rel=0.02), (per_device, total / 8)
+
+
+def test_heads_not_divisible_by_tensor_name_the_parameter_and_dim():
+    from torsh_jax.demo.model import init_params, layered_model
+    from torsh_jax.errors import ShardingError
+
+    require_devices(8)
+    plan = plan_from_dict({"mesh": {"data": 1, "fsdp": 2, "tensor": 4}, "zero": {"stage": 3}})
+    train = make_train_step(layered_model(SMALL), optax.sgd(0.1), plan, build_mesh(plan))
+    with pytest.raises(ShardingError) as err:  # SMALL has 2 heads
+        train.init(init_params(SMALL, jax.random.key(0)))
+    message = str(err.value)
+    assert "layers/" in message and "dim 2" in message and "not divisible by 4" in message
+    assert "Fix:" in message

@@ -197,9 +197,12 @@ _names = st.sampled_from(
 )  # fmt: skip
 
 
+_tops = st.sampled_from(["fsdp", "fully_shard", "device_mesh", "parallelize_module", "other"])
+_keys = _names | st.sampled_from(["mesh_shape", "mesh_dim_names", "mesh"])
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.dictionaries(st.sampled_from(["fsdp", "fully_shard", "other"]), st.dictionaries(_names, _values)),
-       st.integers(1, 64) | st.none())  # fmt: skip
+@given(st.dictionaries(_tops, st.dictionaries(_keys, _values)), st.integers(1, 64) | st.none())
 def test_fuzzed_dicts_raise_only_typed_errors(data, world_size):
     try:
         r = translate_torch_fsdp(data, world_size=world_size)

@@ -31,9 +31,8 @@ from torsh_jax.errors import NotSupportedYetError, ShardingError
 from torsh_jax.plan.roles import Roles
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.specs import entry_axes
-from torsh_jax.tensor.axis import has_tensor_blocks
 
-__all__ = ["check_supported", "check_tensor_loss", "check_param_axes", "mesh_shape_text"]
+__all__ = ["check_supported", "check_param_axes", "mesh_shape_text"]
 
 
 def mesh_shape_text(roles: Roles) -> str:
@@ -49,20 +48,6 @@ def _check_roles(roles: Roles) -> None:
             key=f"mesh.{axis}",
             fix=f"set mesh.{axis} = 1 and use data/fsdp/tensor axes",
         )
-
-
-def check_tensor_loss(loss, roles: Roles) -> None:
-    """Refuse ``tensor`` > 1 for a loss that does not compute on local tensor shards."""
-    if roles.tensor_axis is None or has_tensor_blocks(loss):
-        return
-    raise NotSupportedYetError(
-        f"the tensor axis has size {roles.size(roles.tensor_axis)} (mesh {mesh_shape_text(roles)}) but the "
-        "loss is not written with torsh_jax.tensor blocks; compiler-partitioned tensor parallelism for "
-        "unmodified models is not supported yet",
-        key="mesh.tensor",
-        fix="build the model from torsh_jax.tensor blocks and mark it (LayeredModel(..., tensor_blocks=True) "
-        "or torsh_jax.tensor.uses_tensor_blocks(loss_fn)), or set mesh.tensor = 1",
-    )
 
 
 def _section_index(plan: ParallelPlan, axis: str) -> int:

@@ -36,6 +36,7 @@ from torsh_jax.compress import compressed_all_gather
 from torsh_jax.compress.factory import length_unit
 from torsh_jax.plan.roles import SHARD_AXIS, Roles, compose
 from torsh_jax.plan.spec import CompressorSpec, ParallelPlan
+from torsh_jax.runtime.compiler_axes import manual_over
 from torsh_jax.runtime.layered import LayeredModel, scan_layers, split_params
 from torsh_jax.runtime.specs import logical_dims, param_specs, path_str
 from torsh_jax.runtime.sync import SyncSpec, sync_leaf
@@ -124,15 +125,25 @@ def _compressed_gather(shard: jax.Array, dim: int, spec: CompressorSpec) -> jax.
     return jnp.moveaxis(full, 0, dim)
 
 
-def make_gather(dim: int | None, plan: ParallelPlan, backward: SyncSpec, weights: CompressorSpec | None):
+def make_gather(
+    dim: int | None,
+    plan: ParallelPlan,
+    backward: SyncSpec,
+    weights: CompressorSpec | None,
+    *,
+    compiler: tuple[str, ...] = (),
+    spec: P | None = None,
+):
     """Gather-on-use of a parameter sharded along ``dim`` (``None``: replicated).
 
     Forward: ``W_shard -> W`` in the compute dtype (compressed when ``weights``).
     Backward: ``dW`` in the reduction dtype through :func:`~torsh_jax.runtime.sync.sync_leaf`
     (reduce-scatter over ``fsdp``, sum over the other non-deferred axes), returned in the parameter dtype.
+    Both run per shard of the ``compiler`` axes the parameter is split over by ``spec``
+    (see :mod:`~torsh_jax.runtime.compiler_axes`).
     """
     precision = plan.precision
-    spec = backward if dim is not None else backward._replace(scatter_axis=None)
+    sync = backward if dim is not None else backward._replace(scatter_axis=None)
     replicas = tuple(a for a in backward.axes if a != FSDP)
 
     def forward(shard: jax.Array) -> jax.Array:
@@ -146,7 +157,11 @@ def make_gather(dim: int | None, plan: ParallelPlan, backward: SyncSpec, weights
         return _vary(jax.lax.all_gather(full, FSDP, axis=dim, tiled=True), replicas)
 
     def grad(g: jax.Array) -> jax.Array:
-        return sync_leaf(g.astype(precision.reduce_dtype), dim, spec).astype(precision.param_dtype)
+        return sync_leaf(g.astype(precision.reduce_dtype), dim, sync).astype(precision.param_dtype)
+
+    spec = P() if spec is None else spec
+    forward = manual_over(forward, compiler, (spec,), spec)
+    grad = manual_over(grad, compiler, (spec,), spec)
 
     @jax.custom_vjp
     def gather(shard):
@@ -162,13 +177,15 @@ def _weights(plan: ParallelPlan) -> CompressorSpec | None:
     return spec if spec is not None and spec.method != "none" else None
 
 
-def _gather_tree(shards: PyTree, dims: PyTree, plan: ParallelPlan, backward: SyncSpec) -> PyTree:
+def _gather_tree(shards: PyTree, dims: PyTree, specs: PyTree, plan: ParallelPlan, backward: SyncSpec,
+                 compiler: tuple[str, ...]) -> PyTree:  # fmt: skip
     weights = _weights(plan)
 
-    def one(shard, dim):
-        return checkpoint_name(make_gather(dim, plan, backward, weights)(shard), GATHERED)
+    def one(shard, dim, spec):
+        gather = make_gather(dim, plan, backward, weights, compiler=compiler, spec=spec)
+        return checkpoint_name(gather(shard), GATHERED)
 
-    return jax.tree.map(one, shards, dims, is_leaf=lambda x: x is None)
+    return jax.tree.map(one, shards, dims, specs, is_leaf=lambda x: x is None)
 
 
 def _remat(fn: Callable, plan: ParallelPlan) -> Callable:
@@ -183,24 +200,43 @@ def _layer_dims(dims: PyTree) -> PyTree:
     return jax.tree.map(lambda d: None if d is None else d - 1, dims, is_leaf=lambda x: x is None)
 
 
-def gathered_loss(loss, plan: ParallelPlan, dims: PyTree, *, backward: SyncSpec) -> Callable:
+def _layer_specs(specs: PyTree) -> PyTree:
+    """Specs of one layer's slice of stacked parameters (the layer dim is gone)."""
+    return jax.tree.map(lambda s: P(*s[1:]), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def gathered_loss(
+    loss,
+    plan: ParallelPlan,
+    dims: PyTree,
+    *,
+    backward: SyncSpec,
+    compiler: tuple[str, ...] = (),
+    specs: PyTree = None,
+) -> Callable:
     """ZeRO-3: ``loss(shards, batch)`` that gathers parameters on use.
 
     A :class:`LayeredModel` gathers one layer at a time inside the layer scan
     (embed and head stay gathered through the backward pass, like FSDP's root
-    module); a plain loss gathers every leaf before use.
+    module); a plain loss gathers every leaf once, before use, and keeps it
+    through the backward pass (every leaf is alive at once anyway, so
+    gathering again would only add bytes). ``specs``: per
+    parameter, its split over the ``compiler`` axes (needed when there are any).
     """
-    gather = lambda shards, d: _gather_tree(shards, d, plan, backward)
+    specs = jax.tree.map(lambda _: P(), dims, is_leaf=lambda x: x is None) if specs is None else specs
+    gather = lambda shards, d, s: _gather_tree(shards, d, s, plan, backward, compiler)
     if not isinstance(loss, LayeredModel):
-        return _remat(lambda shards, batch: loss(gather(shards, dims), batch), plan)
+        return lambda shards, batch: loss(gather(shards, dims, specs), batch)
     model = loss
 
     def layered(shards, batch):
         embed_s, stacked_s, head_s = split_params(model, shards)
         embed_d, stacked_d, head_d = split_params(model, dims)
-        layer = _remat(lambda s, h: model.layer(gather(s, _layer_dims(stacked_d)), h), plan)
-        hidden = model.embed(gather(embed_s, embed_d), batch)
+        embed_p, stacked_p, head_p = split_params(model, specs)
+        one_layer = _layer_dims(stacked_d), _layer_specs(stacked_p)
+        layer = _remat(lambda s, h: model.layer(gather(s, *one_layer), h), plan)
+        hidden = model.embed(gather(embed_s, embed_d, embed_p), batch)
         hidden = scan_layers(layer, stacked_s, hidden)
-        return model.head(gather(head_s, head_d), hidden, batch)
+        return model.head(gather(head_s, head_d, head_p), hidden, batch)
 
     return layered

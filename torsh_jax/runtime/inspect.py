@@ -53,9 +53,9 @@ def _shard_param_count(train: TrainStep) -> int:
 
 def _regathered_fraction(train: TrainStep) -> float:
     """Part of the parameters ZeRO-3 gathers again in the backward pass: the
-    stacked layers of a layered model, everything for a plain loss."""
+    stacked layers of a layered model, nothing for a plain loss (gathered once)."""
     if not isinstance(train.loss, LayeredModel):
-        return 1.0
+        return 0.0
     counts = _shard_counts(train)
     return sum(jax.tree.leaves(counts[train.loss.layers_key])) / sum(jax.tree.leaves(counts))
 

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.accumulate import local_gradients
+from torsh_jax.runtime.compiler_axes import compiler_axes, manual_over, tree_only, tree_without
 from torsh_jax.runtime.data_parallel import backward_sync, batch_specs, mark_varying
 from torsh_jax.runtime.fsdp import all_gather_params, gathered_loss
 from torsh_jax.runtime.layered import LayeredModel, layered_loss
@@ -76,8 +77,12 @@ def gradient_program(loss: LossOrModel, plan: ParallelPlan, layout: StateLayout)
     The gradients come back synchronised, in the update layout and the plan's parameter dtype.
     """
     roles, sync, precision = layout.roles, layout.sync, plan.precision
+    compiler = compiler_axes(loss, roles)
+    split = tree_only(layout.compute, compiler)
     if roles.zero_stage == 3:
-        loss_fn = gathered_loss(loss, plan, layout.dims, backward=backward_sync(plan, roles))
+        loss_fn = gathered_loss(
+            loss, plan, layout.dims, backward=backward_sync(plan, roles), compiler=compiler, specs=split
+        )
         vary = sync.axes  # only the deferred (compressed) replica axes are left to sync
     else:
         loss_fn = layered_loss(loss) if isinstance(loss, LayeredModel) else loss
@@ -90,6 +95,9 @@ def gradient_program(loss: LossOrModel, plan: ParallelPlan, layout: StateLayout)
             grads, feedback, spec=sync, dims=layout.dims, step=step, split_over=layout.split
         )
 
+    feedback_split = tree_only(_feedback_specs(layout), compiler)
+    reduce = manual_over(reduce, compiler, (split, feedback_split, P()), (split, feedback_split))
+
     def program(params, batch, scale=None, feedback=(), step=None):
         if roles.zero_stage != 3:
             params = cast_tree(params, precision.compute_dtype)
@@ -100,6 +108,10 @@ def gradient_program(loss: LossOrModel, plan: ParallelPlan, layout: StateLayout)
         return cast_tree(grads, precision.param_dtype), jax.lax.pmean(value, roles.batch_axes), feedback
 
     return program
+
+
+def _feedback_specs(layout: StateLayout) -> PyTree:
+    return () if layout.state.feedback is None else layout.state.feedback
 
 
 def _to_stored(layout: StateLayout, mesh: Mesh) -> Callable[[PyTree], PyTree]:
@@ -135,7 +147,10 @@ def build_program(
     stacked = loss.layers_key if isinstance(loss, LayeredModel) else "layers"
     layout = state_layout(plan, mesh, params_like, optimizer, stacked_key=stacked)
     grads_of = gradient_program(loss, plan, layout)
-    fb_specs = () if layout.state.feedback is None else layout.state.feedback
+    compiler = compiler_axes(loss, layout.roles)
+    manual = set(mesh.axis_names) - set(compiler)
+    fb_specs = tree_without(_feedback_specs(layout), compiler)
+    params_specs, update_specs = tree_without((layout.state.params, layout.update), compiler)
     update_shardings = jax.tree.map(
         lambda s: jax.sharding.NamedSharding(mesh, s), layout.update, is_leaf=lambda x: isinstance(x, P)
     )
@@ -146,8 +161,9 @@ def build_program(
         program = jax.shard_map(
             grads_of,
             mesh=mesh,
-            in_specs=(layout.state.params, batch_specs(batch, layout.roles), P(), fb_specs, P()),
-            out_specs=(layout.update, P(), fb_specs),
+            in_specs=(params_specs, batch_specs(batch, layout.roles), P(), fb_specs, P()),
+            out_specs=(update_specs, P(), fb_specs),
+            axis_names=manual,
         )
         scale = None if scaler is None else state.loss_scale.scale
         feedback = () if state.feedback is None else state.feedback

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from torsh_jax.errors import ShardingError
 from torsh_jax.plan.roles import compose
 from torsh_jax.plan.spec import ParallelPlan
-from torsh_jax.runtime.checks import check_supported, check_tensor_loss
+from torsh_jax.runtime.checks import check_supported
 from torsh_jax.runtime.layered import LayeredModel
 from torsh_jax.runtime.layout import StateLayout
 from torsh_jax.runtime.mesh import mesh_shape_str
@@ -169,7 +169,6 @@ def make_train_step(
     """
     roles = compose(plan, mesh.shape)
     check_supported(plan, roles)
-    check_tensor_loss(loss_fn, roles)
     check_offload(plan, mesh)
     global_batch = plan.batch.global_batch_size(roles.batch_size)
     built: dict[str, Any] = {"traces": 0}

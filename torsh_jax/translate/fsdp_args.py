@@ -24,12 +24,14 @@ from typing import Any
 
 from torsh_jax.errors import TranslationError
 from torsh_jax.translate.hvd_pyexpr import CallValue, PyScript, Symbol, Unknown
+from torsh_jax.translate.torch_mesh import MeshUse, mesh_from_dict, meshes_from_python
 
 __all__ = [
     "FSDP1_ORDER",
     "FSDP2_ORDER",
     "POLICY_ORDER",
     "STAGE",
+    "MESH_KEYS",
     "FsdpCall",
     "dtype_name",
     "strategy_name",
@@ -73,6 +75,8 @@ POLICY_ORDER = {
     "CPUOffloadPolicy": ("pin_memory",),
     "OffloadPolicy": (),
 }
+#: Top-level JSON keys of the job's device mesh (read by :mod:`torsh_jax.translate.torch_mesh`).
+MESH_KEYS = ("device_mesh", "parallelize_module")
 _CALL_NAMES = {"FullyShardedDataParallel": "fsdp", "FSDP": "fsdp", "fully_shard": "fully_shard"}
 _DTYPES = {
     "bfloat16": "bfloat16",
@@ -163,11 +167,14 @@ def calls_from_dict(data: Any) -> list[FsdpCall]:
         )
     calls = []
     for key, section in data.items():
+        if key in MESH_KEYS:
+            continue
         if key not in ("fsdp", "fully_shard"):
             raise TranslationError(
                 f"unknown top-level key {key!r}",
                 key=str(key),
-                fix='use {"fsdp": {...}} or {"fully_shard": {...}}',
+                fix='use {"fsdp": {...}} or {"fully_shard": {...}}, with optional "device_mesh" and '
+                '"parallelize_module" tables',
             )
         if not isinstance(section, dict):
             raise TranslationError(
@@ -209,9 +216,10 @@ def strategy_name(value: Any, key: str) -> str:
     return name
 
 
-def load_calls(source: str | Path | dict) -> tuple[list[FsdpCall], str]:
+def load_calls(source: str | Path | dict) -> tuple[list[FsdpCall], str, MeshUse]:
+    """The FSDP calls of ``source``, its label and the device mesh it shows."""
     if isinstance(source, dict):
-        return calls_from_dict(source), "<dict>"
+        return calls_from_dict(source), "<dict>", mesh_from_dict(source)
     if isinstance(source, Path):
         try:
             text = source.read_text(errors="replace")
@@ -230,7 +238,8 @@ def load_calls(source: str | Path | dict) -> tuple[list[FsdpCall], str]:
         )
     if text.lstrip().startswith("{"):
         try:
-            return calls_from_dict(json.loads(text)), label
+            data = json.loads(text)
+            return calls_from_dict(data), label, mesh_from_dict(data)
         except (json.JSONDecodeError, RecursionError) as err:
             raise TranslationError(
                 f"not valid JSON: {err}",
@@ -244,4 +253,4 @@ def load_calls(source: str | Path | dict) -> tuple[list[FsdpCall], str]:
             key=label,
             fix='pass a Python file that calls FSDP(...) or fully_shard(...), or JSON {"fsdp": {...}}',
         )
-    return calls, label
+    return calls, label, meshes_from_python(text)

@@ -56,6 +56,7 @@ from torsh_jax.translate.overrides import (
     as_int,
 )
 from torsh_jax.translate.result import TranslationResult
+from torsh_jax.translate.torch_mesh import MeshUse
 
 __all__ = ["translate_torch_fsdp", "looks_like_fsdp", "calls_from_dict", "calls_from_python", "FsdpCall"]
 
@@ -92,6 +93,7 @@ class _Settings:
     """Plan fields collected from the calls; a second, different value is a conflict."""
 
     values: dict[str, tuple[Any, str]] = field(default_factory=dict)
+    mesh_use: MeshUse = field(default_factory=MeshUse)
 
     def set(self, name: str, value: Any, key: str) -> None:
         if name in self.values and self.values[name][0] != value:
@@ -219,6 +221,8 @@ def _note_prefetch(name: str, value: Any, key: str, st: _Settings, book: NoteBoo
 def _note_argument(name: str, value: Any, key: str, st: _Settings, book: NoteBook) -> None:
     if name in _IGNORED:
         book.ignored(key, value.source if isinstance(value, Unknown) else value, _IGNORED[name])
+    elif name in ("device_mesh", "mesh") and st.mesh_use.mesh is not None:
+        _note_fsdp_mesh(value.source if isinstance(value, Unknown) else value, key, st, book)
     elif name in _STRUCTURAL:
         _note_structural(name, value.source if isinstance(value, Unknown) else value, key, book)
     elif isinstance(value, Unknown):
@@ -275,7 +279,75 @@ def _note_structural(name: str, value: Any, key: str, book: NoteBook) -> None:
         raise TranslationError(f"not an FSDP argument: {name!r}", key=key, fix="check the spelling")
 
 
+def _note_fsdp_mesh(value: Any, key: str, st: _Settings, book: NoteBook) -> None:
+    dims = st.mesh_use.dims_of(value)
+    if dims is None:
+        raise TranslationError(
+            f"cannot tell which dims of the device mesh {st.mesh_use.mesh.names} {value!r} names",
+            key=key,
+            fix='pass a slice of the init_device_mesh mesh, e.g. mesh["dp"]',
+        )
+    if len(dims) > 2:
+        raise TranslationError(
+            f"FSDP over {len(dims)} mesh dims {list(dims)}: FSDP takes a 1-D mesh, or 2-D for HSDP",
+            key=key,
+            fix="flatten the data-parallel dims into one, or pass (replicate, shard) dims",
+        )
+    st.set("fsdp_dims", dims, key)
+    book.mapped(key, value, f"FSDP over mesh dims {list(dims)}" + (" (HSDP)" if len(dims) == 2 else ""))
+
+
+def _device_mesh(st: _Settings, book: NoteBook) -> MeshSpec:
+    """Plan axes from a PyTorch device mesh: FSDP's dims -> data/fsdp, ``parallelize_module``'s -> tensor."""
+    use = st.mesh_use
+    mesh, tensor_dims = use.mesh, use.tensor_dims
+    fsdp_dims = st.get("fsdp_dims")
+    if fsdp_dims is None:
+        fsdp_dims = tuple(d for d in mesh.names if d not in tensor_dims)
+        book.approximated(
+            "device_mesh", list(mesh.names), f"FSDP is given no mesh: it spans {list(fsdp_dims)}"
+        )
+    shared = [d for d in fsdp_dims if d in tensor_dims]
+    if shared:
+        raise TranslationError(
+            f"mesh dims {shared} are used by both FSDP and parallelize_module",
+            key="device_mesh",
+            fix="give FSDP and tensor parallelism different dims of the mesh",
+        )
+    for dim in mesh.names:
+        if dim not in fsdp_dims and dim not in tensor_dims:
+            book.unsupported(
+                f"device_mesh.{dim}",
+                mesh.size((dim,)),
+                "a mesh dim used by neither FSDP nor parallelize_module (pipeline or context "
+                "parallelism) is not translated",
+                fix=f"drop the {dim!r} dim from the mesh, or give it to FSDP",
+            )
+    tensor = mesh.size(tensor_dims) if tensor_dims else 1
+    if st.get("strategy") == "NO_SHARD":
+        data, fsdp = mesh.size(fsdp_dims), 1
+    elif len(fsdp_dims) == 2:
+        data, fsdp = mesh.size(fsdp_dims[:1]), mesh.size(fsdp_dims[1:])
+    else:
+        data, fsdp = 1, mesh.size(fsdp_dims)
+    book.mapped(
+        "device_mesh",
+        {"mesh_shape": list(mesh.shape), "mesh_dim_names": list(mesh.names)},
+        f"mesh.data = {data}, mesh.fsdp = {fsdp}, mesh.tensor = {tensor}",
+    )
+    if tensor_dims:
+        book.mapped(
+            "parallelize_module.device_mesh",
+            list(tensor_dims),
+            f"mesh.tensor = {tensor}; the plan's logical rules (heads, mlp, vocab) say what is split, "
+            "in place of the parallelize_plan",
+        )
+    return MeshSpec(data=AxisSize(ici=data), fsdp=AxisSize(ici=fsdp), tensor=AxisSize(ici=tensor))
+
+
 def _mesh(st: _Settings, world_size: int | None, book: NoteBook) -> MeshSpec:
+    if st.mesh_use.mesh is not None:
+        return _device_mesh(st, book)
     strategy = st.get("strategy", "FULL_SHARD")
     if strategy == "NO_SHARD":
         return MeshSpec()
@@ -360,9 +432,9 @@ def translate_torch_fsdp(
     Raises:
         TranslationError: an unknown or unsupported argument; the key names it.
     """
-    calls, label = load_calls(source)
+    calls, label, mesh_use = load_calls(source)
     plan_overrides = _split_overrides(dict(overrides or {}), calls)
-    book, st = NoteBook(lenient=lenient), _Settings()
+    book, st = NoteBook(lenient=lenient), _Settings(mesh_use=mesh_use)
     for call in calls:
         for name, value in call.arguments.items():
             _note_argument(name, value, f"{call.prefix}.{name}", st, book)
