@@ -381,7 +381,7 @@ def plan_theory_for(pair: Pair):
         param_count=pair.param_count,
         num_devices=pair.mesh.size,
         num_slices=default_num_slices(pair.train.plan),
-        regathered_fraction=layers / pair.param_count,
+        layer_fraction=layers / pair.param_count,
     )
 
 

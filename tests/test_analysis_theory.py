@@ -91,3 +91,26 @@ def test_memory_rounds_uneven_shards_up():
 def test_invalid_arguments(call, key):
     with pytest.raises(PlanError, match=key):
         call()
+
+
+def test_zero3_gathers_parameters_outside_the_layers_once_per_step_under_accumulation():
+    """Layers: per micro-step and again in the backward pass; the rest: once (a loop-invariant gather)."""
+    t = theory.zero(P, stage=3, fsdp_size=4, regather=0.75, micro_steps=4, hoisted=0.25)
+    assert t.payload_bytes_by_kind["all-gather"] == round(0.75 * P) * 4 * 2 + round(0.25 * P)
+    assert t.payload_bytes_by_kind["reduce-scatter"] == P * 4
+    single = theory.zero(P, stage=3, fsdp_size=4, regather=0.75, hoisted=0.25)
+    assert single.payload_bytes_by_kind["all-gather"] == P + round(0.75 * P)
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_megatron_blocks_counts(layers):
+    s = 4096
+    plain = theory.megatron_blocks(s, tensor_size=4, layers=layers)
+    assert plain.count_by_kind == {"all-reduce": 4 * layers + 2}
+    sp = theory.megatron_blocks(s, tensor_size=4, layers=layers, sequence_parallel=True, recomputed=True)
+    assert sp.count_by_kind == {"all-gather": 6 * layers + 2, "reduce-scatter": 5 * layers + 2}
+    # sequence parallelism moves the same ring bytes as the all-reduces it replaces (Korthikanti et al.)
+    same = theory.megatron_blocks(s, tensor_size=4, layers=layers, sequence_parallel=True)
+    assert same.wire_bytes == pytest.approx(plain.wire_bytes)
+    recomputed = theory.megatron_blocks(s, tensor_size=4, layers=layers, recomputed=True, micro_steps=2)
+    assert recomputed.count_by_kind == {"all-reduce": 2 * (5 * layers + 2)}

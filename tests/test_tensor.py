@@ -31,7 +31,7 @@ def _block_loss(tp: TensorAxis):
     """Embedding -> attention -> MLP -> vocabulary-parallel loss, all from the blocks."""
 
     def loss(p, tokens):
-        x = tp.split_sequence(tensor.embed(tokens, p["table"], tp=tp))
+        x = tensor.embed(tokens, p["table"], tp=tp)  # this device's sequence chunk under SP
         x = x + tensor.attention(x, p["wq"], p["wk"], p["wv"], p["wo"], tp=tp)
         x = x + tensor.mlp(x, p["w_in"], p["w_out"], tp=tp)
         return tensor.cross_entropy(tensor.column(x, p["head"], tp=tp), tokens, tp=tp)
@@ -133,17 +133,25 @@ def test_tensor_split_weights_hold_half_the_bytes():
     assert layout.bytes_per_device()["params"] == (2 * 8 * 16 // 2 + 3) * 4
 
 
+ZERO3_SP_ACCUM = plan_from_dict({"mesh": {"data": 1, "fsdp": -1, "tensor": 2}, "zero": {"stage": 3},
+                                 "tensor": {"sequence_parallel": True},
+                                 "batch": {"micro_batch_size": 2, "accumulation_steps": 2}})  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def tp_reports():
-    """inspect of the tp and tp_sp presets on the small model."""
+    """inspect of the tp and tp_sp presets and ZeRO-3 x sequence parallel with accumulation, small model."""
     from torsh_jax.demo.model import init_params, layered_model, synthetic_tokens
     from torsh_jax.runtime.inspect import inspect_step
     from torsh_jax.tensor import tensor_axis
 
     require_devices(8)
     out = {}
-    for name in ("tp", "tp_sp"):
-        plan = load_plan(name)
+    for name, plan in (
+        ("tp", load_plan("tp")),
+        ("tp_sp", load_plan("tp_sp")),
+        ("zero3_sp_accum", ZERO3_SP_ACCUM),
+    ):
         train = make_train_step(
             layered_model(SMALL, tp=tensor_axis(plan)), optax.adamw(1e-3), plan, build_mesh(plan)
         )
@@ -161,13 +169,18 @@ def test_data_parallel_bytes_equal_theory_for_one_tensor_shard(tp_reports):
         assert report["theory"]["other_axes_wire_bytes"]["tensor"] > 0, name
 
 
-def test_sequence_parallel_sends_fewer_tensor_bytes(tp_reports):
-    """All-gather + reduce-scatter instead of all-reduce: each sends half an all-reduce's ring bytes."""
-    plain = tp_reports["tp"]["totals"]["by_axis"]["tensor"]
-    sp = tp_reports["tp_sp"]["totals"]["by_axis"]["tensor"]
-    assert sp["wire_bytes"] < plain["wire_bytes"]
-    kinds = {c["kind"] for c in tp_reports["tp_sp"]["collectives"] if c["axes"] == ["tensor"]}
-    assert {"all-gather", "reduce-scatter"} <= kinds
+@pytest.mark.parametrize("name", ["tp", "tp_sp", "zero3_sp_accum"])
+def test_tensor_collectives_equal_megatron_theory_by_kind(tp_reports, name):
+    """Per block 2 + 2 all-reduces (tp) or 4 all-gathers + 4 reduce-scatters (sequence parallel),
+    plus embedding, head and loss; ZeRO-3 recomputes the blocks' forward: bytes by kind = theory."""
+    section = tp_reports[name]["theory"]["axes"]["tensor"]
+    assert section["wire_ratio"] == pytest.approx(1.0, abs=0.02), section
+    for kind, ratio in section["wire_ratio_by_kind"].items():
+        assert ratio == pytest.approx(1.0, abs=0.02), (kind, section)
+    measured = {c["kind"] for c in tp_reports[name]["collectives"] if c["axes"] == ["tensor"]}
+    assert measured == set(section["payload_bytes_by_kind"]), measured
+    for kind in ("all-gather", "reduce-scatter"):  # never combined by the compiler: counts match too
+        assert section["measured_count_by_kind"].get(kind) == section["count_by_kind"].get(kind), section
 
 
 def test_vocab_parallel_loss_temp_memory_is_one_vocabulary_shard():

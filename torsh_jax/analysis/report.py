@@ -30,7 +30,7 @@ from torsh_jax.analysis.memory import memory_report
 from torsh_jax.analysis.theory import Theory, ring_wire_bytes
 from torsh_jax.units import format_bytes
 
-__all__ = ["summarize", "render_text", "axis_key"]
+__all__ = ["summarize", "render_text", "axis_key", "axis_theory_section"]
 
 
 def axis_key(axes: tuple[str, ...] | None) -> str:
@@ -105,7 +105,7 @@ def _covered(key: str, axes: set[str]) -> bool:
     return key == "-" or (key != "?" and set(key.split("+")) <= axes)
 
 
-def _theory_section(theory: Theory | None, totals: dict) -> dict | None:
+def _theory_section(theory: Theory | None, totals: dict, found: list[Collective]) -> dict | None:
     """The theory with measured/theory ratios over the axes it models (its data-parallel axes).
 
     Collectives over other axes (``tensor`` activations) are left out of the
@@ -125,15 +125,46 @@ def _theory_section(theory: Theory | None, totals: dict) -> dict | None:
     section["other_axes_wire_bytes"] = {
         k: v["wire_bytes"] for k, v in totals["by_axis"].items() if not _covered(k, axes)
     }
+    by_kind: dict[str, int] = {}
+    for c in found:
+        if _covered(axis_key(c.axes), axes):
+            by_kind[c.kind] = by_kind.get(c.kind, 0) + c.unwidened_payload_bytes * c.executions
     section["payload_ratio_by_kind"] = {
-        kind: totals["by_kind"].get(kind, {}).get("unwidened_payload_bytes", 0) / want
-        for kind, want in theory.payload_bytes_by_kind.items()
-        if want
+        kind: by_kind.get(kind, 0) / want for kind, want in theory.payload_bytes_by_kind.items() if want
     }
     return section
 
 
-def summarize(compiled, mesh, *, theory: Theory | None = None) -> dict:
+def axis_theory_section(theory: Theory, found: list[Collective], axis: str) -> dict:
+    """``theory`` of one mesh axis against the collectives measured over exactly that axis.
+
+    Adds ``measured_wire_bytes``, ``wire_ratio`` and, per kind,
+    ``measured_wire_bytes_by_kind``, ``wire_ratio_by_kind`` (measured / theory),
+    ``count_by_kind`` (theory) and ``measured_count_by_kind`` (executions; the
+    compiler may combine small all-reduces into one).
+    """
+    measured: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for c in found:
+        if c.axes == (axis,):
+            measured[c.kind] = measured.get(c.kind, 0.0) + _unwidened_wire(c)
+            counts[c.kind] = counts.get(c.kind, 0) + c.executions
+    wanted: dict[str, float] = {}
+    for c in theory.collectives:
+        wanted[c.kind] = wanted.get(c.kind, 0.0) + c.wire_bytes
+    section = theory.to_dict()
+    section["measured_wire_bytes"] = sum(measured.values())
+    section["wire_ratio"] = section["measured_wire_bytes"] / theory.wire_bytes if theory.wire_bytes else None
+    section["measured_wire_bytes_by_kind"] = measured
+    section["wire_ratio_by_kind"] = {k: measured.get(k, 0.0) / v for k, v in wanted.items() if v}
+    section["count_by_kind"] = theory.count_by_kind
+    section["measured_count_by_kind"] = counts
+    return section
+
+
+def summarize(
+    compiled, mesh, *, theory: Theory | None = None, axis_theories: dict[str, Theory] | None = None
+) -> dict:
     """A JSON-able summary of a compiled program's collectives and memory.
 
     Args:
@@ -141,6 +172,8 @@ def summarize(compiled, mesh, *, theory: Theory | None = None) -> dict:
         mesh: the mesh it was compiled for.
         theory: the plan's minimum (:mod:`torsh_jax.analysis.theory`), to
             report measured/theory ratios.
+        axis_theories: theories of single other axes (``{"tensor": ...}``),
+            reported under ``theory["axes"]`` (:func:`axis_theory_section`).
 
     Returns:
         ``{"mesh": {axis: size}, "collectives": [...], "totals": {...},
@@ -153,12 +186,15 @@ def summarize(compiled, mesh, *, theory: Theory | None = None) -> dict:
     """
     found = collectives(compiled, mesh)
     totals = _totals(found)
+    section = _theory_section(theory, totals, found)
+    if section is not None and axis_theories:
+        section["axes"] = {axis: axis_theory_section(t, found, axis) for axis, t in axis_theories.items()}
     return {
         "mesh": {name: int(size) for name, size in mesh.shape.items()},
         "collectives": [_row(c) for c in found],
         "totals": totals,
         "memory": memory_report(compiled).to_dict(),
-        "theory": _theory_section(theory, totals),
+        "theory": section,
     }
 
 
@@ -199,6 +235,11 @@ def _totals_table(summary: dict) -> Table:
                       format_bytes(theory["wire_bytes"]))  # fmt: skip
         ratio = theory["wire_ratio"]
         table.add_row("measured / theory", "", "", "n/a" if ratio is None else f"{ratio:.2f}")
+        for axis, section in theory.get("axes", {}).items():
+            sizes = format_bytes(section["payload_bytes"]), format_bytes(section["wire_bytes"])
+            table.add_row(f"theory {axis}: {section['description']}", "", *sizes)
+            ratios = ", ".join(f"{k} {v:.2f}" for k, v in section["wire_ratio_by_kind"].items())
+            table.add_row(f"measured / theory ({axis}: {ratios})", "", "", f"{section['wire_ratio']:.2f}")
     return table
 
 

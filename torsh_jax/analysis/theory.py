@@ -51,6 +51,7 @@ __all__ = [
     "ddp",
     "zero",
     "hsdp",
+    "megatron_blocks",
     "plan_theory",
     "MemoryTheory",
     "theoretical_memory_per_device",
@@ -124,6 +125,14 @@ class Theory:
         return totals
 
     @property
+    def count_by_kind(self) -> dict[str, int]:
+        """Collectives per step of each kind."""
+        totals: dict[str, int] = {}
+        for c in self.collectives:
+            totals[c.kind] = totals.get(c.kind, 0) + c.count
+        return totals
+
+    @property
     def payload_bytes_by_axis(self) -> dict[str, int]:
         """Payload bytes per axis key (``"data"``, ``"data+fsdp"``)."""
         totals: dict[str, int] = {}
@@ -185,13 +194,23 @@ def _param_gathers(param_bytes, stage, axes, size, compute_param_bytes, regather
     return (first, TheoryCollective("all-gather", axes, again, size)) if again else (first,)
 
 
-def _per_micro_step(stage, micro_steps, gather, reductions):
-    """Counts per optimizer step: stage 2 reduces, stage 3 also gathers, every micro-step."""
+def _per_micro_step(stage, micro_steps, gather, reductions, hoisted: float = 0.0):
+    """Counts per optimizer step: stage 2 reduces, stage 3 also gathers, every micro-step.
+
+    The ``hoisted`` fraction of stage 3's first gather (parameters used the same way by every
+    micro-step outside the stacked layers: embeddings, head, a plain loss's parameters) is
+    gathered once per step: the compiler moves that loop-invariant gather out of the
+    accumulation loop.
+    """
     times = lambda c: replace(c, count=c.count * micro_steps)
     if stage >= 2:
         reductions = tuple(times(c) for c in reductions)
     if stage == 3:
-        gather = tuple(times(c) for c in gather)
+        first, *again = gather
+        once = round(first.payload_bytes * hoisted) if micro_steps > 1 else 0
+        each = (replace(first, payload_bytes=first.payload_bytes - once), *again)
+        gather = tuple(times(c) for c in each if c.payload_bytes)
+        gather += (replace(first, payload_bytes=once),) if once else ()
     return gather, reductions
 
 
@@ -204,6 +223,7 @@ def zero(
     compute_param_bytes: int | None = None,
     regather: bool | float = True,
     micro_steps: int = 1,
+    hoisted: float = 0.0,
 ) -> Theory:
     """ZeRO over the ``fsdp`` axis (stage 0 is DDP over it).
 
@@ -220,6 +240,8 @@ def zero(
         micro_steps: accumulation micro-steps per optimizer step. Stage 1
             reduces once per step; stage 2 reduce-scatters every micro-step
             (gradients stay sharded); stage 3 also gathers every micro-step.
+        hoisted: stage 3 with micro-steps: the fraction of the gathered bytes
+            gathered once per step (parameters outside the stacked layers).
 
     Example:
         >>> zero(1000, stage=1, fsdp_size=4).payload_bytes_by_kind
@@ -235,7 +257,7 @@ def zero(
     axes = ("fsdp",)
     gather = _param_gathers(param_bytes, stage, axes, fsdp_size, compute_param_bytes, regather)
     scatter = TheoryCollective("reduce-scatter", axes, param_bytes, fsdp_size)
-    gather, scatter = _per_micro_step(stage, micro_steps, gather, (scatter,))
+    gather, scatter = _per_micro_step(stage, micro_steps, gather, (scatter,), hoisted)
     ordered = (*gather, *scatter) if stage == 3 else (*scatter, *gather)
     return Theory(f"ZeRO-{stage} over fsdp={fsdp_size}", ordered)
 
@@ -250,6 +272,7 @@ def hsdp(
     compute_param_bytes: int | None = None,
     regather: bool | float = True,
     micro_steps: int = 1,
+    hoisted: float = 0.0,
 ) -> Theory:
     """HSDP: ZeRO ``stage`` inside a slice (``fsdp``), replicas across slices (``data``).
 
@@ -274,13 +297,80 @@ def hsdp(
         TheoryCollective("reduce-scatter", fsdp, param_bytes, fsdp_size),
         TheoryCollective("all-reduce", ("data",), math.ceil(param_bytes / fsdp_size), data_size),
     )
-    gather, steps = _per_micro_step(stage, micro_steps, gather, steps)
+    gather, steps = _per_micro_step(stage, micro_steps, gather, steps, hoisted)
     ordered = (*gather, *steps) if stage == 3 else (*steps, *gather)
     return Theory(f"HSDP ZeRO-{stage}: data={data_size} x fsdp={fsdp_size}", ordered)
 
 
+def megatron_blocks(
+    activation_bytes: int,
+    /,
+    *,
+    tensor_size: int,
+    layers: int,
+    sequence_parallel: bool = False,
+    token_bytes: int = 0,
+    replicated_grad_bytes: int = 0,
+    recomputed: bool = False,
+    micro_steps: int = 1,
+) -> Theory:
+    """Tensor-axis collectives of ``layers`` transformer blocks (attention + MLP) made of tensor blocks.
+
+    Megatron (Shoeybi et al. 2019, section 3): per block two all-reduces of the
+    activations in the forward pass and two in the backward pass; with
+    sequence parallelism (Korthikanti et al. 2022, section 4.2.2) each becomes an
+    all-gather before the column-parallel matmul and a reduce-scatter after the
+    row-parallel one (the same ring bytes). Around the blocks: the
+    vocabulary-parallel embedding sums its output (a reduce-scatter with
+    sequence parallelism), the head's input gradient is summed (the head's
+    input is all-gathered, its gradient reduce-scattered with sequence
+    parallelism), and the loss reduces three per-token values (the maximum,
+    the sum of exponentials and the target logit). With sequence parallelism
+    the gradients of parameters replicated over ``tensor`` (norm weights,
+    positions) are summed too.
+
+    Args:
+        activation_bytes: one micro-batch's activations ``[b, T, D]`` in the compute dtype (full sequence).
+        tensor_size: devices along ``tensor``.
+        layers: transformer blocks.
+        sequence_parallel: activations split on the sequence between blocks.
+        token_bytes: ``b * T * 4`` (the loss's float32 per-token reductions).
+        replicated_grad_bytes: bytes of the parameters replicated over ``tensor``.
+        recomputed: the blocks run forward again in the backward pass (remat,
+            ZeRO-3 re-gathering), repeating their forward collectives but the
+            last (the block's output is not needed to differentiate it).
+        micro_steps: accumulation micro-steps per optimizer step.
+
+    Example:
+        >>> t = megatron_blocks(1024, tensor_size=2, layers=2, token_bytes=32)
+        >>> t.payload_bytes_by_kind
+        {'all-reduce': 10336}
+    """
+    axes, t, m, again = ("tensor",), tensor_size, micro_steps, int(recomputed)
+    out = [TheoryCollective("all-reduce", axes, token_bytes, t, 3 * m)]
+    if sequence_parallel:
+        # per block: 2 gathers + 2 scatters forward, their transposes backward; a recomputed
+        # forward repeats all but the block's last scatter (its output is not needed again);
+        # + the embedding's scatter and the head's gather, each with its transpose
+        gathers, scatters = layers * (4 + 2 * again) + 2, layers * (4 + again) + 2
+        out += [
+            TheoryCollective("all-gather", axes, activation_bytes, t, gathers * m),
+            TheoryCollective("reduce-scatter", axes, activation_bytes, t, scatters * m),
+        ]
+        if replicated_grad_bytes:
+            out.append(TheoryCollective("all-reduce", axes, replicated_grad_bytes, t, m))
+    else:
+        # per block: 2 forward + 2 backward; a recomputed forward repeats the first (attention's);
+        # + the embedding's sum forward and the head's input gradient backward
+        reductions = layers * (4 + again) + 2
+        out.append(TheoryCollective("all-reduce", axes, activation_bytes, t, reductions * m))
+    sp = " with sequence parallelism" if sequence_parallel else ""
+    described = f"Megatron blocks over tensor={t}{sp} ({layers} layers)"
+    return Theory(described, tuple(c for c in out if c.payload_bytes))
+
+
 def plan_theory(
-    plan, /, *, param_count: int, num_devices: int, num_slices: int = 1, regathered_fraction: float = 1.0
+    plan, /, *, param_count: int, num_devices: int, num_slices: int = 1, layer_fraction: float = 1.0
 ) -> Theory:
     """The theory for a :class:`~torsh_jax.plan.ParallelPlan`'s data-parallel axes.
 
@@ -292,33 +382,36 @@ def plan_theory(
         param_count: parameters of one tensor × stage shard of the model.
         num_devices: devices the mesh is resolved for.
         num_slices: slices (DCN) the mesh is resolved for.
-        regathered_fraction: ZeRO-3 with ``reshard_after_forward``: the part
-            of the parameters gathered again in the backward pass (the
-            stacked layers of a layered model; top-level entries such as
-            embeddings and the head stay gathered, as FSDP keeps its root).
+        layer_fraction: the part of the parameters in stacked layers (a
+            layered model's; 0 for a plain loss). ZeRO-3 gathers them per
+            layer, per micro-step, and again in the backward pass with
+            ``reshard_after_forward``; the rest (embeddings, head, a plain
+            loss's parameters) stays gathered through the backward pass, as
+            FSDP keeps its root, and once per step under accumulation.
 
     Example:
         >>> from torsh_jax.plan import ParallelPlan
         >>> plan_theory(ParallelPlan(), param_count=1000, num_devices=8).description
         'DDP over data=8'
     """
-    theory = _uncompressed_theory(plan, param_count, num_devices, num_slices, regathered_fraction)
+    theory = _uncompressed_theory(plan, param_count, num_devices, num_slices, layer_fraction)
     if plan.compression:  # the minimum without compression: the plan sends fewer bytes than this
         return replace(theory, description=f"{theory.description} (uncompressed minimum)")
     return theory
 
 
-def _uncompressed_theory(plan, param_count, num_devices, num_slices, regathered_fraction) -> Theory:
+def _uncompressed_theory(plan, param_count, num_devices, num_slices, layer_fraction) -> Theory:
     roles = compose(plan, plan.mesh.resolve(num_devices, num_slices=num_slices).shape)
     stage = roles.zero_stage
     param_bytes = param_count * DTYPE_BYTES[plan.precision.reduce_dtype]
     gathered_dtype = plan.precision.compute_dtype if stage == 3 else plan.precision.param_dtype
     compute = param_count * DTYPE_BYTES[gathered_dtype]
-    regather = regathered_fraction if plan.zero.reshard_after_forward else 0.0
+    regather = layer_fraction if plan.zero.reshard_after_forward else 0.0
     gathers = {
         "compute_param_bytes": compute,
         "regather": regather,
         "micro_steps": plan.batch.accumulation_steps,
+        "hoisted": 1.0 - layer_fraction,
     }
     if roles.shard_axis is None:
         axes = roles.batch_axes or ("data",)

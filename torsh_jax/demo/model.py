@@ -63,8 +63,8 @@ class Embed(nn.Module):
             "embedding", nn.initializers.normal(0.02), (cfg.vocab // self.tp.size(), cfg.d_model)
         )
         pos = self.param("position", nn.initializers.normal(0.02), (cfg.seq_len, cfg.d_model))
-        x = tensor.embed(tokens, table, tp=self.tp) + pos[: tokens.shape[-1]]
-        return self.tp.split_sequence(x)
+        # under sequence parallelism both are this device's chunk of the sequence
+        return tensor.embed(tokens, table, tp=self.tp) + self.tp.split_sequence(pos[None, : tokens.shape[-1]])
 
 
 class Block(nn.Module):

@@ -16,19 +16,24 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from torsh_jax.analysis import summarize
-from torsh_jax.analysis.theory import plan_theory
-from torsh_jax.runtime.layered import LayeredModel
+from torsh_jax.analysis.theory import Theory, megatron_blocks, plan_theory
+from torsh_jax.runtime.layered import LayeredModel, split_params
 from torsh_jax.runtime.mesh import default_num_slices
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.runtime.step import TrainStep
+from torsh_jax.tensor.axis import has_tensor_blocks
 
 __all__ = ["inspect_step", "headline"]
+
+_is_axes = lambda x: isinstance(x, tuple)
 
 
 def _param_count(params: Any) -> int:
@@ -51,13 +56,42 @@ def _shard_param_count(train: TrainStep) -> int:
     return int(sum(jax.tree.leaves(_shard_counts(train))))
 
 
-def _regathered_fraction(train: TrainStep) -> float:
-    """Part of the parameters ZeRO-3 gathers again in the backward pass: the
-    stacked layers of a layered model, nothing for a plain loss (gathered once)."""
+def _layer_fraction(train: TrainStep) -> float:
+    """Part of the parameters in stacked layers: a layered model's, none for a plain loss."""
     if not isinstance(train.loss, LayeredModel):
         return 0.0
     counts = _shard_counts(train)
     return sum(jax.tree.leaves(counts[train.loss.layers_key])) / sum(jax.tree.leaves(counts))
+
+
+def _tensor_theory(train: TrainStep, batch: Any) -> Theory | None:
+    """The tensor axis's theory for a layered model built from the tensor blocks (else ``None``)."""
+    roles, model, plan = train.layout.roles, train.loss, train.plan
+    if roles.tensor_axis is None or not isinstance(model, LayeredModel) or not has_tensor_blocks(model):
+        return None
+    compute = jnp.dtype(plan.precision.compute_dtype)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute), train.layout.abstract.params)
+    embed_params, stacked, _ = split_params(model, params)
+    micro = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((plan.batch.micro_batch_size, *x.shape[1:]), x.dtype), batch
+    )
+    hidden = jax.eval_shape(model.embed, embed_params, micro)
+    replicated = sum(
+        x.size * compute.itemsize
+        for x, split in zip(jax.tree.leaves(params), jax.tree.leaves(train.layout.split, is_leaf=_is_axes))
+        if not split
+    )
+    zero3_regathers = roles.zero_stage == 3 and plan.zero.reshard_after_forward
+    return megatron_blocks(
+        hidden.size * compute.itemsize,
+        tensor_size=roles.size(roles.tensor_axis),
+        layers=jax.tree.leaves(stacked)[0].shape[0],
+        sequence_parallel=roles.sequence_parallel,
+        token_bytes=math.prod(hidden.shape[:-1]) * 4,
+        replicated_grad_bytes=replicated,
+        recomputed=model.remat or zero3_regathers,
+        micro_steps=plan.batch.accumulation_steps,
+    )
 
 
 def inspect_step(train: TrainStep, state: TrainState, batch: Any) -> dict:
@@ -66,7 +100,9 @@ def inspect_step(train: TrainStep, state: TrainState, batch: Any) -> dict:
     See :func:`torsh_jax.analysis.summarize` for the keys; adds
     ``param_count``, ``shard_param_count`` (parameters of one tensor shard,
     which the theory of the data-parallel axes counts), ``plan``, ``roles`` (what each mesh axis does) and
-    ``state_bytes_per_device`` (from the state layout: ``step``, ``params``,
+    ``theory["axes"]["tensor"]`` (a model built from the tensor blocks: the
+    Megatron theory of its tensor collectives against the measured ones, per
+    kind), ``state_bytes_per_device`` (from the state layout: ``step``, ``params``,
     ``opt_state``, ``loss_scale``, ``feedback`` and ``total``) and ``notes``
     (what the step changed about the parameters, e.g. a dtype cast).
     """
@@ -76,9 +112,11 @@ def inspect_step(train: TrainStep, state: TrainState, batch: Any) -> dict:
         param_count=_shard_param_count(train),
         num_devices=train.mesh.size,
         num_slices=default_num_slices(train.plan),
-        regathered_fraction=_regathered_fraction(train),
+        layer_fraction=_layer_fraction(train),
     )
-    summary = summarize(compiled, train.mesh, theory=theory)
+    tensor = _tensor_theory(train, batch)
+    axis_theories = {"tensor": tensor} if tensor else None
+    summary = summarize(compiled, train.mesh, theory=theory, axis_theories=axis_theories)
     summary["param_count"] = _param_count(state.params)
     summary["shard_param_count"] = _shard_param_count(train)
     summary["plan"] = train.plan.name

@@ -64,6 +64,17 @@ class TensorAxis:
     def pmax(self, x: jax.Array) -> jax.Array:
         return jax.lax.pmax(x, self.name) if self.active() else x
 
+    def vary(self, x: jax.Array) -> jax.Array:
+        """``x`` typed as per-device along the axis, once, before several column-parallel matmuls use it.
+
+        Each use of a replicated ``x`` by a split weight sums its own gradient
+        over the axis; varying it first sums their total once (Megatron's fused
+        QKV: one backward reduction for the three projections).
+        """
+        if not self.active() or self.name in _varying_axes(x):
+            return x
+        return jax.lax.pcast(x, self.name, to="varying")
+
     def gather_sequence(self, x: jax.Array) -> jax.Array:
         """``x[B, T/t, ...] -> x[B, T, ...]`` (sequence parallel only)."""
         if not (self.sequence_parallel and self.active()):
@@ -76,21 +87,33 @@ class TensorAxis:
             return x
         if not self.sequence_parallel:
             return jax.lax.psum(x, self.name)
+        self._check_sequence(x.shape[self.seq_dim])
         return jax.lax.psum_scatter(x, self.name, scatter_dimension=self.seq_dim, tiled=True)
 
     def split_sequence(self, x: jax.Array) -> jax.Array:
         """This device's chunk of a replicated ``x[B, T, ...]`` (sequence parallel only; no communication)."""
         if not (self.sequence_parallel and self.active()):
             return x
-        t, length = self.size(), x.shape[self.seq_dim]
+        chunk = self._check_sequence(x.shape[self.seq_dim])
+        return jax.lax.dynamic_slice_in_dim(x, self.index() * chunk, chunk, axis=self.seq_dim)
+
+    def _check_sequence(self, length: int) -> int:
+        """This device's chunk of a sequence of ``length``; a typed error when the axis does not divide it."""
+        t = self.size()
         if length % t:
             raise ShardingError(
                 f"sequence length {length} is not divisible by the tensor axis size {t}",
                 key="tensor.sequence_parallel",
                 fix=f"use a sequence length divisible by {t}, or set tensor.sequence_parallel = false",
             )
-        chunk = length // t
-        return jax.lax.dynamic_slice_in_dim(x, self.index() * chunk, chunk, axis=self.seq_dim)
+        return length // t
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+    """The manual axes ``x`` differs along (its ``shard_map`` type)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
 
 
 def tensor_axis(plan) -> TensorAxis:

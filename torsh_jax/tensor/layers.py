@@ -65,7 +65,7 @@ def attention(
 
     ``wq``, ``wk``, ``wv``: ``[D, H_t, K]``; ``wo``: ``[H_t, K, D]``. Softmax in float32.
     """
-    h = tp.gather_sequence(x)
+    h = tp.vary(tp.gather_sequence(x))
     q, k, v = (jnp.einsum("btd,dhk->bthk", h, w) for w in (wq, wk, wv))
     logits = jnp.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(q.shape[-1]).astype(x.dtype)
     if causal:

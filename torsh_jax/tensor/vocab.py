@@ -2,7 +2,8 @@
 and the full logits never exist on one device.
 
 The embedding looks up the tokens in this device's rows (zeros for the
-others) and sums over the axis. The loss takes the logits of this device's
+others) and sums over the axis (reduce-scatters along the sequence under
+sequence parallelism, so its output is this device's chunk). The loss takes the logits of this device's
 vocabulary slice: the maximum goes through ``stop_gradient`` before ``pmax``
 (``pmax`` has no differentiation rule, and the maximum only stabilises the
 exponent), the partition function and the target's logit are summed over the
@@ -28,14 +29,17 @@ _DEFAULT = TensorAxis()
 
 
 def embed(tokens: jax.Array, table: jax.Array, *, tp: TensorAxis = _DEFAULT) -> jax.Array:
-    """``table[V_t, D]`` rows of ``tokens[B, T]`` -> ``[B, T, D]``, summed over the tensor axis."""
+    """``table[V_t, D]`` rows of ``tokens[B, T]`` -> ``[B, T, D]`` summed over the tensor axis.
+
+    Under sequence parallelism the sum is reduce-scattered: ``[B, T/t, D]``, this device's chunk.
+    """
     if not tp.active():
         return table[tokens]
     rows = table.shape[0]
     local = tokens - tp.index() * rows
     inside = (local >= 0) & (local < rows)
     found = table[jnp.clip(local, 0, rows - 1)] * inside[..., None].astype(table.dtype)
-    return tp.psum(found)
+    return tp.scatter_sum_sequence(found)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, *, tp: TensorAxis = _DEFAULT) -> jax.Array:
