@@ -136,11 +136,14 @@ class Pair:
     """Our train step and its baseline on the same mesh, model, optimizer and batch."""
 
     ours: Program
-    baseline: Program
+    baseline: Program | None
     train: Any
     mesh: Any
     param_count: int
     extra: list[Program] = field(default_factory=list)
+    optimizer: Any = None
+    host_params: Any = None
+    host_batch: Any = None
 
     @property
     def programs(self) -> list[Program]:
@@ -217,10 +220,11 @@ def build_baseline(model, optimizer, params, batch, mesh, *, kind: str, key: Any
     return Program(f"jit_{kind}", jitted, init(params), placed, jitted.lower)
 
 
-def build_pair(cfg, plan, *, baseline: str, extra: tuple[str, ...] = (), batch_seed: int = 0) -> Pair:
+def build_pair(cfg, plan, *, baseline: str | None, extra: tuple[str, ...] = (), batch_seed: int = 0) -> Pair:
     """Our step for ``plan`` and ``jax.jit`` baselines (see :func:`build_baseline`), all initialised.
 
-    ``extra`` names further baseline kinds, kept in ``Pair.extra``.
+    ``extra`` names further baseline kinds, kept in ``Pair.extra``; ``baseline=None`` builds
+    none (the caller sets ``Pair.baseline`` from ``optimizer``, ``host_params`` and ``host_batch``).
     """
     import jax
     import optax
@@ -228,19 +232,19 @@ def build_pair(cfg, plan, *, baseline: str, extra: tuple[str, ...] = (), batch_s
     from torsh_jax.demo.model import init_params, layered_model, param_count, synthetic_tokens
     from torsh_jax.runtime.mesh import build_mesh
     from torsh_jax.runtime.step import make_train_step
+    from torsh_jax.tensor import tensor_axis
 
     mesh = build_mesh(plan)
-    model = layered_model(cfg)
+    model = layered_model(cfg, tp=tensor_axis(plan))
     optimizer = optax.adamw(LEARNING_RATE)
     params = init_params(cfg, jax.random.key(0))
     train = make_train_step(model, optimizer, plan, mesh)
     batch = synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=batch_seed)
     ours = Program("ours", train.step, train.init(params), train.shard_batch(batch), train.lower)
-    base, *others = (
-        build_baseline(model, optimizer, params, batch, mesh, kind=kind, key=cfg)
-        for kind in (baseline, *extra)
-    )
-    return Pair(ours, base, train, mesh, param_count(params), others)
+    kinds = (baseline, *extra) if baseline is not None else ()
+    built = [build_baseline(model, optimizer, params, batch, mesh, kind=k, key=cfg) for k in kinds]
+    base, *others = built or [None]
+    return Pair(ours, base, train, mesh, param_count(params), others, optimizer, params, batch)
 
 
 def interleaved_timing(programs: list[Program], *, steps: int, chunk: int = 1, warmup: int = 2) -> dict:
@@ -371,18 +375,9 @@ def memory_row(name: str, pair: Pair, summary: dict, **fields) -> dict:
 
 def plan_theory_for(pair: Pair):
     """The plan's minimum wire bytes for this model (as ``inspect_step`` computes it)."""
-    from torsh_jax.analysis.theory import plan_theory
-    from torsh_jax.demo.model import param_count
-    from torsh_jax.runtime.mesh import default_num_slices
+    from torsh_jax.runtime.inspect import data_theory
 
-    layers = param_count(pair.ours.state.params[pair.train.loss.layers_key])
-    return plan_theory(
-        pair.train.plan,
-        param_count=pair.param_count,
-        num_devices=pair.mesh.size,
-        num_slices=default_num_slices(pair.train.plan),
-        layer_fraction=layers / pair.param_count,
-    )
+    return data_theory(pair.train)
 
 
 def wire_row(name: str, summary: dict, **fields) -> dict:

@@ -95,6 +95,22 @@ def test_bench_zero_quick():
     assert_keys(rows["zero3_temp_memory"], TEMP_KEYS)
 
 
+@pytest.mark.slow
+def test_bench_tensor_quick():
+    """Both programs train the same model to the same loss; our bytes equal both theories."""
+    rows = run_quick("bench_tensor.py")
+    plans = ("tp", "tp_sp", "fsdp_tp")
+    assert set(rows) == {f"{p}_{kind}" for p in plans for kind in ("step_time", "wire")}
+    for plan in plans:
+        timing = rows[f"{plan}_step_time"]
+        assert_keys(timing, TIMING_KEYS | {"target"})
+        assert abs(timing["ours_loss"] - timing["baseline_loss"]) <= 1e-5 * abs(timing["baseline_loss"])
+        wire = rows[f"{plan}_wire"]
+        assert_keys(wire, {"ratio", "tensor_ratio", "baseline_ratio", "baseline_tensor_ratio"})
+        assert wire["ratio"] == pytest.approx(1.0, abs=0.01), wire
+        assert wire["tensor_ratio"] == pytest.approx(1.0, abs=0.01), wire
+
+
 @pytest.mark.parametrize(
     ("shape", "expected"),
     [((256, 64), P("fsdp", None)), ((3, 64), P(None, "fsdp")), ((64, 64), P("fsdp", None)), ((3, 5), P())],

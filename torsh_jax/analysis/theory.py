@@ -370,7 +370,14 @@ def megatron_blocks(
 
 
 def plan_theory(
-    plan, /, *, param_count: int, num_devices: int, num_slices: int = 1, layer_fraction: float = 1.0
+    plan,
+    /,
+    *,
+    param_count: int,
+    num_devices: int,
+    num_slices: int = 1,
+    layer_fraction: float = 1.0,
+    layers: int | None = None,
 ) -> Theory:
     """The theory for a :class:`~torsh_jax.plan.ParallelPlan`'s data-parallel axes.
 
@@ -388,25 +395,29 @@ def plan_theory(
             ``reshard_after_forward``; the rest (embeddings, head, a plain
             loss's parameters) stays gathered through the backward pass, as
             FSDP keeps its root, and once per step under accumulation.
+        layers: the number of stacked layers, if known: one layer is not
+            gathered again (nothing is freed between its forward and backward
+            passes, and the compiler keeps the one gather).
 
     Example:
         >>> from torsh_jax.plan import ParallelPlan
         >>> plan_theory(ParallelPlan(), param_count=1000, num_devices=8).description
         'DDP over data=8'
     """
-    theory = _uncompressed_theory(plan, param_count, num_devices, num_slices, layer_fraction)
+    regathered = 0.0 if layers == 1 else layer_fraction
+    theory = _uncompressed_theory(plan, param_count, num_devices, num_slices, layer_fraction, regathered)
     if plan.compression:  # the minimum without compression: the plan sends fewer bytes than this
         return replace(theory, description=f"{theory.description} (uncompressed minimum)")
     return theory
 
 
-def _uncompressed_theory(plan, param_count, num_devices, num_slices, layer_fraction) -> Theory:
+def _uncompressed_theory(plan, param_count, num_devices, num_slices, layer_fraction, regathered) -> Theory:
     roles = compose(plan, plan.mesh.resolve(num_devices, num_slices=num_slices).shape)
     stage = roles.zero_stage
     param_bytes = param_count * DTYPE_BYTES[plan.precision.reduce_dtype]
     gathered_dtype = plan.precision.compute_dtype if stage == 3 else plan.precision.param_dtype
     compute = param_count * DTYPE_BYTES[gathered_dtype]
-    regather = layer_fraction if plan.zero.reshard_after_forward else 0.0
+    regather = regathered if plan.zero.reshard_after_forward else 0.0
     gathers = {
         "compute_param_bytes": compute,
         "regather": regather,

@@ -31,7 +31,7 @@ from torsh_jax.runtime.state import TrainState
 from torsh_jax.runtime.step import TrainStep
 from torsh_jax.tensor.axis import has_tensor_blocks
 
-__all__ = ["inspect_step", "headline"]
+__all__ = ["inspect_step", "headline", "data_theory", "tensor_theory"]
 
 _is_axes = lambda x: isinstance(x, tuple)
 
@@ -64,7 +64,7 @@ def _layer_fraction(train: TrainStep) -> float:
     return sum(jax.tree.leaves(counts[train.loss.layers_key])) / sum(jax.tree.leaves(counts))
 
 
-def _tensor_theory(train: TrainStep, batch: Any) -> Theory | None:
+def tensor_theory(train: TrainStep, batch: Any) -> Theory | None:
     """The tensor axis's theory for a layered model built from the tensor blocks (else ``None``)."""
     roles, model, plan = train.layout.roles, train.loss, train.plan
     if roles.tensor_axis is None or not isinstance(model, LayeredModel) or not has_tensor_blocks(model):
@@ -94,6 +94,25 @@ def _tensor_theory(train: TrainStep, batch: Any) -> Theory | None:
     )
 
 
+def data_theory(train: TrainStep) -> Theory:
+    """The plan's data-parallel theory for this step's model: one tensor shard's parameters."""
+    return plan_theory(
+        train.plan,
+        param_count=_shard_param_count(train),
+        num_devices=train.mesh.size,
+        num_slices=default_num_slices(train.plan),
+        layer_fraction=_layer_fraction(train),
+        layers=_layers(train),
+    )
+
+
+def _layers(train: TrainStep) -> int | None:
+    """Stacked layers of a layered model (``None`` for a plain loss)."""
+    if not isinstance(train.loss, LayeredModel):
+        return None
+    return jax.tree.leaves(train.layout.abstract.params[train.loss.layers_key])[0].shape[0]
+
+
 def inspect_step(train: TrainStep, state: TrainState, batch: Any) -> dict:
     """Summary of the compiled step: collectives, totals, memory and theory.
 
@@ -107,14 +126,8 @@ def inspect_step(train: TrainStep, state: TrainState, batch: Any) -> dict:
     (what the step changed about the parameters, e.g. a dtype cast).
     """
     compiled = train.lower(state, batch).compile()
-    theory = plan_theory(
-        train.plan,
-        param_count=_shard_param_count(train),
-        num_devices=train.mesh.size,
-        num_slices=default_num_slices(train.plan),
-        layer_fraction=_layer_fraction(train),
-    )
-    tensor = _tensor_theory(train, batch)
+    theory = data_theory(train)
+    tensor = tensor_theory(train, batch)
     axis_theories = {"tensor": tensor} if tensor else None
     summary = summarize(compiled, train.mesh, theory=theory, axis_theories=axis_theories)
     summary["param_count"] = _param_count(state.params)

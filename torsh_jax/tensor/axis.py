@@ -45,10 +45,24 @@ class TensorAxis:
     seq_dim: int = 1
 
     def size(self) -> int:
-        """Devices along the axis here: 1 when it is unbound (outside ``shard_map``)."""
+        """Devices along the axis here: 1 outside ``shard_map`` or where the compiler partitions it.
+
+        Raises:
+            ShardingError: inside a ``shard_map`` whose mesh has no axis of this name
+                (the weights would be shards computed on as if they were whole).
+        """
         try:
             return int(jax.lax.axis_size(self.name))
         except NameError:
+            mesh = jax.sharding.get_abstract_mesh()
+            if mesh.axis_names and self.name not in mesh.axis_names:
+                raise ShardingError(
+                    f"a tensor block runs on the axis {self.name!r}, which the mesh "
+                    f"{dict(zip(mesh.axis_names, mesh.axis_sizes))} does not have",
+                    key="mesh.tensor",
+                    fix="build the blocks with tensor_axis(plan) (axis 'tensor'), or run the model "
+                    "under a plan whose mesh has that axis",
+                ) from None
             return 1
 
     def active(self) -> bool:
