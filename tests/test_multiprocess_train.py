@@ -51,20 +51,22 @@ class Config(NamedTuple):
     plan: str
     launched: bool
     local_batches: bool = False
+    devices_per_process: int = 2
 
     @property
     def name(self) -> str:
-        return (
-            f"{self.plan}-{'launch' if self.launched else 'single'}{'-local' if self.local_batches else ''}"
-        )
+        local = "-local" if self.local_batches else ""
+        return f"{self.plan}-{'launch' if self.launched else 'single'}{local}-{self.devices_per_process}"
 
     def argv(self, out: Path) -> list[str]:
         script = [str(SCRIPT), "--plan", self.plan, "--steps", str(STEPS), "--out", str(out)]
         if self.local_batches:
             script.append("--local-batches")
+        per_process = str(self.devices_per_process)
         if not self.launched:
-            return [sys.executable, *script, "--devices", "4"]
-        cli = [sys.executable, "-m", "torsh_jax.cli.main", "launch", "-n", "2", "--devices-per-process", "2"]
+            return [sys.executable, *script, "--devices", str(2 * self.devices_per_process)]
+        cli = [sys.executable, "-m", "torsh_jax.cli.main", "launch", "-n", "2"]
+        cli += ["--devices-per-process", per_process]
         return [*cli, "--timeout", str(RUN_TIMEOUT_S), *script]
 
 
@@ -189,11 +191,17 @@ def test_process_local_batches_equal_global_batches(runs, plan):
 
 
 def test_fsdp_tp_tensor_inside_each_process_fsdp_across_them(runs):
-    """ZeRO-3 x tensor parallelism: each process holds one tensor pair, fsdp crosses the processes."""
-    launched, single = runs(Config("fsdp_tp", launched=True), Config("fsdp_tp", launched=False))
-    assert_two_processes_agree(launched)
-    assert launched["mesh"] == {"data": 1, "stage": 1, "fsdp": 2, "tensor": 2}
-    processes = np.asarray(launched["mesh_processes"]).reshape(2, 2)  # [fsdp, tensor]
+    """ZeRO-3 x tensor parallelism, 2 processes x 4 devices: every tensor pair is inside one
+    process, the fsdp axis (4) crosses the processes; equal to one 8-device process."""
+    launched, single = runs(
+        Config("fsdp_tp", launched=True, devices_per_process=4),
+        Config("fsdp_tp", launched=False, devices_per_process=4),
+    )
+    assert launched["process_count"] == 2 and launched["devices"] == 8
+    first, second = launched["ranks"]
+    assert first["losses"] == second["losses"] and first["grad_norms"] == second["grad_norms"]
+    assert launched["mesh"] == {"data": 1, "stage": 1, "fsdp": 4, "tensor": 2}
+    processes = np.asarray(launched["mesh_processes"]).reshape(4, 2)  # [fsdp, tensor]
     assert all(len(set(row)) == 1 for row in processes.tolist()), processes
-    assert set(processes[:, 0].tolist()) == {0, 1}, processes
+    assert processes[:, 0].tolist() == [0, 0, 1, 1], processes
     assert_same_training(launched, single)

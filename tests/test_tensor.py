@@ -104,6 +104,11 @@ TP_PLANS = [
         id="zero1-hsdp-tp",
     ),
     pytest.param(
+        plan_from_dict({"mesh": {"data": 1, "fsdp": -1, "tensor": 2}, "zero": {"stage": 1},
+                        "batch": {"micro_batch_size": 2, "accumulation_steps": 2}}),
+        id="zero1-tp-accum",
+    ),
+    pytest.param(
         plan_from_dict({"mesh": {"data": 1, "fsdp": -1, "tensor": 2}, "zero": {"stage": 2},
                         "tensor": {"sequence_parallel": True},
                         "batch": {"micro_batch_size": 2, "accumulation_steps": 2}}),
@@ -265,3 +270,31 @@ def test_a_tensor_block_on_an_axis_the_mesh_lacks_is_refused():
     with pytest.raises(ShardingError, match="'model'") as err:
         train.step(state, jnp.ones((train.global_batch_size, 2, 4)))
     assert "Fix:" in str(err.value)
+
+
+def test_fsdp_bytes_under_tensor_are_the_1d_plans_for_one_tensor_shard():
+    """fsdp 4 x tensor 2 moves fsdp 4's bytes times the share of the parameters one tensor shard holds
+    (split weights halve; norm weights replicated over tensor do not)."""
+    from torsh_jax.demo.model import init_params, layered_model, synthetic_tokens
+    from torsh_jax.runtime.inspect import inspect_step
+    from torsh_jax.tensor import tensor_axis
+
+    devices = require_devices(8)
+    one_d = plan_from_dict(
+        {"mesh": {"data": 1, "fsdp": 4}, "zero": {"stage": 3}, "batch": {"micro_batch_size": 8}}
+    )
+    fsdp_tp = load_plan("fsdp_tp")
+    reports = {}
+    for name, plan, mesh in (
+        ("1d", one_d, build_mesh(one_d, devices[:4])),
+        ("tp", fsdp_tp, build_mesh(fsdp_tp)),
+    ):
+        train = make_train_step(layered_model(HEADS4, tp=tensor_axis(plan)), optax.adamw(1e-3), plan, mesh)
+        state = train.init(init_params(HEADS4, jax.random.key(0)))
+        reports[name] = inspect_step(
+            train, state, synthetic_tokens(HEADS4, batch_size=train.global_batch_size, seed=0)
+        )
+    share = reports["tp"]["shard_param_count"] / reports["tp"]["param_count"]
+    fsdp = {name: r["totals"]["by_axis"]["fsdp"]["wire_bytes"] for name, r in reports.items()}
+    assert 0.5 < share < 0.55
+    assert fsdp["tp"] == pytest.approx(fsdp["1d"] * share, rel=0.01), (fsdp, share)
