@@ -40,6 +40,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="transformer layers [4]")  # fmt: skip
     parser.add_argument("--d-model", type=count_type(16, 8192, fix="pass --d-model 64"), default=64,
                         help="model width [64]")  # fmt: skip
+    parser.add_argument(
+        "--checkpoint-dir", metavar="DIR", default=None,
+        help="save checkpoints here (every --save-every steps and at the last step)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--save-every", type=count_type(1, MAX_STEPS, fix="pass --save-every 10"), default=0, metavar="K",
+        help="steps between checkpoints [only the last step]",
+    )  # fmt: skip
+    parser.add_argument(
+        "--resume", action="store_true",
+        help="continue from the newest complete checkpoint in --checkpoint-dir, up to --steps in total",
+    )  # fmt: skip
     parser.set_defaults(func=run)
 
 
@@ -58,6 +70,10 @@ def _summary_rows(summary: dict) -> dict[str, str]:
     }
     if summary.get("max_rel_err") is not None:
         rows["max relative loss diff vs 1 device"] = f"{summary['max_rel_err']:.2e}"
+    if summary.get("resumed_from_step") is not None:
+        rows["resumed from step"] = str(summary["resumed_from_step"])
+    if summary.get("checkpoint_steps"):
+        rows["checkpoints kept"] = ", ".join(map(str, summary["checkpoint_steps"]))
     return rows
 
 
@@ -94,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         layers=args.layers,
         d_model=args.d_model,
+        checkpoint_dir=args.checkpoint_dir,
+        save_every=args.save_every,
+        resume=args.resume,
     )
     if args.json:
         print_json(run_demo(config, emit=print_json))

@@ -45,6 +45,12 @@ class DemoConfig:
         verify: also run the single-device twin.
         seed: parameter and data seed.
         layers, d_model: model size.
+        checkpoint_dir: save checkpoints here (every ``save_every`` steps and
+            at the last step).
+        save_every: steps between checkpoints (0: only the last step).
+        resume: continue from the newest complete checkpoint in
+            ``checkpoint_dir`` (falling back to an older one if it cannot be
+            read), on the batches the run would have seen; ``steps`` is the total.
     """
 
     plan: str | ParallelPlan = "ddp"
@@ -54,10 +60,16 @@ class DemoConfig:
     seed: int = 0
     layers: int = 4
     d_model: int = 64
+    checkpoint_dir: str | None = None
+    save_every: int = 0
+    resume: bool = False
 
     def __post_init__(self):
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
             raise PlanError(f"must be an integer >= 0, got {self.steps!r}", key="steps", fix="pass 0 or more")
+        if (self.resume or self.save_every) and not self.checkpoint_dir:
+            flag = "--resume" if self.resume else "--save-every"
+            raise PlanError("needs a checkpoint directory", key=flag, fix="pass --checkpoint-dir DIR")
 
 
 def model_config(config: DemoConfig) -> LMConfig:
@@ -95,13 +107,15 @@ def run_demo(
     phase("compiling the train step")
     state = train.init(params)
     report = headline(inspect_step(train, state, batch_of(0)))
+    state, first_step = _resumed(config, train, state, phase)
     if config.verify:
         phase("building the single-device twin")
     twin = make_reference_step(loss_fn(cfg, tp=tp), optimizer, plan) if config.verify else None
-    twin_state = twin[0](params) if twin else None
+    twin_state = _twin_start(twin, params, state, resumed=first_step > 0)
+    saver = _saver(config)
     tokens = train.global_batch_size * cfg.seq_len
     max_rel_err, loss = 0.0, None
-    for i in range(config.steps):
+    for i in range(first_step, config.steps):
         batch = batch_of(i)
         start = time.perf_counter()
         state, metrics = train.step(state, batch)
@@ -114,6 +128,10 @@ def run_demo(
             record["twin_loss"] = twin_loss
             max_rel_err = max(max_rel_err, abs(loss - twin_loss) / abs(twin_loss))
         emit({**record, **report})
+        if saver and _due(config, i + 1):
+            saver.save(state, plan=plan, data_position={"next_step": i + 1, "seed": config.seed})
+    if saver:
+        saver.close()  # waits for the last asynchronous save
     summary = {
         "summary": True,
         "plan": plan.name,
@@ -124,8 +142,47 @@ def run_demo(
         "param_count": param_count(params),
         "final_loss": loss,
         "compiles": train.traces,
+        "resumed_from_step": first_step if config.resume else None,
+        "checkpoint_steps": saver.steps if saver else None,
         **report,
     }
     if twin:
         summary["max_rel_err"] = max_rel_err if config.steps else None
     return summary
+
+
+def _resumed(config: DemoConfig, train, state, phase: Callable[[str], None]):
+    """``(state, first step)``: the newest readable checkpoint with ``resume``, else ``(state, 0)``."""
+    from torsh_jax.checkpoint import restore
+    from torsh_jax.checkpoint.store import step_dirs
+
+    if not config.resume:
+        return state, 0
+    if not any(d.complete for d in step_dirs(config.checkpoint_dir)):
+        phase(f"no complete checkpoint in {config.checkpoint_dir}: starting at step 0")
+        return state, 0
+    restored = restore(config.checkpoint_dir, train, fallback=True)
+    for note in restored.notes:
+        phase(note)
+    phase(f"resuming at step {restored.step} from {config.checkpoint_dir}")
+    return restored.state, restored.step
+
+
+def _twin_start(twin, params, state, *, resumed: bool):
+    """The twin's first state: from the parameters, or (resuming) from the restored state on one device."""
+    if not twin:
+        return None
+    if not resumed:
+        return twin[0](params)
+    return jax.device_get(state)._replace(feedback=None)
+
+
+def _saver(config: DemoConfig):
+    from torsh_jax.checkpoint import Checkpointer
+
+    return Checkpointer(config.checkpoint_dir) if config.checkpoint_dir else None
+
+
+def _due(config: DemoConfig, step: int) -> bool:
+    """Save after ``step``: every ``save_every`` steps, and at the last step."""
+    return step == config.steps or bool(config.save_every and step % config.save_every == 0)

@@ -115,6 +115,11 @@ class TrainStep:
         """The state layout (after ``init`` was called, or with ``example_params``)."""
         return self._built["layout"]
 
+    def prepare(self, params_like: PyTree) -> None:
+        """Derive the state layout from parameters or their shapes, as ``init`` would, without
+        creating a state (to restore one into it, e.g. :func:`torsh_jax.checkpoint.restore`)."""
+        self._built["ensure_built"](params_like)
+
     def lower(self, state: TrainState, batch: PyTree) -> jax.stages.Lowered:
         """Lower the step for ``state`` and a global ``batch`` (for inspection)."""
         return self._built["jitted"].lower(state, self.shard_batch(batch))
@@ -198,6 +203,7 @@ def make_train_step(
             build(like, intake.plan)
         return intake.params
 
+    built["ensure_built"] = ensure_built
     if example_params is not None:
         ensure_built(example_params)
 

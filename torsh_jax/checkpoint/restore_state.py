@@ -1,0 +1,318 @@
+"""Restoring a checkpoint onto any plan and mesh, through the runtime's state layout.
+
+The target shardings come from the train step the state is restored *into*
+(``train_step.layout``), so a ZeRO-3 checkpoint from 8 devices restores as a
+DDP state on 4, or onto ``fsdp_tp``: orbax reads each device's shard of the
+new layout from the saved arrays. Before reading, every saved array's path,
+shape and dtype is checked against the new state (a checkpoint of another
+model names the parameter and both shapes); after, the step.
+
+Rules for the parts that depend on the plan rather than the model:
+
+* **Compression feedback** is per device of the saved mesh. It is restored
+  only onto the same mesh shape and the same ``[[compression]]`` sections;
+  otherwise it restarts from zero, with a note (error feedback is a residual:
+  dropping it loses at most one step's quantisation error).
+* **Loss-scale state** is restored when both plans scale the loss; a plan
+  that starts scaling starts from its initial scale, with a note.
+
+Example:
+    >>> try:
+    ...     restore("/nonexistent", None)
+    ... except Exception as err:
+    ...     print(type(err).__name__, err.key)
+    CheckpointError /nonexistent
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from torsh_jax.checkpoint.store import (
+    FEEDBACK,
+    LOSS_SCALE,
+    META,
+    STATE,
+    complete_steps,
+    nonempty_leaves,
+    open_manager,
+    require_dir,
+)
+from torsh_jax.errors import CheckpointError, TorshError
+from torsh_jax.plan.io import plan_from_toml, plan_to_dict
+from torsh_jax.plan.spec import ParallelPlan
+from torsh_jax.runtime.specs import path_str
+from torsh_jax.runtime.state import TrainState
+
+__all__ = ["Restored", "restore", "read_meta", "saved_arrays"]
+
+log = logging.getLogger(__name__)
+PyTree = Any
+
+
+@dataclass
+class Restored:
+    """A restored state and what the loop saved with it.
+
+    Attributes:
+        state: the train state, placed in the new step's layout.
+        step: its step.
+        plan: the plan it was saved under.
+        data_position: what the loop passed as ``data_position`` when saving.
+        rng: the loop's JAX key, or ``None``.
+        notes: what was not carried over (feedback reset, an unreadable newer step skipped).
+    """
+
+    state: TrainState
+    step: int
+    plan: ParallelPlan
+    data_position: Any = None
+    rng: Any = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _is_array_meta(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _by_path(tree: PyTree) -> dict[str, tuple[tuple[int, ...], str]]:
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_array_meta)
+    return {path_str(p): (tuple(x.shape), str(np.dtype(x.dtype))) for p, x in leaves if _is_array_meta(x)}
+
+
+def read_meta(manager, step: int) -> dict:
+    """The ``meta`` item of ``step``."""
+    import orbax.checkpoint as ocp
+
+    return manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+
+
+def saved_arrays(manager, step: int, item: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{path: (shape, dtype)}`` of one saved item, from orbax's metadata (no array is read)."""
+    metadata = manager.item_metadata(step)[item]
+    return _by_path(getattr(metadata, "tree", metadata))
+
+
+def _check_arrays(saved: dict, wanted: dict, *, where: str) -> None:
+    """Parameters first: a mismatch there names what the user changed (the optimizer state follows)."""
+    for path, (shape, dtype) in sorted(wanted.items(), key=lambda kv: not kv[0].startswith("params/")):
+        if path not in saved:
+            raise CheckpointError(
+                f"the checkpoint ({where}) has no array here; the model expects {shape} {dtype}",
+                key=path,
+                fix="restore into the model (and optimizer) the checkpoint was saved from",
+            )
+        if saved[path] != (shape, dtype):
+            got = saved[path]
+            raise CheckpointError(
+                f"the checkpoint ({where}) holds {got[0]} {got[1]}, the model {shape} {dtype}",
+                key=path,
+                fix="restore into the model the checkpoint was saved from, or start from fresh parameters",
+            )
+    extra = sorted(set(saved) - set(wanted))
+    if extra:
+        raise CheckpointError(
+            f"the checkpoint ({where}) has arrays the model lacks ({len(extra)}, first {extra[0]!r})",
+            key=extra[0],
+            fix="restore into the model (and optimizer) the checkpoint was saved from",
+        )
+
+
+def _abstract(tree: PyTree, shardings: PyTree) -> PyTree:
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _prepared(train_step, manager, step: int):
+    """The layout of ``train_step``, built from the saved parameter shapes if ``init`` has not run."""
+    if "layout" not in train_step._built:
+        saved = manager.item_metadata(step)[STATE]
+        params = getattr(saved, "tree", saved)["params"]
+        like = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), params, is_leaf=_is_array_meta
+        )
+        train_step.prepare(like)
+    return train_step.layout
+
+
+def _compression(plan: ParallelPlan) -> Any:
+    return plan_to_dict(plan).get("compression")
+
+
+def _feedback_args(manager, step, meta, saved_plan, train_step, layout, shardings, notes):
+    """``(restore args or None, fresh feedback or None)`` for the target's feedback."""
+    import orbax.checkpoint as ocp
+
+    if layout.abstract.feedback is None:
+        return None, None
+    target = nonempty_leaves(_abstract(layout.abstract.feedback, shardings.feedback))
+    same = (
+        FEEDBACK in meta.get("items", [])
+        and meta.get("mesh") == {k: int(v) for k, v in layout.mesh.shape.items()}
+        and _compression(saved_plan) == _compression(train_step.plan)
+        and saved_arrays(manager, step, FEEDBACK) == _by_path(target)
+    )
+    if same:
+        return ocp.args.StandardRestore(target), None
+    saved_on = f"mesh {meta.get('mesh')} with {_compression(saved_plan)}"
+    restored_on = f"{dict(layout.mesh.shape)} with {_compression(train_step.plan)}"
+    notes.append(f"compression feedback restarts from zero: saved on {saved_on}, restored onto {restored_on}")
+    return None, jax.jit(layout.init_feedback, out_shardings=shardings.feedback)()
+
+
+def _loss_scale_args(meta, train_step, layout, shardings, notes):
+    import orbax.checkpoint as ocp
+
+    from torsh_jax.runtime.update import scaler_for
+
+    if layout.abstract.loss_scale is None:
+        if LOSS_SCALE in meta.get("items", []):
+            notes.append("loss-scale state dropped: the new plan does not scale the loss")
+        return None, None
+    if LOSS_SCALE in meta.get("items", []):
+        return ocp.args.StandardRestore(_abstract(layout.abstract.loss_scale, shardings.loss_scale)), None
+    notes.append("loss scaling starts from its initial scale: the checkpoint was saved without it")
+    return None, jax.jit(scaler_for(train_step.plan).init, out_shardings=shardings.loss_scale)()
+
+
+def _restore_step(manager, root: Path, step: int, train_step) -> Restored:
+    import orbax.checkpoint as ocp
+
+    meta = read_meta(manager, step)
+    saved_plan = plan_from_toml(meta["plan"], source=f"{root / str(step)} (meta)")
+    layout = _prepared(train_step, manager, step)
+    shardings = layout.shardings()
+    abstract = layout.abstract
+    target = {
+        "step": jax.ShapeDtypeStruct(abstract.step.shape, abstract.step.dtype, sharding=shardings.step),
+        "params": _abstract(abstract.params, shardings.params),
+        "opt_state": _abstract(abstract.opt_state, shardings.opt_state),
+    }
+    _check_arrays(saved_arrays(manager, step, STATE), _by_path(target), where=f"step {step}")
+    notes: list[str] = []
+    args = {STATE: ocp.args.StandardRestore(target)}
+    fb_args, fresh_feedback = _feedback_args(
+        manager, step, meta, saved_plan, train_step, layout, shardings, notes
+    )
+    ls_args, fresh_scale = _loss_scale_args(meta, train_step, layout, shardings, notes)
+    args.update({k: v for k, v in ((FEEDBACK, fb_args), (LOSS_SCALE, ls_args)) if v is not None})
+    out = _read(manager, step, args)
+    state = TrainState(
+        step=out[STATE]["step"],
+        params=out[STATE]["params"],
+        opt_state=out[STATE]["opt_state"],
+        loss_scale=out[LOSS_SCALE] if ls_args is not None else fresh_scale,
+        feedback=_feedback_tree(out[FEEDBACK], layout, shardings) if fb_args is not None else fresh_feedback,
+    )
+    _check_step(state, step, meta, root)
+    return Restored(state, step, saved_plan, meta.get("data_position"), _rng(meta.get("rng")), notes)
+
+
+def _feedback_tree(saved: dict, layout, shardings) -> PyTree:
+    """The feedback tree from its saved non-empty leaves (zero-size leaves are made again)."""
+    target = _abstract(layout.abstract.feedback, shardings.feedback)
+
+    def one(path, leaf):
+        key = path_str(path)
+        return saved[key] if key in saved else jax.device_put(np.zeros(leaf.shape, leaf.dtype), leaf.sharding)
+
+    return jax.tree_util.tree_map_with_path(one, target)
+
+
+def _read(manager, step: int, args: dict) -> dict:
+    import orbax.checkpoint as ocp
+
+    return manager.restore(step, args=ocp.args.Composite(**args))
+
+
+def _root_cause(err: BaseException) -> str:
+    """The innermost error of a chain, on one line (tensorstore names the array and the file)."""
+    while (err.__cause__ or err.__context__) is not None:
+        err = err.__cause__ or err.__context__
+    return " ".join(f"{type(err).__name__}: {err}".split())[:500]
+
+
+def _restore_readable(manager, root: Path, step: int, train_step) -> Restored:
+    """:func:`_restore_step`, with any failure to read the files as a :class:`CheckpointError`."""
+    try:
+        return _restore_step(manager, root, step, train_step)
+    except TorshError:
+        raise
+    except Exception as err:  # orbax, tensorstore, JSON: a damaged or missing file
+        raise CheckpointError(
+            f"step {step} cannot be read ({_root_cause(err)})",
+            key=str(root / str(step)),
+            fix="restore an earlier complete step, or delete the damaged step directory",
+        ) from None
+
+
+def _check_step(state: TrainState, step: int, meta: dict, root: Path) -> None:
+    from torsh_jax.checkpoint.save import scalar
+
+    got = scalar(state.step)
+    if got != step or meta.get("step") != step:
+        raise CheckpointError(
+            f"directory step {step}, state step {got}, recorded step {meta.get('step')} disagree",
+            key=str(root / str(step)),
+            fix="restore another step; this one was not written by a single save",
+        )
+
+
+def _rng(saved: dict | None) -> Any:
+    if not saved:
+        return None
+    data = np.asarray(saved["data"], np.uint32)
+    if not saved.get("typed"):
+        return jax.numpy.asarray(data)
+    return jax.random.wrap_key_data(data, impl=saved.get("impl") or None)
+
+
+def restore(
+    directory: str | Path, train_step, *, step: int | None = None, fallback: bool = False
+) -> Restored:
+    """Restore step ``step`` (default: the newest complete one) into ``train_step``'s layout.
+
+    Args:
+        directory: the checkpoint directory.
+        train_step: a :class:`~torsh_jax.runtime.step.TrainStep` of the plan and
+            mesh to continue on (its layout is derived from the saved
+            parameter shapes when ``init`` has not run).
+        step: the step to restore; ``None``: the newest complete one.
+        fallback: with ``step=None``, go back to the previous complete step
+            when the newest cannot be read (noted in :attr:`Restored.notes`).
+
+    Raises:
+        CheckpointError: a missing directory, no complete step, a step that
+            does not exist (listing those that do), a checkpoint of another
+            model (naming the parameter and both shapes) or an unreadable file.
+    """
+    root = require_dir(directory)
+    steps = complete_steps(root, step)
+    candidates = [step] if step is not None else steps[::-1]
+    manager = open_manager(root, read_only=True)
+    try:
+        return _restore_newest(manager, root, train_step, candidates, fallback)
+    finally:
+        manager.close()
+
+
+def _restore_newest(manager, root: Path, train_step, candidates: list[int], fallback: bool) -> Restored:
+    skipped: list[str] = []
+    for index, candidate in enumerate(candidates):
+        try:
+            restored = _restore_readable(manager, root, candidate, train_step)
+        except CheckpointError as err:
+            unreadable = "cannot be read" in err.message
+            if not (fallback and unreadable and index + 1 < len(candidates)):
+                raise
+            skipped.append(f"step {candidate} skipped: {err}")
+            log.warning("checkpoint step %d cannot be read; trying step %d", candidate, candidates[index + 1])
+            continue
+        restored.notes[:0] = skipped
+        return restored
+    raise AssertionError("unreachable")  # every path above returns or raises

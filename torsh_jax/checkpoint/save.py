@@ -1,0 +1,152 @@
+"""Saving train states: asynchronous, atomic, keeping the last N plus every K-th step.
+
+Example:
+    >>> import jax.numpy as jnp, tempfile
+    >>> from torsh_jax.plan import ParallelPlan
+    >>> from torsh_jax.runtime.state import TrainState
+    >>> state = TrainState(step=jnp.int32(3), params={"w": jnp.ones(2)}, opt_state=())
+    >>> with Checkpointer(tempfile.mkdtemp()) as saver:
+    ...     saver.save(state, plan=ParallelPlan())
+    3
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from torsh_jax.checkpoint.store import (
+    FEEDBACK,
+    FORMAT,
+    LOSS_SCALE,
+    META,
+    STATE,
+    nonempty_leaves,
+    open_manager,
+)
+from torsh_jax.errors import CheckpointError
+from torsh_jax.plan.io import plan_to_toml
+from torsh_jax.plan.spec import ParallelPlan
+from torsh_jax.runtime.state import TrainState
+
+__all__ = ["Checkpointer", "scalar", "rng_to_json"]
+
+PyTree = Any
+
+
+def scalar(value: Any) -> int:
+    """A replicated scalar (possibly spanning processes) as a Python int."""
+    if isinstance(value, jax.Array):
+        value = value.addressable_data(0)
+    return int(np.asarray(value))
+
+
+def rng_to_json(rng: Any) -> dict | None:
+    """A JAX key (typed or raw ``uint32``) as JSON: its implementation and key data."""
+    if rng is None:
+        return None
+    typed = jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    data = jax.random.key_data(rng) if typed else rng
+    impl = str(jax.random.key_impl(rng)) if typed else None
+    return {"typed": typed, "impl": impl, "data": np.asarray(jax.device_get(data)).tolist()}
+
+
+def _total_bytes(tree: PyTree) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+class Checkpointer:
+    """Saves :class:`~torsh_jax.runtime.state.TrainState` s with orbax.
+
+    Args:
+        directory: where step directories go (created).
+        keep_last: keep the newest N checkpoints (``None``: all).
+        keep_every: also keep every step divisible by K.
+        asynchronous: write in the background; training continues, and
+            :meth:`wait` (or leaving the ``with`` block) blocks until written.
+
+    Every process of a multi-process job calls :meth:`save`; each writes the
+    shards it holds.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        keep_last: int | None = 3,
+        keep_every: int | None = None,
+        asynchronous: bool = True,
+    ):
+        for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise CheckpointError(f"must be a positive integer or None, got {value!r}", key=name,
+                                      fix=f"pass {name}=N with N >= 1, or None")  # fmt: skip
+        self.directory = Path(directory)
+        self._manager = open_manager(
+            directory, keep_last=keep_last, keep_every=keep_every, asynchronous=asynchronous
+        )
+
+    def save(
+        self, state: TrainState, *, plan: ParallelPlan, data_position: Any = None, rng: Any = None
+    ) -> int:
+        """Start saving ``state`` under its own step; returns the step.
+
+        Args:
+            state: the train state (its ``step`` names the checkpoint).
+            plan: the plan it was trained under (stored as TOML).
+            data_position: anything JSON-able that says where the data loader is.
+            rng: the loop's JAX key, restored with the state.
+        """
+        import orbax.checkpoint as ocp
+
+        step = scalar(state.step)
+        items = {STATE: {"step": state.step, "params": state.params, "opt_state": state.opt_state}}
+        if state.loss_scale is not None:
+            items[LOSS_SCALE] = state.loss_scale
+        if state.feedback is not None:
+            items[FEEDBACK] = nonempty_leaves(state.feedback)
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "plan": plan_to_toml(plan),
+            "mesh": _mesh_shape(state.params),
+            "items": sorted(items),
+            "bytes": _total_bytes((state.params, state.opt_state)),
+            "data_position": data_position,
+            "rng": rng_to_json(rng),
+        }
+        args = {name: ocp.args.StandardSave(tree) for name, tree in items.items()}
+        args[META] = ocp.args.JsonSave(meta)
+        self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+        return step
+
+    @property
+    def steps(self) -> list[int]:
+        """Complete steps, oldest first (a save in progress counts once finished)."""
+        return sorted(self._manager.all_steps())
+
+    def wait(self) -> None:
+        """Block until every started save is on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Wait, then release the manager."""
+        self.wait()
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _mesh_shape(params: PyTree) -> dict[str, int] | None:
+    for leaf in jax.tree.leaves(params):
+        mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+        if mesh is not None:
+            return {name: int(size) for name, size in mesh.shape.items()}
+    return None
