@@ -111,6 +111,18 @@ def test_bench_tensor_quick():
         assert wire["tensor_ratio"] == pytest.approx(1.0, abs=0.01), wire
 
 
+@pytest.mark.slow
+def test_bench_checkpoint_quick():
+    """Saves, restores and survives SIGKILL during saves (2 kills in the smoke run, 20 by default)."""
+    rows = run_quick("bench_checkpoint.py")
+    names = {"checkpoint_save_blocking", "checkpoint_restore_throughput", "checkpoint_crash_safety"}
+    assert set(rows) == names
+    assert 0 < rows["checkpoint_save_blocking"]["ratio"] < 1, rows["checkpoint_save_blocking"]
+    assert rows["checkpoint_restore_throughput"]["megabytes_on_disk"] > 0.5 * 32
+    crash = rows["checkpoint_crash_safety"]
+    assert crash["restored"] == crash["kills"] == 2, crash
+
+
 @pytest.mark.parametrize(
     ("shape", "expected"),
     [((256, 64), P("fsdp", None)), ((3, 64), P(None, "fsdp")), ((64, 64), P("fsdp", None)), ((3, 5), P())],

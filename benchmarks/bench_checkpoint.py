@@ -1,0 +1,235 @@
+"""Checkpoint cost: how long an asynchronous save blocks training, restore throughput, crash safety.
+
+A train state of ``--megabytes`` MB of float32 parameters (plus a step
+counter), sharded over ``fsdp`` on 8 simulated CPU devices, is saved with
+:class:`torsh_jax.checkpoint.Checkpointer`:
+
+* ``checkpoint_save_blocking``: ``ratio`` = seconds the ``save`` call blocks
+  with ``asynchronous=True`` / seconds of a synchronous save of the same state
+  (target <= 0.25), medians over ``--repeats`` alternating rounds;
+* ``checkpoint_restore_throughput``: ``ratio`` = restore MB/s / MB/s of a plain
+  copy of the same step directory (``shutil.copytree``) in the same run;
+* ``checkpoint_crash_safety`` (``--crashes N``, default 20): a child process
+  saves in a loop and is killed with SIGKILL at a random moment, N times; after
+  every kill the newest complete step must restore (``restored`` counts them,
+  ``ratio`` = restored / kills, target 1.0).
+
+Usage:
+    python benchmarks/bench_checkpoint.py [--megabytes 256] [--repeats 3] [--crashes 20] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SAVE_TARGET = 0.25
+
+CHILD = r"""
+import os, sys
+import jax
+import jax.numpy as jnp
+from torsh_jax.checkpoint import Checkpointer
+from torsh_jax.plan import ParallelPlan
+from torsh_jax.runtime.state import TrainState
+
+directory = sys.argv[1]
+params = {f"w{i}": jax.random.normal(jax.random.key(i), (256, 1024)) for i in range(8)}   # 8 MiB
+state = TrainState(step=jnp.int32(0), params=params, opt_state=())
+with Checkpointer(directory, keep_last=2) as saver:
+    for step in range(10**6):
+        saver.save(state._replace(step=jnp.int32(step)), plan=ParallelPlan())
+        print(step, flush=True)
+"""
+
+
+def _state(megabytes: int):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from torsh_jax.runtime.state import TrainState
+
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    leaves = max(megabytes // 16, 1)  # 16 MiB per leaf
+    sharding = NamedSharding(mesh, P("fsdp"))
+    # random values: constant arrays would compress to nothing on disk
+    full = lambda i: jax.random.normal(jax.random.key(i), (1024, 4096), jnp.float32)
+    params = {f"w{i}": jax.device_put(full(i), sharding) for i in range(leaves)}
+    step = jax.device_put(jnp.int32(1), NamedSharding(mesh, P()))
+    return TrainState(step=step, params=params, opt_state=()), mesh
+
+
+def _save_seconds(state, plan, *, asynchronous: bool) -> tuple[float, float]:
+    """``(seconds save() blocked, seconds until written)`` of one save into a fresh directory."""
+    from torsh_jax.checkpoint import Checkpointer
+
+    directory = tempfile.mkdtemp(prefix="bench_ckpt_")
+    try:
+        saver = Checkpointer(directory, asynchronous=asynchronous)
+        start = time.perf_counter()
+        saver.save(state, plan=plan)
+        blocked = time.perf_counter() - start
+        saver.close()
+        return blocked, time.perf_counter() - start
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def save_row(state, repeats: int, megabytes: float) -> dict:
+    from torsh_jax.plan import ParallelPlan
+
+    plan = ParallelPlan()
+    _save_seconds(state, plan, asynchronous=True)  # warm-up: handlers, thread pools
+    rounds = []
+    for _ in range(repeats):
+        sync = _save_seconds(state, plan, asynchronous=False)[1]
+        blocked, written = _save_seconds(state, plan, asynchronous=True)
+        rounds.append((blocked, written, sync))
+    blocked = statistics.median(r[0] for r in rounds)
+    sync = statistics.median(r[2] for r in rounds)
+    return {
+        "name": "checkpoint_save_blocking",
+        "ratio": blocked / sync,
+        "target": SAVE_TARGET,
+        "async_blocked_s": blocked,
+        "async_written_s": statistics.median(r[1] for r in rounds),
+        "sync_save_s": sync,
+        "state_megabytes": megabytes,
+        "rounds": repeats,
+    }
+
+
+def restore_row(state, megabytes: float) -> dict:
+    import jax
+
+    from torsh_jax.checkpoint import Checkpointer
+    from torsh_jax.checkpoint.restore_state import restore
+    from torsh_jax.plan import ParallelPlan
+
+    root = Path(tempfile.mkdtemp(prefix="bench_ckpt_"))
+    try:
+        with Checkpointer(root / "ckpt") as saver:
+            saver.save(state, plan=ParallelPlan())
+        step_dir = root / "ckpt" / "1"
+        start = time.perf_counter()
+        shutil.copytree(step_dir, root / "copy")
+        copy_s = time.perf_counter() - start
+        train = _Target(state)
+        start = time.perf_counter()
+        restored = restore(root / "ckpt", train)
+        jax.block_until_ready(restored.state)
+        restore_s = time.perf_counter() - start
+        on_disk = sum(f.stat().st_size for f in step_dir.rglob("*") if f.is_file()) / 1e6
+        return {
+            "name": "checkpoint_restore_throughput",
+            "ratio": (megabytes / restore_s) / (on_disk / copy_s),
+            "restore_mb_per_s": megabytes / restore_s,
+            "copy_mb_per_s": on_disk / copy_s,
+            "restore_s": restore_s,
+            "copy_s": copy_s,
+            "state_megabytes": megabytes,
+            "megabytes_on_disk": on_disk,
+        }
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+class _Target:
+    """The least a restore needs from a train step: the layout of ``state``'s own shardings."""
+
+    def __init__(self, state):
+        import jax
+
+        from torsh_jax.runtime.state import TrainState
+
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        mesh = getattr(jax.tree.leaves(state.params)[0].sharding, "mesh", None)
+        self.plan = None
+        self._built = {"layout": _Layout(abstract, shardings, mesh, TrainState)}
+
+    @property
+    def layout(self):
+        return self._built["layout"]
+
+
+class _Layout:
+    def __init__(self, abstract, shardings, mesh, state_type):
+        self.abstract, self._shardings, self.mesh = abstract, shardings, mesh
+
+    def shardings(self):
+        return self._shardings
+
+
+def crash_row(kills: int) -> dict:
+    """Kill a saving child with SIGKILL ``kills`` times; restore the newest complete step after each."""
+    import jax
+
+    from torsh_jax.checkpoint.restore_state import restore
+
+    root = Path(tempfile.mkdtemp(prefix="bench_crash_"))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    rng = random.Random(0)
+    restored, steps = 0, []
+    try:
+        for _ in range(kills):
+            argv = [sys.executable, "-c", CHILD, str(root)]
+            child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+            child.stdout.readline()  # the first save has started
+            time.sleep(rng.uniform(0.0, 1.0))
+            child.kill()
+            child.wait()
+            state = _child_state()
+            result = restore(root, _Target(state), fallback=True)
+            jax.block_until_ready(result.state)
+            restored += 1
+            steps.append(result.step)
+        return {"name": "checkpoint_crash_safety", "ratio": restored / kills, "target": 1.0,
+                "kills": kills, "restored": restored, "restored_steps": steps}  # fmt: skip
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _child_state():
+    import jax.numpy as jnp
+
+    from torsh_jax.runtime.state import TrainState
+
+    params = {f"w{i}": jnp.zeros((256, 1024)) for i in range(8)}
+    return TrainState(step=jnp.int32(0), params=params, opt_state=())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--megabytes", type=int, default=256, help="state size [256]")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating rounds of sync/async saves [3]")
+    parser.add_argument("--crashes", type=int, default=20, help="SIGKILLs during saves [20]")
+    parser.add_argument("--quick", action="store_true", help="32 MB, 1 round, 2 kills (a smoke run)")
+    args = parser.parse_args()
+    if args.quick:
+        args.megabytes, args.repeats, args.crashes = 32, 1, 2
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    state, _ = _state(args.megabytes)
+    megabytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / 1e6
+    for row in (save_row(state, args.repeats, megabytes), restore_row(state, megabytes)):
+        print(json.dumps(row), flush=True)
+    if args.crashes:
+        print(json.dumps(crash_row(args.crashes)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
