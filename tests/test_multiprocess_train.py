@@ -52,16 +52,20 @@ class Config(NamedTuple):
     launched: bool
     local_batches: bool = False
     devices_per_process: int = 2
+    extra: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
         local = "-local" if self.local_batches else ""
-        return f"{self.plan}-{'launch' if self.launched else 'single'}{local}-{self.devices_per_process}"
+        extra = "".join(a.strip("-").split("/")[-1] for a in self.extra)
+        where = "launch" if self.launched else "single"
+        return f"{self.plan}-{where}{local}-{self.devices_per_process}{extra}"
 
     def argv(self, out: Path) -> list[str]:
         script = [str(SCRIPT), "--plan", self.plan, "--steps", str(STEPS), "--out", str(out)]
         if self.local_batches:
             script.append("--local-batches")
+        script += list(self.extra)
         per_process = str(self.devices_per_process)
         if not self.launched:
             return [sys.executable, *script, "--devices", str(2 * self.devices_per_process)]
@@ -205,3 +209,17 @@ def test_fsdp_tp_tensor_inside_each_process_fsdp_across_them(runs):
     assert all(len(set(row)) == 1 for row in processes.tolist()), processes
     assert processes[:, 0].tolist() == [0, 0, 1, 1], processes
     assert_same_training(launched, single)
+
+
+def test_two_processes_resume_bit_identically(runs, tmp_path):
+    """1 step, save (every process writes its shards), 2 new processes restore and train the rest:
+    the losses and gradient norms equal 3 straight steps bit for bit."""
+    directory = str(tmp_path / "ckpt")
+    (straight,) = runs(Config("zero3", launched=True))
+    saving = ("--checkpoint-dir", directory)
+    (first,) = runs(Config("zero3", launched=True, extra=(*saving, "--stop-after", "1")))
+    (rest,) = runs(Config("zero3", launched=True, extra=(*saving, "--resume")))
+    assert first["losses"] and rest["start_step"] == 1 and len(rest["losses"]) == 2
+    assert_two_processes_agree(rest)
+    assert first["losses"] + rest["losses"] == straight["losses"]
+    assert first["grad_norms"] + rest["grad_norms"] == straight["grad_norms"]

@@ -12,6 +12,9 @@ Process 0 writes ``{"losses", "grad_norms", "mesh", "mesh_processes",
 "process_count", "devices", ...}`` to ``--out``; process ``k > 0`` writes the
 same to ``OUT.rank{k}`` so a test can check that every process saw the same
 values. ``mesh_processes`` is the owning process of every mesh position.
+With ``--checkpoint-dir`` the run saves its state after its last step
+(``--stop-after K`` trains only steps ``0..K-1``); with ``--resume`` it
+restores the newest checkpoint there first and trains the remaining steps.
 
 Example:
     $ python tests/scripts/train_multiprocess.py --plan ddp --steps 3 --devices 4 --out /tmp/ref.json
@@ -38,6 +41,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--devices", type=int, default=None, help="simulated CPU devices (default: the launcher's count)"
     )
+    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="save here (--resume: restore)")
+    parser.add_argument("--stop-after", type=int, default=None, help="train only this many steps, then save")
+    parser.add_argument("--resume", action="store_true", help="restore the newest checkpoint, then train")
     parser.add_argument(
         "--local-batches",
         action="store_true",
@@ -83,9 +89,16 @@ def main() -> None:
     # One compiled program instead of many small eager ones; same values on every process.
     params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
     state = train.init(params)
+    start = 0
+    if args.resume:
+        from torsh_jax.checkpoint import restore
+
+        restored = restore(args.checkpoint_dir, train)
+        state, start = restored.state, restored.step
 
     losses, grad_norms = [], []
-    for step in range(args.steps):
+    stop = args.steps if args.stop_after is None else args.stop_after
+    for step in range(start, stop):
         batch = synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=step)
         if args.local_batches:
             mine = local_rows(batch, process_index=jax.process_index(), process_count=jax.process_count())
@@ -95,7 +108,14 @@ def main() -> None:
         grad_norms.append(scalar(metrics["grad_norm"]))
         print(f"step {step} loss {losses[-1]:.6f}", flush=True)
 
+    if args.checkpoint_dir is not None and not args.resume:
+        from torsh_jax.checkpoint import Checkpointer
+
+        with Checkpointer(args.checkpoint_dir) as saver:
+            saver.save(state, plan=plan, data_position={"next_step": stop})
+
     result = {
+        "start_step": start,
         "plan": args.plan,
         "losses": losses,
         "grad_norms": grad_norms,
