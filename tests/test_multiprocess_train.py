@@ -53,6 +53,7 @@ class Config(NamedTuple):
     local_batches: bool = False
     devices_per_process: int = 2
     extra: tuple[str, ...] = ()
+    launch_flags: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -70,7 +71,7 @@ class Config(NamedTuple):
         if not self.launched:
             return [sys.executable, *script, "--devices", str(2 * self.devices_per_process)]
         cli = [sys.executable, "-m", "torsh_jax.cli.main", "launch", "-n", "2"]
-        cli += ["--devices-per-process", per_process]
+        cli += ["--devices-per-process", per_process, *self.launch_flags]
         return [*cli, "--timeout", str(RUN_TIMEOUT_S), *script]
 
 
@@ -81,7 +82,8 @@ def read_result(out: Path) -> dict:
     for rank in range(1, result["process_count"]):
         ranks.append(json.loads(out.with_name(f"{out.name}.rank{rank}").read_text()))
     assert [r["traces"] for r in ranks] == [1] * len(ranks), "the train step retraced"
-    return {**result, "ranks": ranks}
+    killed = out.with_name(f"{out.name}.killed")  # written by a process that killed itself
+    return {**result, "ranks": ranks, "killed_at": float(killed.read_text()) if killed.exists() else None}
 
 
 def run_concurrently(configs: list[Config], root: Path) -> dict[Config, dict]:
@@ -223,3 +225,19 @@ def test_two_processes_resume_bit_identically(runs, tmp_path):
     assert_two_processes_agree(rest)
     assert first["losses"] + rest["losses"] == straight["losses"]
     assert first["grad_norms"] + rest["grad_norms"] == straight["grad_norms"]
+
+
+def test_a_killed_process_restarts_the_job_which_resumes_from_its_checkpoint(runs, tmp_path):
+    """launch --max-restarts 1: rank 1 is SIGKILLed at step 2 of 4; all processes restart, restore
+    the newest checkpoint (saved every step) and finish; the steps after equal a straight run's."""
+    saving = ("--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "1", "--resume")
+    config = Config("zero3", launched=True, extra=(*saving, "--steps", "4", "--kill-at", "2"),
+                    launch_flags=("--max-restarts", "1"))  # fmt: skip
+    (straight,) = runs(Config("zero3", launched=True, extra=("--steps", "4")))
+    (recovered,) = runs(config)
+    # steps 1 and 2 were saved (asynchronously) before the kill during step 3: 2, or 1 if the kill
+    # came before step 2's save committed
+    assert recovered["restart"] == 1 and recovered["start_step"] in (1, 2), recovered["start_step"]
+    start = recovered["start_step"]
+    assert recovered["losses"] == straight["losses"][start:]
+    assert 0 < recovered["first_step_time"] - recovered["killed_at"] < 60, "kill to first resumed step"

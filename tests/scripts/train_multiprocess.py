@@ -25,11 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
 
 from torsh_jax.distributed import global_batch_from_local, initialize, local_batch_slice
+from torsh_jax.distributed.launcher import RESTART_VAR
 
 
 def parse_args() -> argparse.Namespace:
@@ -43,7 +47,13 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="save here (--resume: restore)")
     parser.add_argument("--stop-after", type=int, default=None, help="train only this many steps, then save")
-    parser.add_argument("--resume", action="store_true", help="restore the newest checkpoint, then train")
+    parser.add_argument(
+        "--resume", action="store_true", help="restore the newest checkpoint (if any), then train"
+    )
+    parser.add_argument("--save-every", type=int, default=0, help="also save every N steps")
+    parser.add_argument(
+        "--kill-at", type=int, default=None, help="rank 1 of attempt 0 SIGKILLs itself at this step"
+    )
     parser.add_argument(
         "--local-batches",
         action="store_true",
@@ -62,6 +72,26 @@ def local_rows(batch: dict, *, process_index: int, process_count: int) -> dict:
     """This process's contiguous share of a global numpy batch."""
     rows = local_batch_slice(len(batch["inputs"]), process_index=process_index, process_count=process_count)
     return {name: value[rows] for name, value in batch.items()}
+
+
+def resume(args: argparse.Namespace, train, state):
+    """``(state, first step)`` from the newest complete checkpoint, or ``(state, 0)`` when there is none."""
+    from torsh_jax.checkpoint import restore
+    from torsh_jax.checkpoint.store import step_dirs
+
+    if not any(d.complete for d in step_dirs(args.checkpoint_dir)):
+        return state, 0
+    restored = restore(args.checkpoint_dir, train)
+    return restored.state, restored.step
+
+
+def checkpointer(args: argparse.Namespace):
+    """A saver when the run saves: ``--checkpoint-dir`` without ``--resume``, or with ``--save-every``."""
+    from torsh_jax.checkpoint import Checkpointer
+
+    if args.checkpoint_dir is None or (args.resume and not args.save_every):
+        return None
+    return Checkpointer(args.checkpoint_dir, keep_last=2)
 
 
 def scalar(value) -> float:
@@ -89,14 +119,10 @@ def main() -> None:
     # One compiled program instead of many small eager ones; same values on every process.
     params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
     state = train.init(params)
-    start = 0
-    if args.resume:
-        from torsh_jax.checkpoint import restore
+    state, start = resume(args, train, state) if args.resume else (state, 0)
+    saver = checkpointer(args)
 
-        restored = restore(args.checkpoint_dir, train)
-        state, start = restored.state, restored.step
-
-    losses, grad_norms = [], []
+    losses, grad_norms, first_step_time = [], [], None
     stop = args.steps if args.stop_after is None else args.stop_after
     for step in range(start, stop):
         batch = synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=step)
@@ -107,15 +133,19 @@ def main() -> None:
         losses.append(scalar(metrics["loss"]))
         grad_norms.append(scalar(metrics["grad_norm"]))
         print(f"step {step} loss {losses[-1]:.6f}", flush=True)
-
-    if args.checkpoint_dir is not None and not args.resume:
-        from torsh_jax.checkpoint import Checkpointer
-
-        with Checkpointer(args.checkpoint_dir) as saver:
-            saver.save(state, plan=plan, data_position={"next_step": stop})
+        first_step_time = first_step_time or time.time()
+        if args.kill_at == step and env.process_id == 1 and os.environ.get(RESTART_VAR) == "0":
+            Path(f"{args.out}.killed").write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)  # a process lost mid-run, before saving this step
+        if saver and (step + 1 == stop or (args.save_every and (step + 1) % args.save_every == 0)):
+            saver.save(state, plan=plan, data_position={"next_step": step + 1})
+    if saver:
+        saver.close()
 
     result = {
         "start_step": start,
+        "first_step_time": first_step_time,
+        "restart": int(os.environ.get(RESTART_VAR, "0")),
         "plan": args.plan,
         "losses": losses,
         "grad_norms": grad_norms,

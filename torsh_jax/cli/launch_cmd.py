@@ -23,7 +23,9 @@ TORSH_JAX_PROCESS_ID and (with --devices-per-process) TORSH_JAX_DEVICES_PER_PROC
 torsh_jax.distributed.initialize() reads them. Output lines are kept whole and
 prefixed [rank N] (stdout to stdout, stderr to stderr). If any process fails, the
 others are stopped and the exit code is that of the rank that failed first, which
-the last [launch] line names.
+the last [launch] line names. With --max-restarts R all processes are started
+again (fresh port, TORSH_JAX_RESTART=1, 2, ...) up to R times; a script that
+resumes from its newest checkpoint (demo --resume) then finishes the job.
 """
 
 
@@ -61,6 +63,11 @@ def register(subparsers) -> None:
         "--grace-period", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping"
     )
     parser.add_argument(
+        "--max-restarts", type=count_type(0, 1000, fix="pass --max-restarts 1"), default=0,
+        help="when a process fails, stop the others and start all again, up to this many times; "
+        "TORSH_JAX_RESTART holds the attempt number and the script resumes itself [0]",
+    )  # fmt: skip
+    parser.add_argument(
         "--verbose-collectives",
         action="store_true",
         help="keep gloo/XLA C++ INFO and WARNING logs (default: TF_CPP_MIN_LOG_LEVEL=2 and "
@@ -83,4 +90,5 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         grace_period_s=args.grace_period,
         verbose_collectives=args.verbose_collectives,
+        max_restarts=args.max_restarts,
     )

@@ -46,11 +46,14 @@ __all__ = [
     "child_environment",
     "is_collectives_chatter",
     "EXIT_TIMEOUT",
+    "RESTART_VAR",
     "QUIET_LOG_LEVELS",
 ]
 
 #: Exit code when the whole job exceeds ``timeout_s`` (as coreutils ``timeout``).
 EXIT_TIMEOUT = 124
+#: The attempt number a process of ``launch(..., max_restarts=R)`` belongs to (0 first).
+RESTART_VAR = "TORSH_JAX_RESTART"
 #: Child variables that quiet XLA/TSL (absl) and glog C++ logs to errors (unless already set).
 QUIET_LOG_LEVELS = {"TF_CPP_MIN_LOG_LEVEL": "2", "GLOG_minloglevel": "2"}
 #: gloo prints one such line per process when its collectives connect, whatever the log level.
@@ -78,6 +81,7 @@ def launch(
     error_output: TextIO | None = None,
     environ: Mapping[str, str] | None = None,
     verbose_collectives: bool = False,
+    max_restarts: int = 0,
 ) -> int:
     """Run ``python script.py ARGS`` as ``num_processes`` cooperating processes.
 
@@ -96,6 +100,11 @@ def launch(
         verbose_collectives: keep gloo/XLA C++ INFO and WARNING logs; by default
             the children get :data:`QUIET_LOG_LEVELS` (unless ``environ`` sets
             them) and gloo's per-connection lines are dropped.
+        max_restarts: when a process fails, stop the others and start all of
+            them again, up to this many times (each attempt gets a fresh port
+            and ``TORSH_JAX_RESTART`` = the attempt number, 0 first). The script
+            resumes itself, e.g. from its newest checkpoint. A timeout or a
+            signal to the launcher ends the job without restarting.
 
     Returns:
         0 when every process exits 0; otherwise the exit code of the process
@@ -106,17 +115,35 @@ def launch(
         DistributedError: bad arguments or a missing script.
     """
     _check_arguments(script_and_args, num_processes, devices_per_process, port, timeout_s)
-    chosen_port = port if port is not None else free_port()
+    _check_restarts(max_restarts)
     base = os.environ if environ is None else environ
-    layout = {"count": num_processes, "port": chosen_port, "devices": devices_per_process}
-    envs = [
-        child_environment(base, rank=rank, verbose_collectives=verbose_collectives, **layout)
-        for rank in range(num_processes)
-    ]
     out = sys.stdout if output is None else output
     err = error_output if error_output is not None else (sys.stderr if output is None else output)
-    supervisor = _Supervisor(out, err, grace_period_s, verbose_collectives=verbose_collectives)
-    return supervisor.run(script_and_args, envs, timeout_s)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for attempt in range(max_restarts + 1):
+        chosen_port = port if port is not None else free_port()
+        layout = {"count": num_processes, "port": chosen_port, "devices": devices_per_process}
+        envs = [
+            {**child_environment(base, rank=rank, verbose_collectives=verbose_collectives, **layout),
+             RESTART_VAR: str(attempt)}
+            for rank in range(num_processes)
+        ]  # fmt: skip
+        supervisor = _Supervisor(out, err, grace_period_s, verbose_collectives=verbose_collectives)
+        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+        code = supervisor.run(script_and_args, envs, remaining)
+        if code == 0 or supervisor.first_failure is None or attempt == max_restarts:
+            return code  # done, timed out, stopped by a signal, or out of restarts
+        supervisor._say(f"restarting all {num_processes} processes (restart {attempt + 1} of {max_restarts})")
+    return code
+
+
+def _check_restarts(max_restarts: int) -> None:
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise DistributedError(
+            f"must be an integer >= 0, got {max_restarts!r}",
+            key="max_restarts",
+            fix="pass --max-restarts as 0 or more",
+        )
 
 
 def _check_arguments(
