@@ -129,8 +129,7 @@ def launch(
             for rank in range(num_processes)
         ]  # fmt: skip
         supervisor = _Supervisor(out, err, grace_period_s, verbose_collectives=verbose_collectives)
-        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
-        code = supervisor.run(script_and_args, envs, remaining)
+        code = supervisor.run(script_and_args, envs, timeout_s, deadline)
         if code == 0 or supervisor.first_failure is None or attempt == max_restarts:
             return code  # done, timed out, stopped by a signal, or out of restarts
         supervisor._say(f"restarting all {num_processes} processes (restart {attempt + 1} of {max_restarts})")
@@ -260,14 +259,20 @@ class _Supervisor:
     received_signal: int | None = None
     first_failure: _Child | None = None
 
-    def run(self, script_and_args: Sequence[str], envs: list[dict[str, str]], timeout_s: float | None) -> int:
+    def run(
+        self,
+        script_and_args: Sequence[str],
+        envs: list[dict[str, str]],
+        timeout_s: float | None,
+        deadline: float | None = None,
+    ) -> int:
         """Start one child per environment, supervise them, stop them all; returns the exit code."""
         previous = self._install_signal_handlers()  # first: a signal must never orphan children
         try:
             for rank, env in enumerate(envs):
                 self.children.append(_start_child(script_and_args, rank, env))
                 self._start_threads(self.children[-1])
-            code = self._watch(timeout_s)
+            code = self._watch(timeout_s, deadline)
         finally:
             self._stop_all()
             self._restore_signal_handlers(previous)
@@ -293,8 +298,10 @@ class _Supervisor:
         child.process.wait()
         self.exits.put(child)  # in the order the processes ended
 
-    def _watch(self, timeout_s: float | None) -> int:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    def _watch(self, timeout_s: float | None, deadline: float | None = None) -> int:
+        """Wait for the children until ``deadline`` (monotonic); ``timeout_s`` is what the user asked for."""
+        if deadline is None and timeout_s is not None:
+            deadline = time.monotonic() + timeout_s
         running = len(self.children)
         while running:
             if self.received_signal is not None:
