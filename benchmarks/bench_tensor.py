@@ -16,6 +16,7 @@ bytes over each axis against the same theories).
 
 Usage:
     python benchmarks/bench_tensor.py [--devices 8] [--steps 30] [--layers 4] [--quick]
+                                      [--plans tp,tp_sp,fsdp_tp]
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def wire_row(name: str, pair, baseline: common.Program, **fields) -> dict:
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0], default_steps=30, default_layers=4)
+    args = common.parse_args(__doc__.splitlines()[0], default_steps=30, default_layers=4, plans=PLANS)
     common.setup_devices(args.devices)
 
     from torsh_jax.demo.model import LMConfig
@@ -87,7 +88,7 @@ def main() -> None:
 
     steps, layers, chunk = (4, 1, 1) if args.quick else (args.steps, args.layers, 2)
     cfg = LMConfig(layers=layers)
-    for plan in PLANS:
+    for plan in args.plans:
         pair = common.build_pair(cfg, load_plan(plan), baseline=None)
         baseline = same_shardings_baseline(pair)
         pair.baseline = baseline

@@ -36,9 +36,15 @@ LEARNING_RATE = 1e-3
 
 
 def parse_args(
-    description: str, *, default_steps: int, default_layers: int, temp_layers: int | None = None
+    description: str,
+    *,
+    default_steps: int,
+    default_layers: int,
+    temp_layers: int | None = None,
+    plans: tuple[str, ...] | None = None,
 ) -> argparse.Namespace:
-    """Command-line options shared by the benchmarks (``--temp-layers`` when ``temp_layers`` is given)."""
+    """Command-line options shared by the benchmarks (``--temp-layers`` when ``temp_layers`` is
+    given, ``--plans`` (comma-separated, default ``plans``) when ``plans`` is)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
     parser.add_argument("--steps", type=int, default=default_steps, help="timed steps of each program")
@@ -47,6 +53,9 @@ def parse_args(
     if temp_layers is not None:
         help_text = "layer count L of the temp-memory comparison (L against 2L)"
         parser.add_argument("--temp-layers", type=int, default=temp_layers, help=help_text)
+    if plans is not None:
+        split = lambda text: tuple(p for p in text.split(",") if p)
+        parser.add_argument("--plans", type=split, default=plans, help=f"plans to run [{','.join(plans)}]")
     return parser.parse_args()
 
 

@@ -44,7 +44,6 @@ def _twin(loss, params, plan, optimizer=None, *, lockstep=False):
 LINEN_PLANS = [
     pytest.param(load_plan("fsdp_tp"), id="fsdp4-tp2-zero3"),
     pytest.param(_plan({"data": 1, "fsdp": 2, "tensor": 4}, 3), id="fsdp2-tp4-zero3"),
-    pytest.param(load_plan("tp"), id="ddp-tp"),
     pytest.param(load_plan("hsdp_tp"), id="hsdp-tp-zero3"),
     pytest.param(_plan({"data": 1, "fsdp": 4, "tensor": 2}, 2, batch={"micro_batch_size": 2,
                                                                      "accumulation_steps": 2}),
