@@ -146,30 +146,21 @@ def restore_row(state, megabytes: float) -> dict:
 
 
 class _Target:
-    """The least a restore needs from a train step: the layout of ``state``'s own shardings."""
+    """The least a restore needs from a train step: a layout with ``state``'s own shardings."""
 
     def __init__(self, state):
+        import types
+
         import jax
 
-        from torsh_jax.runtime.state import TrainState
-
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
         shardings = jax.tree.map(lambda x: x.sharding, state)
-        mesh = getattr(jax.tree.leaves(state.params)[0].sharding, "mesh", None)
         self.plan = None
-        self._built = {"layout": _Layout(abstract, shardings, mesh, TrainState)}
-
-    @property
-    def layout(self):
-        return self._built["layout"]
-
-
-class _Layout:
-    def __init__(self, abstract, shardings, mesh, state_type):
-        self.abstract, self._shardings, self.mesh = abstract, shardings, mesh
-
-    def shardings(self):
-        return self._shardings
+        self.layout = types.SimpleNamespace(
+            abstract=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state),
+            mesh=getattr(jax.tree.leaves(state.params)[0].sharding, "mesh", None),
+            shardings=lambda: shardings,
+        )
+        self._built = {"layout": self.layout}
 
 
 def crash_row(kills: int) -> dict:
