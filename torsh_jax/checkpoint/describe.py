@@ -13,9 +13,8 @@ Example:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from torsh_jax.checkpoint.restore_state import read_meta
+from torsh_jax.checkpoint.restore_state import arrays_by_path, read_meta, saved_metadata
 from torsh_jax.checkpoint.store import STATE, complete_steps, open_manager, require_dir, step_dirs
 
 __all__ = ["list_checkpoints", "show_checkpoint"]
@@ -34,33 +33,18 @@ def list_checkpoints(directory: str | Path) -> list[dict]:
     ]
 
 
-def _shardings(manager, step: int) -> dict[str, dict]:
-    metadata = manager.item_metadata(step)[STATE]
-    tree = getattr(metadata, "tree", metadata)
+def _saved_params(manager, step: int) -> dict[str, dict]:
+    """Per saved parameter path: shape, dtype and partition spec, from orbax's metadata."""
+    params = saved_metadata(manager, step, STATE).get("params", {})
     out = {}
-    for group in ("params",):
-        _flatten(tree.get(group, {}), group, out)
+    for path, array in arrays_by_path(params).items():
+        spec = getattr(getattr(array, "sharding", None), "partition_spec", None)
+        out[f"params/{path}"] = {
+            "shape": list(array.shape),
+            "dtype": str(array.dtype),
+            "partition_spec": None if spec is None else list(spec),
+        }
     return out
-
-
-def _flatten(tree: Any, prefix: str, out: dict) -> None:
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            _flatten(value, f"{prefix}/{key}", out)
-        return
-    if isinstance(tree, (list, tuple)):
-        for index, value in enumerate(tree):
-            _flatten(value, f"{prefix}/{index}", out)
-        return
-    if tree is None:
-        return
-    sharding = getattr(tree, "sharding", None)
-    spec = getattr(sharding, "partition_spec", None)
-    out[prefix] = {
-        "shape": list(tree.shape),
-        "dtype": str(tree.dtype),
-        "partition_spec": None if spec is None else [None if e is None else e for e in spec],
-    }
 
 
 def show_checkpoint(directory: str | Path, *, step: int | None = None) -> dict:
@@ -72,7 +56,7 @@ def show_checkpoint(directory: str | Path, *, step: int | None = None) -> dict:
     manager = open_manager(root, read_only=True)
     try:
         meta = read_meta(manager, step)
-        params = _shardings(manager, step)
+        params = _saved_params(manager, step)
     finally:
         manager.close()
     return {

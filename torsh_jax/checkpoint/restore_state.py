@@ -50,7 +50,7 @@ from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.specs import path_str
 from torsh_jax.runtime.state import TrainState
 
-__all__ = ["Restored", "restore", "read_meta", "saved_arrays"]
+__all__ = ["Restored", "restore", "read_meta", "saved_metadata", "saved_arrays", "arrays_by_path"]
 
 log = logging.getLogger(__name__)
 PyTree = Any
@@ -81,9 +81,14 @@ def _is_array_meta(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def _by_path(tree: PyTree) -> dict[str, tuple[tuple[int, ...], str]]:
+def arrays_by_path(tree: PyTree) -> dict[str, Any]:
+    """``{path: leaf}`` of the array-like leaves (arrays, shapes, orbax array metadata) of ``tree``."""
     leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_array_meta)
-    return {path_str(p): (tuple(x.shape), str(np.dtype(x.dtype))) for p, x in leaves if _is_array_meta(x)}
+    return {path_str(p): x for p, x in leaves if _is_array_meta(x)}
+
+
+def _by_path(tree: PyTree) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {p: (tuple(x.shape), str(np.dtype(x.dtype))) for p, x in arrays_by_path(tree).items()}
 
 
 def read_meta(manager, step: int) -> dict:
@@ -93,10 +98,15 @@ def read_meta(manager, step: int) -> dict:
     return manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
 
 
-def saved_arrays(manager, step: int, item: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``{path: (shape, dtype)}`` of one saved item, from orbax's metadata (no array is read)."""
+def saved_metadata(manager, step: int, item: str) -> PyTree:
+    """The orbax metadata tree of one saved item (shapes, dtypes, shardings; no array is read)."""
     metadata = manager.item_metadata(step)[item]
-    return _by_path(getattr(metadata, "tree", metadata))
+    return getattr(metadata, "tree", metadata)
+
+
+def saved_arrays(manager, step: int, item: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{path: (shape, dtype)}`` of one saved item."""
+    return _by_path(saved_metadata(manager, step, item))
 
 
 def _check_arrays(saved: dict, wanted: dict, *, where: str) -> None:
@@ -131,8 +141,7 @@ def _abstract(tree: PyTree, shardings: PyTree) -> PyTree:
 def _prepared(train_step, manager, step: int):
     """The layout of ``train_step``, built from the saved parameter shapes if ``init`` has not run."""
     if "layout" not in train_step._built:
-        saved = manager.item_metadata(step)[STATE]
-        params = getattr(saved, "tree", saved)["params"]
+        params = saved_metadata(manager, step, STATE)["params"]
         like = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), params, is_leaf=_is_array_meta
         )
