@@ -12,10 +12,18 @@ counter), sharded over ``fsdp`` on 8 simulated CPU devices, is saved with
 * ``checkpoint_crash_safety`` (``--crashes N``, default 20): a child process
   saves in a loop and is killed with SIGKILL at a random moment, N times; after
   every kill the newest complete step must restore (``restored`` counts them,
-  ``ratio`` = restored / kills, target 1.0).
+  ``ratio`` = restored / kills, target 1.0);
+* ``checkpoint_recovery`` (not with ``--no-recovery`` or ``--quick``; its
+  path is tested in tests/test_multiprocess_train.py): ``torsh-jax launch -n 2
+  --max-restarts 1 --min-processes 1`` runs examples/train_with_plan.py with a
+  checkpoint every step; rank 1 is killed with SIGKILL after step 3, the job
+  continues on the one process left. ``recovery_s`` = seconds from the kill to
+  the first resumed step (target < 60), ``ratio`` = that / the seconds from
+  the launch to the first step of the same job (a cold start).
 
 Usage:
     python benchmarks/bench_checkpoint.py [--megabytes 256] [--repeats 3] [--crashes 20] [--quick]
+        [--no-recovery]
 """
 
 from __future__ import annotations
@@ -192,6 +200,60 @@ def crash_row(kills: int) -> dict:
         shutil.rmtree(root, ignore_errors=True)
 
 
+REPO = Path(__file__).resolve().parents[1]
+RECOVERY_TARGET_S = 60.0
+
+
+def _pid_of_rank(rank: int, marker: str) -> int:
+    """The process of the first attempt's ``rank`` whose command line contains ``marker`` (Linux /proc)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if marker.encode() in cmdline and f"TORSH_JAX_PROCESS_ID={rank}".encode() in environ:
+            if b"TORSH_JAX_RESTART=0" in environ:
+                return int(entry.name)
+    raise RuntimeError(f"no process of rank {rank} running {marker}")
+
+
+def recovery_row(kill_after: int = 3, steps: int = 6) -> dict:
+    """Kill rank 1 of a 2-process job after ``kill_after`` steps; time the restart on 1 process."""
+    root = Path(tempfile.mkdtemp(prefix="bench_recovery_"))
+    script = [str(REPO / "examples" / "train_with_plan.py"), "--plan", "zero3", "--steps", str(steps),
+              "--checkpoint-dir", str(root), "--save-every", "1", "--log-every", "1"]  # fmt: skip
+    launch = [sys.executable, "-m", "torsh_jax.cli.main", "launch", "-n", "2", "--devices-per-process", "2",
+              "--max-restarts", "1", "--min-processes", "1", "--timeout", "600", *script]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    started = time.monotonic()
+    job = subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    times: dict[str, float] = {}
+    try:
+        for line in job.stdout:
+            now = time.monotonic()
+            if line.startswith("[rank 0] step") and "cold" not in times:
+                times["cold"] = now - started
+            if line.startswith(f"[rank 0] step {kill_after - 1:4d}") and "kill" not in times:
+                os.kill(_pid_of_rank(1, str(root)), 9)
+                times["kill"] = now
+            if line.startswith("[rank 0] resumed at step"):
+                times["resumed_step"] = int(line.split()[5])
+            elif "resumed_step" in times and line.startswith("[rank 0] step") and "resumed" not in times:
+                times["resumed"] = now
+        code = job.wait(timeout=600)
+    finally:
+        if job.poll() is None:
+            job.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    recovery = times["resumed"] - times["kill"]
+    return {"name": "checkpoint_recovery", "ratio": recovery / times["cold"], "recovery_s": recovery,
+            "target_s": RECOVERY_TARGET_S, "cold_start_s": times["cold"], "exit_code": code,
+            "killed_after_step": kill_after, "resumed_at_step": times["resumed_step"],
+            "processes": "2 -> 1"}  # fmt: skip
+
+
 def _child_state():
     import jax.numpy as jnp
 
@@ -206,10 +268,13 @@ def main() -> None:
     parser.add_argument("--megabytes", type=int, default=256, help="state size [256]")
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds of sync/async saves [3]")
     parser.add_argument("--crashes", type=int, default=20, help="SIGKILLs during saves [20]")
-    parser.add_argument("--quick", action="store_true", help="32 MB, 1 round, 2 kills (a smoke run)")
+    parser.add_argument(
+        "--quick", action="store_true", help="32 MB, 1 round, 2 kills, no recovery row (a smoke run)"
+    )
+    parser.add_argument("--no-recovery", action="store_true", help="skip the 2-process kill-and-restart row")
     args = parser.parse_args()
     if args.quick:
-        args.megabytes, args.repeats, args.crashes = 32, 1, 2
+        args.megabytes, args.repeats, args.crashes, args.no_recovery = 32, 1, 2, True
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
@@ -220,6 +285,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     if args.crashes:
         print(json.dumps(crash_row(args.crashes)), flush=True)
+    if not args.no_recovery:
+        print(json.dumps(recovery_row()), flush=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
 
+import numpy as np
 import pytest
 from test_cli import SMALL, _error_line, _strict_json
 
@@ -19,15 +21,21 @@ def _steps(capsys, argv: list[str]) -> tuple[list[dict], dict]:
     return records[:-1], records[-1]
 
 
-def test_demo_resumes_on_the_batches_it_would_have_seen(capsys, tmp_path):
-    straight, _ = _steps(capsys, [*DEMO, "--steps", "4"])
+def test_demo_resumes_on_the_batches_it_would_have_seen_also_on_fewer_devices(capsys, tmp_path):
+    straight, straight_summary = _steps(capsys, [*DEMO, "--steps", "4"])
     saving = ["--save-every", "1", "--checkpoint-dir", str(tmp_path)]
     first, summary = _steps(capsys, [*DEMO, "--steps", "2", *saving])
     assert summary["checkpoint_steps"] == [1, 2]
+    shutil.copytree(tmp_path, tmp_path.with_name(tmp_path.name + "-copy"))
     resumed, summary = _steps(capsys, [*DEMO, "--steps", "4", "--resume", "--checkpoint-dir", str(tmp_path)])
     assert summary["resumed_from_step"] == 2
     assert [r["step"] for r in resumed] == [3, 4], "per-step records carry the global step"
     assert [r["loss"] for r in first + resumed] == [r["loss"] for r in straight]
+    # on 2 devices: ZeRO-3 over fsdp=2 with 2 accumulation steps keeps the global batch of 4 x 8
+    copy = ["--resume", "--checkpoint-dir", str(tmp_path.with_name(tmp_path.name + "-copy"))]
+    fewer, summary = _steps(capsys, [*DEMO[:4], "2", *DEMO[5:], "--steps", "4", *copy])
+    assert summary["devices"] == 2 and summary["global_batch_size"] == straight_summary["global_batch_size"]
+    np.testing.assert_allclose([r["loss"] for r in fewer], [r["loss"] for r in straight[2:]], rtol=1e-5)
 
 
 def test_checkpoint_list_and_show(capsys, tmp_path):

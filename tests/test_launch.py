@@ -207,6 +207,43 @@ def test_job_timeout_returns_124(tmp_path):
     assert "[launch] timeout after 0.5 s" in out.getvalue()
 
 
+RESTARTER = """
+import os, sys
+rank, count = os.environ["TORSH_JAX_PROCESS_ID"], os.environ["TORSH_JAX_NUM_PROCESSES"]
+attempt = os.environ["TORSH_JAX_RESTART"]
+print(f"attempt {attempt} process {rank} of {count}", flush=True)
+sys.exit(7 if rank == str(int(count) - 1) and attempt != "2" else 0)  # the last rank fails twice
+"""
+
+
+@pytest.mark.parametrize(
+    ("min_processes", "counts"),
+    [(None, [3, 3, 3]), (1, [3, 2, 1]), (2, [3, 2, 2])],
+    ids=["all", "to-1", "to-2"],
+)
+def test_restarts_start_all_processes_or_drop_the_failed_one_down_to_min(tmp_path, min_processes, counts):
+    """Without --min-processes every restart starts all -n again; with it each restart drops the
+    process that failed while more than the minimum are left."""
+    out = io.StringIO()
+    script = write_script(tmp_path, "restart.py", RESTARTER)
+    code = launch([script], num_processes=3, max_restarts=2, min_processes=min_processes, output=out)
+    assert code == 0, out.getvalue()
+    for attempt, count in enumerate(counts):
+        started = [line for line in out.getvalue().splitlines() if f"] attempt {attempt} process" in line]
+        assert sorted(started) == sorted(
+            f"[rank {r}] attempt {attempt} process {r} of {count}" for r in range(count)
+        ), out.getvalue()
+    dropped = "" if min_processes is None else "rank 2 dropped, "
+    assert f"[launch] restarting on {counts[1]} process(es) ({dropped}restart 1 of 2)" in out.getvalue()
+
+
+def test_out_of_restarts_returns_the_failure(tmp_path):
+    out = io.StringIO()
+    script = write_script(tmp_path, "restart.py", RESTARTER)
+    assert launch([script], num_processes=2, max_restarts=1, min_processes=1, output=out) == 7
+    assert out.getvalue().splitlines()[-1] == "[launch] job failed: rank 0 exited with code 7 first"
+
+
 SLEEPER = """
 import os, time
 print("ready", flush=True)
@@ -241,6 +278,9 @@ BAD_ARGS = {
     "zero-devices": (None, {"num_processes": 1, "devices_per_process": 0}, "devices_per_process"),
     "bad-port": (None, {"num_processes": 1, "port": 70000}, "port"),
     "bad-timeout": (None, {"num_processes": 1, "timeout_s": 0}, "timeout"),
+    "negative-restarts": (None, {"num_processes": 1, "max_restarts": -1}, "max_restarts"),
+    "min-above-n": (None, {"num_processes": 2, "max_restarts": 1, "min_processes": 3}, "min_processes"),
+    "min-zero": (None, {"num_processes": 2, "max_restarts": 1, "min_processes": 0}, "min_processes"),
 }
 
 

@@ -14,7 +14,9 @@ same to ``OUT.rank{k}`` so a test can check that every process saw the same
 values. ``mesh_processes`` is the owning process of every mesh position.
 With ``--checkpoint-dir`` the run saves its state after its last step
 (``--stop-after K`` trains only steps ``0..K-1``); with ``--resume`` it
-restores the newest checkpoint there first and trains the remaining steps.
+restores the newest checkpoint there first and trains the remaining steps,
+keeping the saved global batch when fewer processes are left
+(``launch --min-processes``).
 
 Example:
     $ python tests/scripts/train_multiprocess.py --plan ddp --steps 3 --devices 4 --out /tmp/ref.json
@@ -52,7 +54,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--save-every", type=int, default=0, help="also save every N steps")
     parser.add_argument(
-        "--kill-at", type=int, default=None, help="rank 1 of attempt 0 SIGKILLs itself at this step"
+        "--kill-at",
+        type=int,
+        default=None,
+        help="rank 1 of attempt 0 SIGKILLs itself after this step, once earlier saves are complete",
     )
     parser.add_argument(
         "--local-batches",
@@ -74,12 +79,17 @@ def local_rows(batch: dict, *, process_index: int, process_count: int) -> dict:
     return {name: value[rows] for name, value in batch.items()}
 
 
+def has_checkpoint(args: argparse.Namespace) -> bool:
+    from torsh_jax.checkpoint.store import step_dirs
+
+    return any(d.complete for d in step_dirs(args.checkpoint_dir))
+
+
 def resume(args: argparse.Namespace, train, state):
     """``(state, first step)`` from the newest complete checkpoint, or ``(state, 0)`` when there is none."""
     from torsh_jax.checkpoint import restore
-    from torsh_jax.checkpoint.store import step_dirs
 
-    if not any(d.complete for d in step_dirs(args.checkpoint_dir)):
+    if not has_checkpoint(args):
         return state, 0
     restored = restore(args.checkpoint_dir, train)
     return restored.state, restored.step
@@ -107,12 +117,15 @@ def main() -> None:
     import jax
     import optax
 
+    from torsh_jax.checkpoint import continue_plan
     from torsh_jax.demo.model import init_params, layered_model, synthetic_tokens
     from torsh_jax.plan import load_plan
     from torsh_jax.runtime.mesh import build_mesh
     from torsh_jax.runtime.step import make_train_step
 
     plan = load_plan(args.plan)
+    if args.resume and has_checkpoint(args):  # perhaps on fewer processes: keep the global batch
+        plan = continue_plan(args.checkpoint_dir, plan, num_devices=jax.device_count())
     cfg = model_config(args.layers)
     mesh = build_mesh(plan, jax.devices())
     train = make_train_step(layered_model(cfg), optax.adamw(1e-2), plan, mesh)
@@ -135,6 +148,8 @@ def main() -> None:
         print(f"step {step} loss {losses[-1]:.6f}", flush=True)
         first_step_time = first_step_time or time.time()
         if args.kill_at == step and env.process_id == 1 and os.environ.get(RESTART_VAR) == "0":
+            if saver:
+                saver.wait()  # the previous step's checkpoint is complete: the restart resumes here
             Path(f"{args.out}.killed").write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)  # a process lost mid-run, before saving this step
         if saver and (step + 1 == stop or (args.save_every and (step + 1) % args.save_every == 0)):
@@ -150,6 +165,7 @@ def main() -> None:
         "losses": losses,
         "grad_norms": grad_norms,
         "mesh": {axis: int(size) for axis, size in mesh.shape.items()},
+        "batch": [plan.batch.micro_batch_size, plan.batch.accumulation_steps, train.global_batch_size],
         "mesh_processes": np.vectorize(lambda d: d.process_index)(mesh.devices).tolist(),
         "process_count": jax.process_count(),
         "devices": jax.device_count(),

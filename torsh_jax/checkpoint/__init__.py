@@ -28,6 +28,7 @@ from torsh_jax._lazy import lazy_exports
 _EXPORTS: dict[str, str] = {
     "Checkpointer": "torsh_jax.checkpoint.save",
     "restore": "torsh_jax.checkpoint.restore_state",
+    "continue_plan": "torsh_jax.checkpoint.elastic",
     "Restored": "torsh_jax.checkpoint.restore_state",
     "list_checkpoints": "torsh_jax.checkpoint.describe",
     "show_checkpoint": "torsh_jax.checkpoint.describe",
@@ -39,5 +40,6 @@ __getattr__, __dir__ = lazy_exports("torsh_jax.checkpoint", _EXPORTS, globals())
 
 if TYPE_CHECKING:  # pragma: no cover
     from torsh_jax.checkpoint.describe import list_checkpoints, show_checkpoint
+    from torsh_jax.checkpoint.elastic import continue_plan
     from torsh_jax.checkpoint.restore_state import Restored, restore
     from torsh_jax.checkpoint.save import Checkpointer

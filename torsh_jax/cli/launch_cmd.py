@@ -25,7 +25,10 @@ prefixed [rank N] (stdout to stdout, stderr to stderr). If any process fails, th
 others are stopped and the exit code is that of the rank that failed first, which
 the last [launch] line names. With --max-restarts R all processes are started
 again (fresh port, TORSH_JAX_RESTART=1, 2, ...) up to R times; a script that
-resumes from its newest checkpoint (demo --resume) then finishes the job.
+resumes from its newest checkpoint (demo --resume) then finishes the job. With
+--min-processes M a restart drops the process that failed (its host is taken as
+lost) while more than M are left: the job continues on fewer devices, the plan is
+re-resolved for them and the global batch kept (demo --resume does this).
 """
 
 
@@ -68,6 +71,11 @@ def register(subparsers) -> None:
         "TORSH_JAX_RESTART holds the attempt number and the script resumes itself [0]",
     )  # fmt: skip
     parser.add_argument(
+        "--min-processes", type=count_type(1, MAX_LOCAL_PROCESSES, fix="pass --min-processes 1"),
+        default=None, help="a restart drops the process that failed while more than this many are "
+        "left; the script re-resolves its plan for the devices present [-n: always restart all]",
+    )  # fmt: skip
+    parser.add_argument(
         "--verbose-collectives",
         action="store_true",
         help="keep gloo/XLA C++ INFO and WARNING logs (default: TF_CPP_MIN_LOG_LEVEL=2 and "
@@ -91,4 +99,5 @@ def run(args: argparse.Namespace) -> int:
         grace_period_s=args.grace_period,
         verbose_collectives=args.verbose_collectives,
         max_restarts=args.max_restarts,
+        min_processes=args.min_processes,
     )

@@ -95,6 +95,7 @@ def run_demo(
     plan = config.plan if isinstance(config.plan, ParallelPlan) else load_plan(config.plan)
     phase(f"starting {config.devices or 'all'} devices")
     devices = select_devices(config.devices)
+    plan = _plan_to_continue(config, plan, len(devices), phase)
     mesh = build_mesh(plan, devices)
     cfg = model_config(config)
     optimizer = build_optimizer(plan.optimizer)
@@ -151,14 +152,33 @@ def run_demo(
     return summary
 
 
+def _has_checkpoint(config: DemoConfig) -> bool:
+    from torsh_jax.checkpoint.store import step_dirs
+
+    return any(d.complete for d in step_dirs(config.checkpoint_dir))
+
+
+def _plan_to_continue(config: DemoConfig, plan: ParallelPlan, num_devices: int, phase) -> ParallelPlan:
+    """Resuming (possibly on another device count): ``plan`` with the saved run's global batch."""
+    from torsh_jax.checkpoint import continue_plan
+
+    if not (config.resume and _has_checkpoint(config)):
+        return plan
+    continued = continue_plan(config.checkpoint_dir, plan, num_devices=num_devices)
+    if continued.batch != plan.batch:
+        b = continued.batch
+        phase(f"keeping the saved global batch: micro batch {b.micro_batch_size} x "
+              f"{b.accumulation_steps} accumulation steps on {num_devices} devices")  # fmt: skip
+    return continued
+
+
 def _resumed(config: DemoConfig, train, state, phase: Callable[[str], None]):
     """``(state, first step)``: the newest readable checkpoint with ``resume``, else ``(state, 0)``."""
     from torsh_jax.checkpoint import restore
-    from torsh_jax.checkpoint.store import step_dirs
 
     if not config.resume:
         return state, 0
-    if not any(d.complete for d in step_dirs(config.checkpoint_dir)):
+    if not _has_checkpoint(config):
         phase(f"no complete checkpoint in {config.checkpoint_dir}: starting at step 0")
         return state, 0
     restored = restore(config.checkpoint_dir, train, fallback=True)

@@ -82,6 +82,7 @@ def launch(
     environ: Mapping[str, str] | None = None,
     verbose_collectives: bool = False,
     max_restarts: int = 0,
+    min_processes: int | None = None,
 ) -> int:
     """Run ``python script.py ARGS`` as ``num_processes`` cooperating processes.
 
@@ -105,6 +106,11 @@ def launch(
             and ``TORSH_JAX_RESTART`` = the attempt number, 0 first). The script
             resumes itself, e.g. from its newest checkpoint. A timeout or a
             signal to the launcher ends the job without restarting.
+        min_processes: with restarts, each restart drops the process that
+            failed (as if its host were lost) while more than this many are
+            left; the script re-resolves its plan for the devices present
+            (:func:`torsh_jax.checkpoint.continue_plan`). ``None``: every
+            restart starts all ``num_processes`` again.
 
     Returns:
         0 when every process exits 0; otherwise the exit code of the process
@@ -115,33 +121,48 @@ def launch(
         DistributedError: bad arguments or a missing script.
     """
     _check_arguments(script_and_args, num_processes, devices_per_process, port, timeout_s)
-    _check_restarts(max_restarts)
+    _check_restarts(max_restarts, min_processes, num_processes)
+    fewest = num_processes if min_processes is None else min_processes
     base = os.environ if environ is None else environ
     out = sys.stdout if output is None else output
     err = error_output if error_output is not None else (sys.stderr if output is None else output)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    count = num_processes
     for attempt in range(max_restarts + 1):
         chosen_port = port if port is not None else free_port()
-        layout = {"count": num_processes, "port": chosen_port, "devices": devices_per_process}
+        layout = {"count": count, "port": chosen_port, "devices": devices_per_process}
         envs = [
             {**child_environment(base, rank=rank, verbose_collectives=verbose_collectives, **layout),
              RESTART_VAR: str(attempt)}
-            for rank in range(num_processes)
+            for rank in range(count)
         ]  # fmt: skip
         supervisor = _Supervisor(out, err, grace_period_s, verbose_collectives=verbose_collectives)
         code = supervisor.run(script_and_args, envs, timeout_s, deadline)
         if code == 0 or supervisor.first_failure is None or attempt == max_restarts:
             return code  # done, timed out, stopped by a signal, or out of restarts
-        supervisor._say(f"restarting all {num_processes} processes (restart {attempt + 1} of {max_restarts})")
+        count = max(fewest, count - 1)
+        lost = f"rank {supervisor.first_failure.rank} dropped, " if count < len(envs) else ""
+        supervisor._say(f"restarting on {count} process(es) ({lost}restart {attempt + 1} of {max_restarts})")
     return code
 
 
-def _check_restarts(max_restarts: int) -> None:
+def _check_restarts(max_restarts: int, min_processes: int | None, num_processes: int) -> None:
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise DistributedError(
             f"must be an integer >= 0, got {max_restarts!r}",
             key="max_restarts",
             fix="pass --max-restarts as 0 or more",
+        )
+    if min_processes is None:
+        return
+    if isinstance(min_processes, bool) or not isinstance(min_processes, int):
+        raise DistributedError(f"must be an integer, got {min_processes!r}", key="min_processes",
+                               fix=f"pass --min-processes in 1..{num_processes}")  # fmt: skip
+    if not 1 <= min_processes <= num_processes:
+        raise DistributedError(
+            f"must be in 1..{num_processes} (the -n processes started), got {min_processes}",
+            key="min_processes",
+            fix=f"pass --min-processes in 1..{num_processes}, with --max-restarts 1 or more",
         )
 
 

@@ -44,6 +44,8 @@ _EXPORTS: dict[str, str] = {
     "TensorSpec": "torsh_jax.plan.spec",
     "ZeroSpec": "torsh_jax.plan.spec",
     "Roles": "torsh_jax.plan.roles",
+    "global_batch_size": "torsh_jax.plan.elastic",
+    "keep_global_batch": "torsh_jax.plan.elastic",
     "compose": "torsh_jax.plan.roles",
 }
 
