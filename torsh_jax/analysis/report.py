@@ -135,19 +135,31 @@ def _theory_section(theory: Theory | None, totals: dict, found: list[Collective]
     return section
 
 
-def axis_theory_section(theory: Theory, found: list[Collective], axis: str) -> dict:
+def _sent_per_device(c: Collective, devices: int | None) -> float:
+    """Wire bytes per device; a collective-permute's as sent by its pairs, averaged over ``devices``
+    (a pipeline permute sends only from the stages that have something to send)."""
+    if c.kind != "collective-permute" or not devices or not c.source_target_pairs:
+        return _unwidened_wire(c)
+    return c.unwidened_payload_bytes * len(c.source_target_pairs) / devices * c.executions
+
+
+def axis_theory_section(
+    theory: Theory, found: list[Collective], axis: str, devices: int | None = None
+) -> dict:
     """``theory`` of one mesh axis against the collectives measured over exactly that axis.
 
     Adds ``measured_wire_bytes``, ``wire_ratio`` and, per kind,
     ``measured_wire_bytes_by_kind``, ``wire_ratio_by_kind`` (measured / theory),
     ``count_by_kind`` (theory) and ``measured_count_by_kind`` (executions; the
-    compiler may combine small all-reduces into one).
+    compiler may combine small all-reduces into one). With ``devices`` (the
+    mesh size) a collective-permute counts the bytes its pairs send, averaged
+    over the devices.
     """
     measured: dict[str, float] = {}
     counts: dict[str, int] = {}
     for c in found:
         if c.axes == (axis,):
-            measured[c.kind] = measured.get(c.kind, 0.0) + _unwidened_wire(c)
+            measured[c.kind] = measured.get(c.kind, 0.0) + _sent_per_device(c, devices)
             counts[c.kind] = counts.get(c.kind, 0) + c.executions
     wanted: dict[str, float] = {}
     for c in theory.collectives:
@@ -188,7 +200,9 @@ def summarize(
     totals = _totals(found)
     section = _theory_section(theory, totals, found)
     if section is not None and axis_theories:
-        section["axes"] = {axis: axis_theory_section(t, found, axis) for axis, t in axis_theories.items()}
+        section["axes"] = {
+            axis: axis_theory_section(t, found, axis, devices=mesh.size) for axis, t in axis_theories.items()
+        }
     return {
         "mesh": {name: int(size) for name, size in mesh.shape.items()},
         "collectives": [_row(c) for c in found],

@@ -51,6 +51,7 @@ __all__ = [
     "ddp",
     "zero",
     "hsdp",
+    "pipeline_stages",
     "megatron_blocks",
     "plan_theory",
     "MemoryTheory",
@@ -300,6 +301,36 @@ def hsdp(
     gather, steps = _per_micro_step(stage, micro_steps, gather, steps, hoisted)
     ordered = (*gather, *steps) if stage == 3 else (*steps, *gather)
     return Theory(f"HSDP ZeRO-{stage}: data={data_size} x fsdp={fsdp_size}", ordered)
+
+
+def pipeline_stages(
+    activation_bytes: int,
+    /,
+    *,
+    stages: int,
+    microbatches: int,
+    passes: int = 1,
+    shared_grad_bytes: int = 0,
+) -> Theory:
+    """``stage``-axis traffic of a pipeline, per device (averaged over the stages).
+
+    Each of the ``m`` micro-batches crosses each of the ``p - 1`` stage
+    boundaries twice (its activation forward, the activation's gradient
+    backward), in every accumulation pass; nothing is sent on an idle slot.
+    The gradients of parameters every stage holds (embedding and head; made on
+    one stage each) and the loss are summed over ``stage`` once per step.
+
+    Example:
+        >>> pipeline_stages(1024, stages=4, microbatches=8).wire_bytes
+        12288.0
+    """
+    _check_sizes(stages=stages, microbatches=microbatches, passes=passes)
+    sent = 2 * microbatches * (stages - 1) * passes * activation_bytes / stages
+    collectives = [TheoryCollective("collective-permute", ("stage",), sent, stages)]
+    if shared_grad_bytes:
+        collectives.append(TheoryCollective("all-reduce", ("stage",), shared_grad_bytes, stages))
+    return Theory(f"pipeline over stage={stages}, {microbatches} micro-batches x {passes} pass(es)",
+                  tuple(collectives))  # fmt: skip
 
 
 def megatron_blocks(

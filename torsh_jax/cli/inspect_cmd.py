@@ -54,5 +54,27 @@ def run(args: argparse.Namespace) -> int:
     train = make_train_step(model, build_optimizer(plan.optimizer), plan, mesh)
     state = train.init(init_params(cfg, jax.random.key(0)))
     summary = inspect_step(train, state, synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=0))
-    print(json_text(summary) if args.json else render_text(summary))
+    print(json_text(summary) if args.json else render_text(summary) + _pipeline_text(summary))
     return 0
+
+
+def _pipeline_text(summary: dict) -> str:
+    """The schedule grid (rows stages, columns ticks), its bubble and the activations each stage holds."""
+    pipe = summary.get("pipeline")
+    if pipe is None:
+        return ""
+    from torsh_jax.pipeline.schedule import build_schedule
+
+    table = build_schedule(pipe["schedule"], stages=pipe["stages"], microbatches=pipe["microbatches"],
+                           virtual_stages=pipe["virtual_stages"])  # fmt: skip
+    stage = (summary.get("theory") or {}).get("axes", {}).get("stage") or {}
+    lines = [
+        f"pipeline: {pipe['schedule']}, {pipe['stages']} stages x {pipe['microbatches']} micro-batches, "
+        f"{pipe['ticks']} ticks, bubble {pipe['bubble']:.3f} (theory {pipe['theory_bubble']:.3f})",
+        table.render(),
+        "activations held per stage: " + ", ".join(str(n) for n in pipe["in_flight"]),
+    ]
+    if stage:
+        lines.append(f"stage bytes per device: {stage['measured_wire_bytes']:,.0f} measured, "
+                     f"{stage['wire_bytes']:,.0f} theory (ratio {stage['wire_ratio']:.3f})")  # fmt: skip
+    return "\n".join(lines) + "\n"

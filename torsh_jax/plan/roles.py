@@ -38,6 +38,7 @@ __all__ = ["Roles", "compose", "SHARD_AXIS", "TENSOR_AXIS"]
 SHARD_AXIS = "fsdp"
 #: The mesh axis weights are split over by tensor parallelism.
 TENSOR_AXIS = "tensor"
+STAGE_AXIS = "stage"
 
 
 def _active(spec: CompressorSpec | None) -> bool:
@@ -57,6 +58,7 @@ class Roles:
         weight_compression: axis -> compressor of the parameter gathers over it.
         tensor_axis: the axis weights are split over (``tensor``), or ``None``.
         sequence_parallel: activations split on the sequence over ``tensor_axis``.
+        stage_axis: the axis pipeline stages run over (``stage``), or ``None``.
         unsupported: ``(axis, size)`` of the axes whose role is not built yet.
     """
 
@@ -68,6 +70,7 @@ class Roles:
     weight_compression: Mapping[str, CompressorSpec] = field(default_factory=dict)
     tensor_axis: str | None = None
     sequence_parallel: bool = False
+    stage_axis: str | None = None
     unsupported: tuple[tuple[str, int], ...] = ()
 
     @property
@@ -110,7 +113,7 @@ class Roles:
 
     def describe(self) -> str:
         """One line, e.g. ``ZeRO-2 over fsdp=8`` or ``DDP over data=4 x tensor=2 (sequence parallel)``."""
-        return self._data_parallel() + self._tensor()
+        return self._data_parallel() + self._tensor() + self._stage()
 
     def _data_parallel(self) -> str:
         axes = " x ".join(f"{a}={self.size(a)}" for a in self.batch_axes) or "data=1"
@@ -119,6 +122,11 @@ class Roles:
         if self.hybrid:
             return f"HSDP ZeRO-{self.zero_stage}: {axes}"
         return f"ZeRO-{self.zero_stage} over {axes}"
+
+    def _stage(self) -> str:
+        if self.stage_axis is None:
+            return ""
+        return f" x {self.stage_axis}={self.size(self.stage_axis)} (pipeline)"
 
     def _tensor(self) -> str:
         if self.tensor_axis is None:
@@ -151,5 +159,5 @@ def compose(plan: ParallelPlan, mesh_shape: Mapping[str, int]) -> Roles:
         weight_compression=_compressors(plan, shape, "weights"),
         tensor_axis=TENSOR_AXIS if tensor else None,
         sequence_parallel=tensor and plan.tensor.sequence_parallel,
-        unsupported=tuple((a, shape[a]) for a in ("stage",) if shape.get(a, 1) > 1),
+        stage_axis=STAGE_AXIS if shape.get(STAGE_AXIS, 1) > 1 else None,
     )

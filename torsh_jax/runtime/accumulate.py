@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["local_gradients", "split_micro_batches"]
+__all__ = ["local_gradients", "accumulate", "split_micro_batches"]
 
 PyTree = Any
 
@@ -68,26 +68,47 @@ def local_gradients(
 
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
 
+    def gradients(p, micro):
+        (_, loss), grads = grad_fn(p, micro)
+        return grads, loss, ()
+
+    grads, loss, _ = accumulate(gradients, params, batch, steps=steps, reduce=reduce,
+                                accum_dtype=accum_dtype, per_step=per_step)  # fmt: skip
+    return grads, loss
+
+
+def accumulate(
+    gradients: Callable[[PyTree, PyTree], tuple[PyTree, jax.Array, PyTree]],
+    params: PyTree,
+    batch: PyTree,
+    /,
+    *,
+    steps: int,
+    reduce: str = "mean",
+    accum_dtype: Any = jnp.float32,
+    per_step: Callable[[PyTree], PyTree] | None = None,
+) -> tuple[PyTree, jax.Array, PyTree]:
+    """:func:`local_gradients` for any ``gradients(params, micro batch) -> (grads, loss, extras)``
+    (e.g. a pipeline pass); ``extras`` (counters) are summed over the micro-steps."""
+
     def to_acc(tree):
         tree = jax.tree.map(lambda g: g.astype(accum_dtype), tree)
         return tree if per_step is None else jax.tree.map(lambda g: g.astype(accum_dtype), per_step(tree))
 
-    if steps == 1:
-        (_, loss), grads = grad_fn(params, batch)
-        return to_acc(grads), loss.astype(jnp.float32)
+    def one(micro):
+        grads, loss, extras = gradients(params, micro)
+        return to_acc(grads), loss.astype(jnp.float32), extras
 
-    def grads_and_loss(micro):
-        (_, loss), grads = grad_fn(params, micro)
-        return to_acc(grads), loss.astype(jnp.float32)
+    if steps == 1:
+        return one(batch)
 
     def body(carry, micro):
-        grads, loss = grads_and_loss(micro)
-        return jax.tree.map(jnp.add, carry, (grads, loss)), None
+        return jax.tree.map(jnp.add, carry, one(micro)), None
 
     micro = split_micro_batches(batch, steps)
-    first = grads_and_loss(jax.tree.map(lambda x: x[0], micro))
+    first = one(jax.tree.map(lambda x: x[0], micro))
     rest = jax.tree.map(lambda x: x[1:], micro)
-    (grads, loss_sum), _ = jax.lax.scan(body, first, rest)
+    (grads, loss_sum, extras), _ = jax.lax.scan(body, first, rest)
     if reduce == "mean":
         grads = jax.tree.map(lambda g: g / jnp.asarray(steps, accum_dtype), grads)
-    return grads, loss_sum / steps
+    return grads, loss_sum / steps, extras

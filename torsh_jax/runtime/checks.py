@@ -1,6 +1,9 @@
 """What the train step can run: checks that read the plan's axis roles.
 
-* The pipeline role (``stage`` > 1) is not built yet.
+* ``stage`` > 1 runs GPipe and 1F1B over a :class:`LayeredModel`'s stacked
+  layers with DDP, ZeRO-1/2 and tensor parallelism; interleaved schedules
+  (``virtual_stages`` > 1) and ZeRO-3 with a pipeline are not built yet. Each
+  pass's batch (the micro batch) must split into ``pipeline.microbatches``.
 * ``tensor`` > 1 needs a loss written with :mod:`torsh_jax.tensor` blocks
   (it computes on local shards); a loss without them would compute on shards
   as if they were whole weights.
@@ -27,7 +30,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from torsh_jax.compress.collectives import WEIGHT_METHODS
-from torsh_jax.errors import NotSupportedYetError, ShardingError
+from torsh_jax.errors import NotSupportedYetError, PlanError, ShardingError
 from torsh_jax.plan.roles import Roles
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.specs import entry_axes
@@ -92,9 +95,37 @@ def _check_stateless_gradients(plan: ParallelPlan, roles: Roles) -> None:
             )
 
 
+def _check_pipeline(plan: ParallelPlan, roles: Roles) -> None:
+    if roles.stage_axis is None:
+        return
+    pipe, where = plan.pipeline, f"mesh {mesh_shape_text(roles)}"
+    if pipe.virtual_stages > 1:
+        raise NotSupportedYetError(
+            f"interleaved pipelines (virtual_stages = {pipe.virtual_stages}, {where}) are not built yet: "
+            "each stage would hold every p-th layer chunk, a strided layout the stored state has no form for",
+            key="pipeline.virtual_stages",
+            fix='set pipeline.virtual_stages = 1 with schedule "1f1b" or "gpipe"',
+        )
+    if roles.zero_stage == 3:
+        raise NotSupportedYetError(
+            f"ZeRO-3 with a pipeline ({where}) is not built yet",
+            key="zero.stage",
+            fix="use zero.stage = 1 or 2 with the pipeline (optimizer state and gradients sharded over fsdp)",
+        )
+    micro, m = plan.batch.micro_batch_size, pipe.microbatches
+    if micro % m:
+        raise PlanError(
+            f"the micro batch of {micro} examples does not split into {m} pipeline micro-batches",
+            key="pipeline.microbatches",
+            fix=f"set batch.micro_batch_size to a multiple of {m} (e.g. {m * max(1, micro // m)}), "
+            "or pipeline.microbatches to a divisor of it",
+        )
+
+
 def check_supported(plan: ParallelPlan, roles: Roles) -> None:
     """Raise :class:`NotSupportedYetError` for what this version cannot run on this composition."""
     _check_roles(roles)
+    _check_pipeline(plan, roles)
     _check_weights(plan, roles)
     if roles.gradient_compression and plan.precision.loss_scale.mode != "none":
         raise NotSupportedYetError(

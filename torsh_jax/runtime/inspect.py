@@ -24,14 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from torsh_jax.analysis import summarize
-from torsh_jax.analysis.theory import Theory, megatron_blocks, plan_theory
+from torsh_jax.analysis.theory import Theory, megatron_blocks, pipeline_stages, plan_theory
 from torsh_jax.runtime.layered import LayeredModel, split_params
 from torsh_jax.runtime.mesh import default_num_slices
+from torsh_jax.runtime.pipeline import schedule_for
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.runtime.step import TrainStep
 from torsh_jax.tensor.axis import has_tensor_blocks
 
-__all__ = ["inspect_step", "headline", "data_theory", "tensor_theory"]
+__all__ = ["inspect_step", "headline", "data_theory", "tensor_theory", "stage_theory"]
 
 _is_axes = lambda x: isinstance(x, tuple)
 
@@ -94,6 +95,47 @@ def tensor_theory(train: TrainStep, batch: Any) -> Theory | None:
     )
 
 
+def _pipeline_activation_bytes(train: TrainStep, batch: Any) -> int:
+    """Bytes of one pipeline micro-batch's activation on one device (what crosses a stage boundary)."""
+    plan, roles, model = train.plan, train.layout.roles, train.loss
+    compute = jnp.dtype(plan.precision.compute_dtype)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute), train.layout.abstract.params)
+    rows = plan.batch.micro_batch_size // plan.pipeline.microbatches
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), batch)
+    hidden = jax.eval_shape(model.embed, split_params(model, params)[0], micro)
+    split = roles.size(roles.tensor_axis) if roles.sequence_parallel else 1
+    return hidden.size * hidden.dtype.itemsize // split
+
+
+def _shared_grad_bytes(train: TrainStep) -> int:
+    """Per device: bytes of the embedding and head gradients summed over ``stage`` (plus the loss)."""
+    layout, key = train.layout, train.loss.layers_key
+    counts = _shard_counts(train)
+    shared = sum(n for k, v in counts.items() if k != key for n in jax.tree.leaves(v))
+    scattered = layout.roles.zero_stage == 2 and not layout.sync.routes  # reduce-scattered per micro-step
+    if scattered:
+        fsdp = layout.roles.size(layout.roles.shard_axis)
+        dims = {k: v for k, v in layout.dims.items() if k != key}
+        sharded = {k: v for k, v in counts.items() if k != key}
+        shared = sum(n // (fsdp if d is not None else 1) for n, d in zip(jax.tree.leaves(sharded),
+                     jax.tree.leaves(dims, is_leaf=lambda x: x is None)))  # fmt: skip
+    return shared * jnp.dtype(train.plan.precision.param_dtype).itemsize + 4
+
+
+def stage_theory(train: TrainStep, batch: Any) -> Theory | None:
+    """The ``stage`` axis's theory of a pipelined step (else ``None``)."""
+    roles, plan = train.layout.roles, train.plan
+    if roles.stage_axis is None:
+        return None
+    return pipeline_stages(
+        _pipeline_activation_bytes(train, batch),
+        stages=roles.size(roles.stage_axis),
+        microbatches=plan.pipeline.microbatches,
+        passes=plan.batch.accumulation_steps,
+        shared_grad_bytes=_shared_grad_bytes(train),
+    )
+
+
 def data_theory(train: TrainStep) -> Theory:
     """The plan's data-parallel theory for this step's model: one tensor shard's parameters."""
     return plan_theory(
@@ -121,15 +163,20 @@ def inspect_step(train: TrainStep, state: TrainState, batch: Any) -> dict:
     which the theory of the data-parallel axes counts), ``plan``, ``roles`` (what each mesh axis does) and
     ``theory["axes"]["tensor"]`` (a model built from the tensor blocks: the
     Megatron theory of its tensor collectives against the measured ones, per
-    kind), ``state_bytes_per_device`` (from the state layout: ``step``, ``params``,
-    ``opt_state``, ``loss_scale``, ``feedback`` and ``total``) and ``notes``
+    kind), ``theory["axes"]["stage"]`` and ``pipeline`` (a pipelined step: the
+    stage traffic against its theory, and the schedule table with its bubble
+    and the activations each stage holds), ``state_bytes_per_device`` (from the
+    state layout: ``step``, ``params``, ``opt_state``, ``loss_scale``,
+    ``feedback`` and ``total``) and ``notes``
     (what the step changed about the parameters, e.g. a dtype cast).
     """
     compiled = train.lower(state, batch).compile()
     theory = data_theory(train)
-    tensor = tensor_theory(train, batch)
-    axis_theories = {"tensor": tensor} if tensor else None
+    axis_theories = {"tensor": tensor_theory(train, batch), "stage": stage_theory(train, batch)}
+    axis_theories = {axis: t for axis, t in axis_theories.items() if t is not None} or None
     summary = summarize(compiled, train.mesh, theory=theory, axis_theories=axis_theories)
+    if train.layout.roles.stage_axis is not None:
+        summary["pipeline"] = schedule_for(train.plan, train.layout.roles).to_json()
     summary["param_count"] = _param_count(state.params)
     summary["shard_param_count"] = _shard_param_count(train)
     summary["plan"] = train.plan.name

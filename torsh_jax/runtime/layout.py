@@ -41,6 +41,7 @@ from torsh_jax.runtime.checks import check_param_axes
 from torsh_jax.runtime.data_parallel import gradient_sync
 from torsh_jax.runtime.fsdp import shard_dims, sharded_specs
 from torsh_jax.runtime.offload import offloaded_parts
+from torsh_jax.runtime.pipeline import stage_specs
 from torsh_jax.runtime.specs import entry_axes, param_specs
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.runtime.sync import SyncSpec, feedback_specs, sync_feedback
@@ -192,7 +193,7 @@ def state_layout(
         ShardingError: a parameter dim does not divide its mesh axes (names the path).
     """
     roles = compose(plan, mesh.shape)
-    compute = param_specs(params_like, plan, mesh)
+    compute = stage_specs(param_specs(params_like, plan, mesh), params_like, plan, roles, stacked_key)
     check_param_axes(compute, roles)
     dims = shard_dims(params_like, plan, mesh, roles=roles, specs=compute, stacked_key=stacked_key)
     update = sharded_specs(compute, dims) if roles.opt_state_sharded else compute

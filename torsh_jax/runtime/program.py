@@ -33,12 +33,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from torsh_jax.plan.spec import ParallelPlan
-from torsh_jax.runtime.accumulate import local_gradients
+from torsh_jax.runtime.accumulate import accumulate, local_gradients
 from torsh_jax.runtime.compiler_axes import compiler_axes, manual_over, tree_only, tree_without
 from torsh_jax.runtime.data_parallel import backward_sync, batch_specs, mark_varying
 from torsh_jax.runtime.fsdp import all_gather_params, gathered_loss
 from torsh_jax.runtime.layered import LayeredModel, layered_loss
 from torsh_jax.runtime.layout import StateLayout, state_layout
+from torsh_jax.runtime.pipeline import pipeline_gradients, reduce_over_stage, require_layered, schedule_for
 from torsh_jax.runtime.precision import cast_tree
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.runtime.sync import sync_gradients
@@ -57,18 +58,15 @@ class Program(NamedTuple):
     run: Callable[[TrainState, PyTree], tuple[TrainState, dict]]
 
 
-def _accumulate(plan: ParallelPlan, loss_fn, params, batch, scale, per_step=None):
-    precision = plan.precision
-    return local_gradients(
-        loss_fn,
-        params,
-        batch,
-        steps=plan.batch.accumulation_steps,
-        reduce=plan.batch.accumulation_reduce,
-        accum_dtype=jax.numpy.dtype(precision.param_dtype),
-        per_step=per_step,
-        loss_scale=scale,
-    )
+def _accumulate(plan: ParallelPlan, loss_fn, params, batch, scale, per_step=None, passes=None):
+    """``(grads, mean loss, extras)`` over the accumulation micro-steps; ``passes``: a pipeline
+    pass ``(params, batch, scale) -> (grads, loss, slots)`` instead of differentiating ``loss_fn``."""
+    options = {"steps": plan.batch.accumulation_steps, "reduce": plan.batch.accumulation_reduce,
+               "accum_dtype": jax.numpy.dtype(plan.precision.param_dtype), "per_step": per_step}  # fmt: skip
+    if passes is not None:
+        return accumulate(lambda p, b: passes(p, b, scale), params, batch, **options)
+    grads, loss = local_gradients(loss_fn, params, batch, loss_scale=scale, **options)
+    return grads, loss, ()
 
 
 def gradient_program(loss: LossOrModel, plan: ParallelPlan, layout: StateLayout) -> Callable:
@@ -87,6 +85,10 @@ def gradient_program(loss: LossOrModel, plan: ParallelPlan, layout: StateLayout)
     else:
         loss_fn = layered_loss(loss) if isinstance(loss, LayeredModel) else loss
         vary = roles.batch_axes
+    passes = None
+    if roles.stage_axis is not None:
+        accum_dtype = jax.numpy.dtype(precision.param_dtype)
+        passes = pipeline_gradients(loss, schedule_for(plan, roles), accum_dtype=accum_dtype)
     per_micro_step = roles.zero_stage == 2 and not sync.routes
 
     def reduce(grads, feedback, step):
@@ -102,10 +104,15 @@ def gradient_program(loss: LossOrModel, plan: ParallelPlan, layout: StateLayout)
         if roles.zero_stage != 3:
             params = cast_tree(params, precision.compute_dtype)
         per_step = (lambda g: reduce(g, (), None)[0]) if per_micro_step else None
-        grads, value = _accumulate(plan, loss_fn, mark_varying(params, vary), batch, scale, per_step)
+        params = mark_varying(params, vary)
+        grads, value, extras = _accumulate(plan, loss_fn, params, batch, scale, per_step, passes)
+        if passes is not None:
+            grads, value = reduce_over_stage(grads, value, loss.layers_key)
         if sync.axes and not per_micro_step:
             grads, feedback = reduce(grads, feedback, step)
-        return cast_tree(grads, precision.param_dtype), jax.lax.pmean(value, roles.batch_axes), feedback
+        extras = {"pipeline_slots": extras} if passes is not None else {}
+        value = jax.lax.pmean(value, roles.batch_axes)
+        return cast_tree(grads, precision.param_dtype), value, feedback, extras
 
     return program
 
@@ -146,6 +153,7 @@ def build_program(
     """
     stacked = loss.layers_key if isinstance(loss, LayeredModel) else "layers"
     layout = state_layout(plan, mesh, params_like, optimizer, stacked_key=stacked)
+    require_layered(loss, layout.roles)
     grads_of = gradient_program(loss, plan, layout)
     compiler = compiler_axes(loss, layout.roles)
     manual = set(mesh.axis_names) - set(compiler)
@@ -156,18 +164,20 @@ def build_program(
     )
     to_stored = _to_stored(layout, mesh)
     scaler = scaler_for(plan)
+    # per stage: [forward, backward] slots the pipeline ran this step
+    extras_specs = {"pipeline_slots": P(layout.roles.stage_axis)} if layout.roles.stage_axis else {}
 
     def run(state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
         program = jax.shard_map(
             grads_of,
             mesh=mesh,
             in_specs=(params_specs, batch_specs(batch, layout.roles), P(), fb_specs, P()),
-            out_specs=(update_specs, P(), fb_specs),
+            out_specs=(update_specs, P(), fb_specs, extras_specs),
             axis_names=manual,
         )
         scale = None if scaler is None else state.loss_scale.scale
         feedback = () if state.feedback is None else state.feedback
-        grads, loss_value, feedback = program(state.params, batch, scale, feedback, state.step)
+        grads, loss_value, feedback, extras = program(state.params, batch, scale, feedback, state.step)
         # this device's slice of the stored parameters: no communication
         params = jax.lax.with_sharding_constraint(state.params, update_shardings)
         update = guarded_update(
@@ -176,6 +186,6 @@ def build_program(
         new_state = update.advance(state, to_stored(update.params))
         if layout.state.feedback is not None:
             new_state = new_state._replace(feedback=feedback)
-        return new_state, {"loss": loss_value, **update.metrics}
+        return new_state, {"loss": loss_value, **update.metrics, **extras}
 
     return Program(layout, run)

@@ -85,7 +85,7 @@ class TensorAxis:
         over the axis; varying it first sums their total once (Megatron's fused
         QKV: one backward reduction for the three projections).
         """
-        if not self.active() or self.name in _varying_axes(x):
+        if not self.active() or self.name in varying_axes(x):
             return x
         return jax.lax.pcast(x, self.name, to="varying")
 
@@ -123,7 +123,7 @@ class TensorAxis:
         return length // t
 
 
-def _varying_axes(x: jax.Array) -> frozenset:
+def varying_axes(x: jax.Array) -> frozenset:
     """The manual axes ``x`` differs along (its ``shard_map`` type)."""
     aval = jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)

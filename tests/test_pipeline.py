@@ -1,0 +1,248 @@
+"""Pipeline parallelism: schedule tables, their executor inside the step against the single-device
+twin, composition with data, ZeRO and tensor axes, and the bytes and memory of the compiled step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import twin_report
+
+from torsh_jax import NotSupportedYetError, PlanError, load_plan
+from torsh_jax.demo.model import LMConfig, init_params, layered_model, loss_fn, synthetic_tokens
+from torsh_jax.pipeline.schedule import BACKWARD, FORWARD, build_schedule
+from torsh_jax.pipeline.slots import slot_plan
+from torsh_jax.plan import plan_from_dict
+from torsh_jax.runtime.inspect import inspect_step
+from torsh_jax.runtime.mesh import build_mesh
+from torsh_jax.runtime.step import make_train_step
+from torsh_jax.runtime.verify import record_gradients
+
+#: 4 layers: one per stage at stage=4, two at stage=2
+PIPE = LMConfig(vocab=64, d_model=16, heads=2, head_dim=8, mlp=32, layers=4, seq_len=8)
+RTOL = 1e-5
+
+
+def pipeline_plan(schedule: str, *, stages: int, microbatches: int, **extra) -> object:
+    """data x stage over 8 devices, one pass of ``microbatches`` micro-batches of one example."""
+    spec = {"mesh": {"data": -1, "stage": stages}, "batch": {"micro_batch_size": microbatches},
+            "pipeline": {"schedule": schedule, "microbatches": microbatches}}  # fmt: skip
+    for section, values in extra.items():
+        spec[section] = {**spec.get(section, {}), **values}
+    return plan_from_dict(spec, name=f"{schedule}-p{stages}-m{microbatches}")
+
+
+def momentum():
+    """SGD with momentum: Adam divides by the gradient's root mean square, which amplifies
+    round-off where gradients are tiny (docs/tensor.md)."""
+    return optax.chain(record_gradients(), optax.sgd(0.05, momentum=0.9))
+
+
+# ---------------------------------------------------------------- schedule tables (no compile)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (2, 4), (2, 3), (4, 4), (4, 8), (4, 5)])
+def test_bubble_of_gpipe_and_1f1b_is_p_minus_1_over_m_plus_p_minus_1(name, p, m):
+    table = build_schedule(name, stages=p, microbatches=m)
+    assert table.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+    assert table.slots(FORWARD).tolist() == table.slots(BACKWARD).tolist() == [m] * p
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (4, 8, 3)])
+def test_bubble_of_interleaved_is_p_minus_1_over_vm_plus_p_minus_1(p, m, v):
+    table = build_schedule("interleaved", stages=p, microbatches=m, virtual_stages=v)
+    assert table.bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    assert table.slots(FORWARD).tolist() == [v * m] * p
+
+
+def test_an_uneven_interleaved_count_still_makes_a_valid_table():
+    """Megatron's interleaved order needs m divisible by p for the formula; m = 5 on 4 stages runs
+    every slot once (validated) with a larger bubble."""
+    table = build_schedule("interleaved", stages=4, microbatches=5, virtual_stages=2)
+    assert table.slots(FORWARD).tolist() == [10] * 4
+    assert table.bubble > table.theory_bubble
+
+
+def test_1f1b_holds_at_most_p_activations_while_gpipe_holds_m():
+    for m in (16, 32):
+        assert build_schedule("1f1b", stages=4, microbatches=m).in_flight.tolist() == [4, 3, 2, 1]
+        assert build_schedule("gpipe", stages=4, microbatches=m).in_flight.tolist() == [m] * 4
+    flat = [slot_plan(build_schedule("1f1b", stages=4, microbatches=m)).activation_slots for m in (16, 32)]
+    grows = [slot_plan(build_schedule("gpipe", stages=4, microbatches=m)).activation_slots for m in (16, 32)]
+    assert flat == [4, 4] and grows == [16, 32]
+
+
+def test_grid_and_json():
+    table = build_schedule("1f1b", stages=2, microbatches=3)
+    grid = ["stage 0 | F0 F1 .  B0 F2 B1 .  B2", "stage 1 | .  F0 B0 F1 B1 F2 B2 ."]
+    assert table.render().splitlines() == grid
+    data = table.to_json()
+    assert data["grid"][1][:3] == [".", "F0", "B0"] and data["ticks"] == 8 and data["in_flight"] == [2, 1]
+    interleaved = build_schedule("interleaved", stages=2, microbatches=2, virtual_stages=2)
+    assert interleaved.render().splitlines()[0].startswith("stage 0 | F0.0 F1.0 F0.1 F1.1")
+
+
+@pytest.mark.parametrize(
+    ("args", "key", "says"),
+    [
+        (("zigzag", 2, 2, 1), "pipeline.schedule", "unknown schedule"),
+        (("1f1b", 4, 3, 1), "pipeline.microbatches", "at least as many micro-batches as stages: 3 < 4"),
+        (("1f1b", 2, 4, 2), "pipeline.virtual_stages", "needs the interleaved schedule"),
+    ],
+)
+def test_bad_schedules_name_the_key_and_the_fix(args, key, says):
+    name, p, m, v = args
+    with pytest.raises(PlanError) as info:
+        build_schedule(name, stages=p, microbatches=m, virtual_stages=v)
+    assert info.value.key == key and says in info.value.message and info.value.fix
+
+
+# ---------------------------------------------------------------- the executor against the twin
+
+
+def assert_twin(plan, *, cfg=PIPE, steps=5):
+    report, train = twin_report(plan, cfg=cfg, steps=steps, optimizer=momentum())
+    assert report.max_loss_rel_err <= RTOL, report.losses
+    assert report.max_grad_rel_err <= RTOL and report.max_param_rel_err <= RTOL, report
+    return train
+
+
+def assert_slots_equal_the_table(train, plan):
+    state = train.init(init_params(PIPE, jax.random.key(0)))
+    _, metrics = train.step(state, synthetic_tokens(PIPE, batch_size=train.global_batch_size, seed=0))
+    table = build_schedule(plan.pipeline.schedule, stages=train.mesh.shape["stage"],
+                           microbatches=plan.pipeline.microbatches)  # fmt: skip
+    passes = plan.batch.accumulation_steps
+    want = np.stack([table.slots(FORWARD), table.slots(BACKWARD)], axis=1) * passes
+    np.testing.assert_array_equal(np.asarray(metrics["pipeline_slots"]), want)
+
+
+@pytest.mark.parametrize("m", [2, 4, 3], ids=["m=p", "m=2p", "m-uneven"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_schedules_equal_the_twin_for_any_microbatch_count(schedule, m):
+    """data=4 x stage=2: losses, gradients and parameters within 1e-5 of one device over 5 steps;
+    each stage ran exactly the table's forward and backward slots."""
+    plan = pipeline_plan(schedule, stages=2, microbatches=m)
+    train = assert_twin(plan)
+    assert train.layout.roles.describe() == "DDP over data=4 x stage=2 (pipeline)"
+    assert_slots_equal_the_table(train, plan)
+
+
+COMPOSED = {
+    "pp_1f1b": load_plan("pp_1f1b"),  # data 2 x stage 4, 8 micro-batches
+    "fsdp_pp-zero2": load_plan("fsdp_pp"),
+    "3d-tensor": load_plan("3d"),
+    "zero1-accum": pipeline_plan(
+        "1f1b",
+        stages=2,
+        microbatches=2,
+        mesh={"data": 1, "fsdp": -1},
+        zero={"stage": 1},
+        batch={"accumulation_steps": 2},
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("name", COMPOSED)
+def test_pipeline_composes_with_data_zero_tensor_and_accumulation(name):
+    train = assert_twin(COMPOSED[name])
+    assert "stage=" in train.layout.roles.describe()
+
+
+def test_zero1_accumulation_runs_every_pass_and_reduces_once():
+    plan = COMPOSED["zero1-accum"]
+    report, train = twin_report(plan, cfg=PIPE, steps=1, optimizer=momentum())
+    assert_slots_equal_the_table(train, plan)
+
+
+# ---------------------------------------------------------------- bytes and memory of the compiled step
+
+
+def _inspect(plan):
+    train = make_train_step(layered_model(PIPE), optax.sgd(0.1), plan, build_mesh(plan))
+    state = train.init(init_params(PIPE, jax.random.key(0)))
+    return inspect_step(train, state, synthetic_tokens(PIPE, batch_size=train.global_batch_size, seed=0))
+
+
+def test_stage_bytes_equal_activations_and_their_gradients_per_boundary():
+    summary = _inspect(load_plan("pp_1f1b"))
+    stage = summary["theory"]["axes"]["stage"]
+    # 8 micro-batches x 3 boundaries x 2 directions of one [1, 8, 16] f32 activation, per device
+    assert stage["payload_bytes_by_kind"]["collective-permute"] == 2 * 8 * 3 * 512 / 4
+    assert stage["wire_ratio_by_kind"]["collective-permute"] == pytest.approx(1.0, abs=1e-9)
+    assert stage["wire_ratio"] == pytest.approx(1.0, abs=0.02)
+    assert summary["theory"]["wire_ratio"] == pytest.approx(1.0, abs=0.02), "data axis: one stage's layers"
+    assert summary["pipeline"]["bubble"] == pytest.approx(3 / 11)
+
+
+#: activations large enough to see in the temporary memory: [2, 64, 32] f32 = 16 KiB per micro-batch
+WIDE = LMConfig(vocab=64, d_model=32, heads=2, head_dim=16, mlp=64, layers=2, seq_len=64)
+
+
+def test_1f1b_temporary_memory_is_flat_in_microbatches_and_gpipe_grows():
+    """memory_analysis of the compiled step on 2 stages, m = 4p and 8p micro-batches of 2 examples:
+    1F1B stashes at most p activations per stage, GPipe all m."""
+    temp = {}
+    for schedule in ("1f1b", "gpipe"):
+        for m in (8, 16):
+            plan = pipeline_plan(schedule, stages=2, microbatches=m, mesh={"data": 1},
+                                 batch={"micro_batch_size": 2 * m})  # fmt: skip
+            mesh = build_mesh(plan, jax.devices()[:2])
+            train = make_train_step(layered_model(WIDE), optax.sgd(0.1), plan, mesh)
+            state = train.init(init_params(WIDE, jax.random.key(0)))
+            batch = synthetic_tokens(WIDE, batch_size=train.global_batch_size, seed=0)
+            temp[schedule, m] = train.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+    assert temp["1f1b", 16] <= 1.10 * temp["1f1b", 8], temp
+    stash = 8 * 2 * 64 * 32 * 4  # 8 more micro-batches held, one activation each
+    assert temp["gpipe", 16] - temp["gpipe", 8] >= 0.9 * stash, temp
+
+
+# ---------------------------------------------------------------- what is refused, with the fix
+
+
+def _build(plan, loss=None, cfg=PIPE):
+    train = make_train_step(loss or layered_model(cfg), optax.sgd(0.1), plan, build_mesh(plan))
+    return train.init(init_params(cfg, jax.random.key(0)))
+
+
+def test_a_plain_loss_function_needs_a_layered_model():
+    with pytest.raises(PlanError, match="needs a LayeredModel") as info:
+        _build(load_plan("pp_1f1b"), loss=loss_fn(PIPE))
+    assert info.value.key == "loss_fn"
+
+
+def test_layers_that_do_not_divide_into_stages_name_the_parameter():
+    with pytest.raises(PlanError, match="3 stacked layers do not split into 4 stages") as info:
+        _build(load_plan("pp_1f1b"), cfg=dataclasses.replace(PIPE, layers=3))
+    assert info.value.key.startswith("layers/") and "divisible by 4" in info.value.fix
+
+
+def test_a_micro_batch_that_does_not_split_into_the_microbatches():
+    plan = pipeline_plan("1f1b", stages=2, microbatches=4, batch={"micro_batch_size": 6})
+    with pytest.raises(PlanError, match="does not split into 4 pipeline micro-batches") as info:
+        _build(plan)
+    assert info.value.key == "pipeline.microbatches"
+
+
+def test_fewer_microbatches_than_stages_for_1f1b():
+    with pytest.raises(PlanError, match="at least as many micro-batches as stages"):
+        _build(pipeline_plan("1f1b", stages=4, microbatches=2))
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"pipeline": {"schedule": "interleaved", "virtual_stages": 2}}, "pipeline.virtual_stages"),
+        ({"mesh": {"data": 1, "fsdp": -1}, "zero": {"stage": 3}}, "zero.stage"),
+    ],
+    ids=["interleaved", "zero3"],
+)
+def test_combinations_not_built_yet_are_refused(extra, key):
+    plan = pipeline_plan("1f1b", stages=2, microbatches=2, **extra)
+    with pytest.raises(NotSupportedYetError) as info:
+        make_train_step(layered_model(PIPE), optax.sgd(0.1), plan, build_mesh(plan))
+    assert info.value.key == key

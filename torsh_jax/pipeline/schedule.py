@@ -1,0 +1,233 @@
+"""Pipeline schedules as data: a static tick x stage table of forward, backward or idle slots.
+
+Every schedule is built by one simulation: at each tick every stage takes the
+next forward or backward of its own order whose inputs are ready (a forward
+needs the previous virtual stage's forward from an earlier tick, a backward
+its own forward and the next virtual stage's backward), under a cap on the
+activations it holds (forwards done whose backward is not). The schedules
+differ only in that order, the cap and which of the two a stage prefers:
+
+* ``gpipe``: all forwards, then all backwards (cap ``m``);
+* ``1f1b``: backward first when ready, at most ``p - s`` forwards in flight on
+  stage ``s``, which keeps the activations held flat in ``m``;
+* ``interleaved``: ``v`` chunks per stage (virtual stage ``c * p + s``), in
+  Megatron-LM's order (groups of ``p`` micro-batches, chunk by chunk), at most
+  ``2 (p - s - 1) + (v - 1) p + 1`` in flight, forward first when allowed.
+
+A slot is one chunk's forward or backward; with equal slot times the idle
+fraction is ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B and
+``(p - 1) / (v m + p - 1)`` for interleaved when ``m`` is a multiple of ``p``.
+
+Example:
+    >>> table = build_schedule("1f1b", stages=2, microbatches=2)
+    >>> print(table.render())
+    stage 0 | F0 F1 .  B0 .  B1
+    stage 1 | .  F0 B0 F1 B1 .
+    >>> table.bubble
+    0.3333333333333333
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from torsh_jax.errors import PlanError
+
+__all__ = ["SCHEDULES", "Schedule", "build_schedule", "IDLE", "FORWARD", "BACKWARD"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+#: Slot kinds in :attr:`Schedule.table` ``[..., 0]``.
+IDLE, FORWARD, BACKWARD = 0, 1, 2
+_NOT_YET = np.iinfo(np.int64).max
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A validated schedule.
+
+    Attributes:
+        name: ``gpipe``, ``1f1b`` or ``interleaved``.
+        stages: pipeline stages ``p``.
+        microbatches: micro-batches ``m`` per pipeline pass.
+        virtual_stages: chunks ``v`` per stage.
+        table: ``int32 [ticks, stages, 3]``: slot kind (:data:`IDLE`,
+            :data:`FORWARD`, :data:`BACKWARD`), micro-batch, virtual stage
+            (``-1`` when idle).
+    """
+
+    name: str
+    stages: int
+    microbatches: int
+    virtual_stages: int
+    table: np.ndarray
+
+    @property
+    def ticks(self) -> int:
+        return int(self.table.shape[0])
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of the table's slots."""
+        return float(np.mean(self.table[..., 0] == IDLE))
+
+    @property
+    def theory_bubble(self) -> float:
+        """``(p - 1) / (v m + p - 1)``."""
+        p, m, v = self.stages, self.microbatches, self.virtual_stages
+        return (p - 1) / (v * m + p - 1)
+
+    def slots(self, kind: int) -> np.ndarray:
+        """``[stages]``: how many slots of ``kind`` each stage runs."""
+        return np.sum(self.table[..., 0] == kind, axis=0)
+
+    @cached_property
+    def in_flight(self) -> np.ndarray:
+        """``[stages]``: the most activations a stage holds at once (forwards whose backward is pending)."""
+        kinds = self.table[..., 0]
+        held = np.cumsum((kinds == FORWARD).astype(int) - (kinds == BACKWARD).astype(int), axis=0)
+        return held.max(axis=0)
+
+    def render(self) -> str:
+        """Rows stages, columns ticks; ``F3`` / ``B2`` (``F3.1``: chunk 1 when interleaved) / ``.``."""
+        cells = [[self._cell(t, s) for t in range(self.ticks)] for s in range(self.stages)]
+        width = max(len(c) for row in cells for c in row)
+        return "\n".join(
+            f"stage {s} | " + " ".join(c.ljust(width) for c in row).rstrip() for s, row in enumerate(cells)
+        )
+
+    def _cell(self, tick: int, stage: int) -> str:
+        kind, micro, virtual = (int(x) for x in self.table[tick, stage])
+        if kind == IDLE:
+            return "."
+        chunk = f".{virtual // self.stages}" if self.virtual_stages > 1 else ""
+        return f"{'F' if kind == FORWARD else 'B'}{micro}{chunk}"
+
+    def to_json(self) -> dict:
+        """The table and its numbers as JSON-able values."""
+        return {
+            "schedule": self.name,
+            "stages": self.stages,
+            "microbatches": self.microbatches,
+            "virtual_stages": self.virtual_stages,
+            "ticks": self.ticks,
+            "bubble": self.bubble,
+            "theory_bubble": self.theory_bubble,
+            "in_flight": self.in_flight.tolist(),
+            "grid": [[self._cell(t, s) for t in range(self.ticks)] for s in range(self.stages)],
+        }
+
+
+def build_schedule(name: str, *, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The table of schedule ``name``; validated before it is returned.
+
+    Raises:
+        PlanError: an unknown schedule, ``virtual_stages`` > 1 with another
+            schedule than ``interleaved``, or fewer micro-batches than stages
+            for ``1f1b`` / ``interleaved``.
+    """
+    _check(name, stages, microbatches, virtual_stages)
+    table = _simulate(name, stages, microbatches, virtual_stages)
+    schedule = Schedule(name, stages, microbatches, virtual_stages, table)
+    validate(schedule)
+    return schedule
+
+
+def _check(name: str, p: int, m: int, v: int) -> None:
+    if name not in SCHEDULES:
+        raise PlanError(f"unknown schedule {name!r}", key="pipeline.schedule", fix=f"use one of {SCHEDULES}")
+    if v > 1 and name != "interleaved":
+        raise PlanError(
+            f"virtual_stages = {v} needs the interleaved schedule, not {name!r}",
+            key="pipeline.virtual_stages",
+            fix='set pipeline.schedule = "interleaved", or virtual_stages = 1',
+        )
+    if name != "gpipe" and m < p:
+        raise PlanError(
+            f"{name} needs at least as many micro-batches as stages: {m} < {p}",
+            key="pipeline.microbatches",
+            fix=f"set pipeline.microbatches >= {p} (2 x stages or more keeps the bubble small)",
+        )
+
+
+def _orders(name: str, p: int, m: int, v: int, stage: int) -> tuple[list, list]:
+    """The forward and backward ``(micro-batch, virtual stage)`` order of ``stage``."""
+    if name != "interleaved":
+        return [(i, stage) for i in range(m)], [(i, stage) for i in range(m)]
+    forward, backward = [], []
+    for first in range(0, m, p):
+        group = range(first, min(first + p, m))
+        forward += [(i, c * p + stage) for c in range(v) for i in group]
+        backward += [(i, c * p + stage) for c in reversed(range(v)) for i in group]
+    return forward, backward
+
+
+def _cap(name: str, p: int, m: int, v: int, stage: int) -> int:
+    if name == "gpipe":
+        return m
+    if name == "1f1b":
+        return p - stage
+    return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+
+
+def _simulate(name: str, p: int, m: int, v: int) -> np.ndarray:
+    last = p * v - 1
+    forward_at: dict[tuple[int, int], int] = {}
+    backward_at: dict[tuple[int, int], int] = {}
+    orders = [_orders(name, p, m, v, s) for s in range(p)]
+    caps = [_cap(name, p, m, v, s) for s in range(p)]
+    done_f, done_b = [0] * p, [0] * p
+    rows = []
+    while any(done_b[s] < m * v for s in range(p)):
+        tick = len(rows)
+        row = []
+        for s, (forwards, backwards) in enumerate(orders):
+            f = forwards[done_f[s]] if done_f[s] < m * v else None
+            b = backwards[done_b[s]] if done_b[s] < m * v else None
+            f_ready = f is not None and (f[1] == 0 or forward_at.get((f[0], f[1] - 1), _NOT_YET) < tick)
+            f_ready = f_ready and done_f[s] - done_b[s] < caps[s]
+            b_ready = b is not None and forward_at.get(b, _NOT_YET) < tick
+            b_ready = b_ready and (b[1] == last or backward_at.get((b[0], b[1] + 1), _NOT_YET) < tick)
+            forward_first = name == "interleaved" or (name == "gpipe" and f is not None)
+            if f_ready and (forward_first or not b_ready):
+                row.append((FORWARD, *f))
+            elif b_ready and not (name == "gpipe" and f is not None):
+                row.append((BACKWARD, *b))
+            else:
+                row.append((IDLE, -1, -1))
+        for s, (kind, micro, virtual) in enumerate(row):
+            if kind == FORWARD:
+                forward_at[(micro, virtual)] = tick
+                done_f[s] += 1
+            elif kind == BACKWARD:
+                backward_at[(micro, virtual)] = tick
+                done_b[s] += 1
+        rows.append(row)
+        if tick > 4 * (m * v + p) + 8:
+            raise AssertionError(f"schedule {name} p={p} m={m} v={v} does not finish")  # a bug, not input
+    return np.asarray(rows, dtype=np.int32)
+
+
+def validate(schedule: Schedule) -> None:
+    """Check the table: every (micro-batch, virtual stage) runs forward then backward exactly once, on
+    its stage, after its inputs. Raises ``ValueError`` naming the first broken slot."""
+    p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
+    seen: dict[tuple[int, int, int], int] = {}
+    for tick, stage in np.ndindex(schedule.ticks, p):
+        kind, micro, virtual = (int(x) for x in schedule.table[tick, stage])
+        if kind == IDLE:
+            continue
+        where = f"{schedule.name} tick {tick} stage {stage}"
+        if virtual % p != stage or (kind, micro, virtual) in seen:
+            raise ValueError(f"{where}: slot {kind, micro, virtual} on the wrong stage or repeated")
+        needs = [(kind, micro, virtual - 1)] if kind == FORWARD and virtual > 0 else []
+        if kind == BACKWARD:
+            later = [(BACKWARD, micro, virtual + 1)] if virtual < p * v - 1 else []
+            needs = [(FORWARD, micro, virtual), *later]
+        if any(seen.get(need, tick) >= tick for need in needs):
+            raise ValueError(f"{where}: runs before its inputs {needs}")
+        seen[(kind, micro, virtual)] = tick
+    if len(seen) != 2 * m * p * v:
+        raise ValueError(f"{schedule.name}: {len(seen)} slots, expected {2 * m * p * v}")

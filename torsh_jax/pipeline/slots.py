@@ -1,0 +1,109 @@
+"""What every stage does at every tick, as small integer tables the executor indexes by stage.
+
+From a :class:`~torsh_jax.pipeline.schedule.Schedule` this derives, per tick:
+the branch each stage runs (``F`` / ``B`` of the first, a middle or the last
+virtual stage, or idle), its micro-batch and chunk, the stash slot its input
+activation is read from, the slot of the incoming gradient, which stages send
+forward or backward, and the slot a received tensor is written to. Stash slots
+are assigned by interval colouring: an activation lives from its arrival to
+its backward, a gradient from its arrival to its use, so the stash holds what
+the schedule keeps in flight and no more.
+
+Example:
+    >>> from torsh_jax.pipeline.schedule import build_schedule
+    >>> plan = slot_plan(build_schedule("1f1b", stages=2, microbatches=4))
+    >>> plan.activation_slots, plan.gradient_slots
+    (1, 1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from torsh_jax.pipeline.schedule import BACKWARD, FORWARD, IDLE, Schedule
+
+__all__ = ["SlotPlan", "slot_plan", "BRANCHES"]
+
+#: Branch names; ``F_first`` embeds, ``F_last`` / ``B_last`` run the head and the loss.
+BRANCHES = ("idle", "F_first", "F_mid", "F_last", "B_first", "B_mid", "B_last")
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """Per tick ``[ticks, stages]`` int tables (``-1``: none) and the stash sizes."""
+
+    branch: np.ndarray
+    micro: np.ndarray
+    chunk: np.ndarray
+    activation_in: np.ndarray
+    gradient_in: np.ndarray
+    receive_activation: np.ndarray
+    receive_gradient: np.ndarray
+    sends_forward: np.ndarray
+    sends_backward: np.ndarray
+    activation_slots: int
+    gradient_slots: int
+
+
+def _branch(kind: int, virtual: int, last: int) -> int:
+    if kind == IDLE:
+        return 0
+    offset = 1 if kind == FORWARD else 4
+    return offset + (0 if virtual == 0 else 2 if virtual == last else 1)
+
+
+class _Colouring:
+    """Slots per stage for intervals ``[start, end]``: a slot freed at tick t is reusable at t."""
+
+    def __init__(self, stages: int):
+        self.free_at: list[list[int]] = [[] for _ in range(stages)]
+
+    def assign(self, stage: int, start: int, end: int) -> int:
+        slots = self.free_at[stage]
+        for slot, free in enumerate(slots):
+            if free <= start:
+                slots[slot] = end
+                return slot
+        slots.append(end)
+        return len(slots) - 1
+
+    @property
+    def size(self) -> int:
+        return max(1, max(len(s) for s in self.free_at))
+
+
+def slot_plan(schedule: Schedule) -> SlotPlan:
+    """The executor's tables for ``schedule``."""
+    p, ticks, last = schedule.stages, schedule.ticks, schedule.stages * schedule.virtual_stages - 1
+    when = {}
+    for tick, stage in np.ndindex(ticks, p):
+        kind, micro, virtual = (int(x) for x in schedule.table[tick, stage])
+        if kind != IDLE:
+            when[(kind, micro, virtual)] = tick
+    shape = (ticks, p)
+    tables = {name: np.full(shape, -1, np.int32) for name in
+              ("activation_in", "gradient_in", "receive_activation", "receive_gradient")}  # fmt: skip
+    branch = np.zeros(shape, np.int32)
+    micro_t, chunk_t = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+    sends_f, sends_b = np.zeros(shape, bool), np.zeros(shape, bool)
+    acts, grads = _Colouring(p), _Colouring(p)
+    for (kind, micro, virtual), tick in sorted(when.items(), key=lambda kv: kv[1]):
+        stage = virtual % p
+        branch[tick, stage] = _branch(kind, virtual, last)
+        micro_t[tick, stage], chunk_t[tick, stage] = micro, virtual // p
+        if kind == FORWARD and virtual > 0:  # input arrives at the end of the previous stage's forward
+            arrive, used = when[(FORWARD, micro, virtual - 1)], when[(BACKWARD, micro, virtual)]
+            slot = acts.assign(stage, arrive, used)
+            tables["activation_in"][tick, stage] = tables["activation_in"][used, stage] = slot
+            tables["receive_activation"][arrive, stage] = slot
+            sends_f[arrive, (virtual - 1) % p] = True
+        if kind == BACKWARD and virtual < last:  # gradient arrives at the end of the next stage's backward
+            arrive = when[(BACKWARD, micro, virtual + 1)]
+            slot = grads.assign(stage, arrive, tick)
+            tables["gradient_in"][tick, stage] = slot
+            tables["receive_gradient"][arrive, stage] = slot
+            sends_b[arrive, (virtual + 1) % p] = True
+    return SlotPlan(branch, micro_t, chunk_t, **tables, sends_forward=sends_f, sends_backward=sends_b,
+                    activation_slots=acts.size, gradient_slots=grads.size)  # fmt: skip

@@ -1,0 +1,303 @@
+"""One executor for every schedule table, run per device inside the step's ``shard_map``.
+
+The table is static, so the executor unrolls it tick by tick. At each tick
+every stage runs one branch (``lax.switch`` on its row of the table): the
+forward or backward of one chunk for one micro-batch, or nothing. Then the
+stages that produced an activation (a gradient) send it to the next (previous)
+stage with one ``ppermute`` whose pairs are exactly the sending stages, so the
+bytes over ``stage`` are the activations and their gradients per micro-batch
+per boundary and nothing else. A backward recomputes its chunk's forward from
+the stashed input (``jax.vjp``), so a stage holds the inputs of the
+micro-batches in flight, which is what the schedule decides.
+
+Embedding and head parameters are replicated over ``stage``; their gradients,
+made on the first and last stage, are summed over ``stage`` once per pass.
+
+Example (inside ``shard_map`` over a mesh with a ``stage`` axis):
+    ``grads, loss, slots = pipeline_gradients(model, schedule)(params, batch, scale)``
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from torsh_jax.errors import PlanError
+from torsh_jax.pipeline.schedule import Schedule, build_schedule
+from torsh_jax.pipeline.slots import BRANCHES, SlotPlan, slot_plan
+from torsh_jax.plan.roles import STAGE_AXIS, Roles
+from torsh_jax.plan.spec import ParallelPlan
+from torsh_jax.runtime.accumulate import split_micro_batches
+from torsh_jax.runtime.layered import LayeredModel, scan_layers, split_params
+from torsh_jax.runtime.specs import path_str
+from torsh_jax.tensor.axis import varying_axes
+
+__all__ = ["pipeline_gradients", "reduce_over_stage", "schedule_for", "stage_specs", "require_layered"]
+
+PyTree = Any
+
+
+def schedule_for(plan: ParallelPlan, roles: Roles) -> Schedule:
+    """The schedule table of ``plan`` on the stages of ``roles``."""
+    pipe = plan.pipeline
+    return build_schedule(pipe.schedule, stages=roles.size(STAGE_AXIS), microbatches=pipe.microbatches,
+                          virtual_stages=pipe.virtual_stages)  # fmt: skip
+
+
+def require_layered(loss: Any, roles: Roles) -> None:
+    """A pipeline needs the model's layer boundaries."""
+    if roles.stage_axis is not None and not isinstance(loss, LayeredModel):
+        raise PlanError(
+            f"a pipeline over stage={roles.size(STAGE_AXIS)} needs a LayeredModel (embed, stacked layers, "
+            "head), not a plain loss function",
+            key="loss_fn",
+            fix="pass torsh_jax.LayeredModel(embed=..., layer=..., head=...), or set mesh.stage = 1",
+        )
+
+
+def stage_specs(compute: PyTree, params_like: PyTree, plan: ParallelPlan, roles: Roles, stacked_key: str):
+    """``compute`` with the stacked layers' leading dim split over ``stage`` (contiguous groups).
+
+    Raises:
+        PlanError: a stacked leaf's layer count does not divide into stages x virtual stages.
+    """
+    if roles.stage_axis is None:
+        return compute
+    groups = roles.size(STAGE_AXIS) * plan.pipeline.virtual_stages
+
+    def one(path, leaf, spec: P):
+        if not (path and path_str(path[:1]) == stacked_key):
+            return spec
+        layers = leaf.shape[0] if leaf.shape else 0
+        if layers % groups:
+            raise PlanError(
+                f"{layers} stacked layers do not split into {roles.size(STAGE_AXIS)} stages x "
+                f"{plan.pipeline.virtual_stages} virtual stages (mesh {dict(roles.mesh_shape)})",
+                key=path_str(path),
+                fix=f"use a layer count divisible by {groups}, or change mesh.stage or the virtual stages",
+            )
+        return P(STAGE_AXIS, *tuple(spec)[1:])
+
+    return jax.tree_util.tree_map_with_path(one, params_like, compute)
+
+
+def _take(tree: PyTree, index: jax.Array) -> PyTree:
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, index, keepdims=False), tree)
+
+
+def _put(tree: PyTree, index: jax.Array, value: PyTree) -> PyTree:
+    return jax.tree.map(lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v.astype(x.dtype), index, 0),
+                        tree, value)  # fmt: skip
+
+
+def _add_at(tree: PyTree, index: jax.Array, value: PyTree) -> PyTree:
+    return _put(tree, index, jax.tree.map(jnp.add, _take(tree, index), value))
+
+
+def _like(cotangent: jax.Array, output: jax.Array) -> jax.Array:
+    """``cotangent`` with ``output``'s dtype and varying axes (what ``vjp`` expects)."""
+    return _cast(cotangent.astype(output.dtype), varying_axes(output))
+
+
+def _add(tree: PyTree, value: PyTree) -> PyTree:
+    return jax.tree.map(lambda x, v: x + v.astype(x.dtype), tree, value)
+
+
+class _Pass:
+    """The branches of one pipeline pass over ``m`` micro-batches (closes over parameters and batch)."""
+
+    def __init__(self, model: LayeredModel, schedule: Schedule, params, batch, seed):
+        self.model, self.v = model, schedule.virtual_stages
+        self.embed_p, layers, self.head_p = split_params(model, params)
+        self.chunks = jax.tree.map(lambda x: x.reshape(self.v, x.shape[0] // self.v, *x.shape[1:]), layers)
+        self.micro = split_micro_batches(batch, schedule.microbatches)
+        self.seed = seed
+
+    def batch_of(self, micro):
+        return _take(self.micro, micro)
+
+    def run_chunk(self, chunk_params, hidden):
+        return scan_layers(self.model.layer, chunk_params, hidden, remat=self.model.remat)
+
+    def branches(self) -> dict[str, Callable]:
+        """``name -> (carry, ints) -> (carry, sent forward, sent backward)``."""
+        return {name: getattr(self, name) for name in BRANCHES}
+
+    # carry: (acts, cots, grads(embed, chunks, head), loss_sum, counts[2])
+    def idle(self, carry, ints):
+        return carry, self.zeros, self.zeros
+
+    def F_first(self, carry, ints):
+        batch = self.batch_of(ints["micro"])
+        hidden = self.run_chunk(_take(self.chunks, ints["chunk"]), self.model.embed(self.embed_p, batch))
+        return self._counted(carry, 0), hidden.astype(self.dtype), self.zeros
+
+    def F_mid(self, carry, ints):
+        hidden = self.run_chunk(_take(self.chunks, ints["chunk"]), carry[0][ints["activation_in"]])
+        return self._counted(carry, 0), hidden.astype(self.dtype), self.zeros
+
+    def F_last(self, carry, ints):
+        batch = self.batch_of(ints["micro"])
+        hidden = self.run_chunk(_take(self.chunks, ints["chunk"]), carry[0][ints["activation_in"]])
+        loss = self.model.head(self.head_p, hidden, batch).astype(jnp.float32)
+        acts, cots, grads, loss_sum, counts = self._counted(carry, 0)
+        return (acts, cots, grads, loss_sum + loss, counts), self.zeros, self.zeros
+
+    def B_first(self, carry, ints):
+        batch, chunk = self.batch_of(ints["micro"]), ints["chunk"]
+        forward = lambda e, c: self.run_chunk(c, self.model.embed(e, batch))
+        out, vjp = jax.vjp(forward, self.embed_p, _take(self.chunks, chunk))
+        g_embed, g_chunk = vjp(_like(carry[1][ints["gradient_in"]], out))
+        acts, cots, (ge, gc, gh), loss_sum, counts = self._counted(carry, 1)
+        return (acts, cots, (_add(ge, g_embed), _add_at(gc, chunk, g_chunk), gh), loss_sum, counts), \
+            self.zeros, self.zeros  # fmt: skip
+
+    def B_mid(self, carry, ints):
+        chunk = ints["chunk"]
+        out, vjp = jax.vjp(self.run_chunk, _take(self.chunks, chunk), carry[0][ints["activation_in"]])
+        g_chunk, g_in = vjp(_like(carry[1][ints["gradient_in"]], out))
+        acts, cots, (ge, gc, gh), loss_sum, counts = self._counted(carry, 1)
+        return (acts, cots, (ge, _add_at(gc, chunk, g_chunk), gh), loss_sum, counts), self.zeros, \
+            g_in.astype(self.dtype)  # fmt: skip
+
+    def B_last(self, carry, ints):
+        batch, chunk = self.batch_of(ints["micro"]), ints["chunk"]
+        forward = lambda c, h, x: self.model.head(h, self.run_chunk(c, x), batch)
+        loss, vjp = jax.vjp(forward, _take(self.chunks, chunk), self.head_p, carry[0][ints["activation_in"]])
+        g_chunk, g_head, g_in = vjp(_cast(self.seed.astype(loss.dtype), varying_axes(loss)))
+        acts, cots, (ge, gc, gh), loss_sum, counts = self._counted(carry, 1)
+        return (acts, cots, (ge, _add_at(gc, chunk, g_chunk), _add(gh, g_head)), loss_sum, counts), \
+            self.zeros, g_in.astype(self.dtype)  # fmt: skip
+
+    def _counted(self, carry, which: int):
+        acts, cots, grads, loss_sum, counts = carry
+        return acts, cots, grads, loss_sum, counts.at[which].add(1)
+
+
+def _ints(plan: SlotPlan, tick: int, stage: jax.Array) -> dict[str, jax.Array]:
+    names = ("micro", "chunk", "activation_in", "gradient_in")
+    return {name: jnp.asarray(getattr(plan, name)[tick])[stage] for name in names}
+
+
+def _receive(buffer: jax.Array, received: jax.Array, slots: np.ndarray, stage: jax.Array) -> jax.Array:
+    """Write ``received`` into this stage's slot (``-1``: keep the buffer). A select, not a ``cond``:
+    XLA may sink the ``ppermute`` feeding a conditional into its branch, which only some devices run."""
+    slot = jnp.asarray(slots)[stage]
+    buffer = _cast(buffer, varying_axes(buffer) | varying_axes(received))
+    row = jnp.maximum(slot, 0)
+    kept = jax.lax.dynamic_index_in_dim(buffer, row, keepdims=False)
+    value = jnp.where(slot >= 0, received.astype(buffer.dtype), kept)
+    return jax.lax.dynamic_update_index_in_dim(buffer, value, row, 0)
+
+
+def _pairs(sends: np.ndarray, step: int, stages: int) -> list[tuple[int, int]]:
+    return [(s, (s + step) % stages) for s in np.flatnonzero(sends)]
+
+
+def pipeline_gradients(
+    model: LayeredModel, schedule: Schedule, *, accum_dtype: Any = jnp.float32, axis: str = STAGE_AXIS
+) -> Callable:
+    """Per device: ``(params, batch, scale) -> (grads, mean loss, [[forward, backward]] slots run)``.
+
+    ``params`` hold this stage's layers (``[layers / stage, ...]``); ``batch`` is
+    one pass's batch, split into ``schedule.microbatches``. Gradients are of the
+    mean loss times ``scale`` (1 when ``None``), in ``accum_dtype``. The
+    embedding and head gradients and the loss are this stage's share (zero
+    off the first / last stage): :func:`reduce_over_stage` sums them once per
+    step, after the last pass.
+    """
+    plan = slot_plan(schedule)
+    p, m = schedule.stages, schedule.microbatches
+
+    def run(params, batch, scale=None):
+        """``(grads, mean loss, slots run [1, 2])``."""
+        stage = jax.lax.axis_index(axis)
+        # every value below varies over stage (and the batch's axes): typed so up front, the
+        # backward of a branch sums no parameter gradient inside it (only some devices run it)
+        axes = frozenset({axis}).union(*(varying_axes(x) for x in jax.tree.leaves(batch)))
+        params = _cast(params, jax.tree.map(lambda _: axes, params))
+        seed = (jnp.float32(1.0) if scale is None else scale.astype(jnp.float32)) / m
+        one = _Pass(model, schedule, params, batch, seed)
+        shape = jax.eval_shape(lambda: model.embed(one.embed_p, one.batch_of(0)))
+        one.dtype, one.zeros = shape.dtype, jnp.zeros(shape.shape, shape.dtype)
+        acts = jnp.zeros((plan.activation_slots, *shape.shape), shape.dtype)
+        cots = jnp.zeros((plan.gradient_slots, *shape.shape), shape.dtype)
+        zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, accum_dtype), tree)
+        grads = (zeros(one.embed_p), zeros(one.chunks), zeros(one.head_p))
+        carry = (acts, cots, grads, jnp.float32(0.0), jnp.zeros(2, jnp.int32))
+        branches = one.branches()
+        for tick in range(schedule.ticks):
+            carry = _tick(carry, tick, stage, plan, branches, axis, p)
+        acts, cots, (g_embed, g_chunks, g_head), loss_sum, counts = carry
+        g_layers = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), g_chunks)
+        grads = {**g_embed, model.layers_key: g_layers, **g_head}
+        return grads, loss_sum / m, counts[None]
+
+    return run
+
+
+def reduce_over_stage(grads: dict, loss: jax.Array, layers_key: str, axis: str = STAGE_AXIS):
+    """Sum the embedding and head gradients (made on one stage each) and the loss over ``stage``;
+    each stage keeps its own layers' gradients."""
+    shared = {k: v for k, v in grads.items() if k != layers_key}
+    shared, loss = jax.lax.psum((shared, loss), axis)
+    return {**shared, layers_key: grads[layers_key]}, loss
+
+
+def _tick(carry, tick: int, stage, plan: SlotPlan, branches: dict, axis: str, p: int):
+    present = sorted(set(plan.branch[tick].tolist()))
+    index = jnp.asarray(np.searchsorted(present, plan.branch[tick]).astype(np.int32))[stage]
+    chosen = [branches[BRANCHES[b]] for b in present]
+    ints = _ints(plan, tick, stage)
+    carry, forward, backward = _switch(index, chosen, carry, ints)
+    acts, cots, *rest = carry
+    if plan.sends_forward[tick].any():
+        received = jax.lax.ppermute(forward, axis, _pairs(plan.sends_forward[tick], 1, p))
+        acts = _receive(acts, received, plan.receive_activation[tick], stage)
+    if plan.sends_backward[tick].any():
+        received = jax.lax.ppermute(backward, axis, _pairs(plan.sends_backward[tick], -1, p))
+        cots = _receive(cots, received, plan.receive_gradient[tick], stage)
+    return (acts, cots, *rest)
+
+
+def _cast(tree: PyTree, axes: PyTree) -> PyTree:
+    """``tree`` typed as varying over ``axes`` (per leaf; no data moves)."""
+
+    def one(x, want):
+        missing = tuple(sorted(want - varying_axes(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree, axes, is_leaf=lambda a: isinstance(a, frozenset))
+
+
+def _switch(index, branches: list[Callable], carry, ints):
+    """``lax.switch`` whose branches may differ in which manual axes a value varies over: every
+    output (and the carry going in) is typed as varying over the union."""
+    kinds = lambda tree: jax.tree.map(varying_axes, tree)
+    union = lambda trees: jax.tree.map(lambda *s: frozenset().union(*s), *trees,
+                                       is_leaf=lambda a: isinstance(a, frozenset))  # fmt: skip
+    for _ in range(3):  # the carry's type settles after a pass or two
+        outs = [jax.eval_shape(b, carry, ints) for b in branches]
+        target = union([_vmas(o) for o in outs])
+        carry_target = union([kinds(carry), target[0]])
+        if carry_target == kinds(carry):
+            break
+        carry = _cast(carry, carry_target)
+    target = (carry_target, *target[1:])
+    wrapped = [lambda c, i, b=b: _cast(b(c, i), target) for b in branches]
+    return jax.lax.switch(index, wrapped, carry, ints)
+
+
+def _vmas(tree: PyTree) -> PyTree:
+    """Varying axes of every leaf of an ``eval_shape`` result."""
+
+    def one(leaf):
+        manual = getattr(leaf, "manual_axis_type", None)
+        return frozenset(manual.varying) if manual is not None else frozenset(getattr(leaf, "vma", ()))
+
+    return jax.tree.map(one, tree)
