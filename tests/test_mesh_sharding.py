@@ -11,7 +11,7 @@ from helpers import SMALL
 from jax.sharding import PartitionSpec as P
 
 from torsh_jax.demo.model import init_params, loss_fn, synthetic_tokens
-from torsh_jax.errors import MeshError, NotSupportedYetError, ShardingError
+from torsh_jax.errors import MeshError, PlanError, ShardingError
 from torsh_jax.plan import AxisSize, MeshSpec, ParallelPlan, load_plan, plan_from_dict
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.specs import logical_dims, param_specs
@@ -67,10 +67,11 @@ def test_indivisible_batch_names_the_leaf():
     assert "batch/" in str(err.value) and "64" in str(err.value)
 
 
-def test_unbuilt_axes_raise_not_supported_yet():
+def test_a_pipeline_over_a_plain_loss_is_refused_with_the_fix():
     plan = plan_from_dict({"mesh": {"data": 4, "stage": 2}})
-    with pytest.raises(NotSupportedYetError, match="mesh.stage"):
+    with pytest.raises(PlanError, match="needs a LayeredModel") as info:
         make_train_step(loss_fn(SMALL), optax.sgd(0.1), plan, build_mesh(plan, require_devices(8)))
+    assert info.value.key == "loss_fn" and "mesh.stage = 1" in info.value.fix
 
 
 def _linen_params():

@@ -159,6 +159,37 @@ def test_zero1_accumulation_runs_every_pass_and_reduces_once():
     assert_slots_equal_the_table(train, plan)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 1, "pipeline": {"stages": 2}},
+        {"pipe_parallel_size": 2, "model_parallel_size": 1, "train_micro_batch_size_per_gpu": 1,
+         "gradient_accumulation_steps": 4, "num_layers": 4},
+    ],
+    ids=["deepspeed-pipeline", "neox-pipe-parallel-size"],
+)  # fmt: skip
+def test_translated_pipelines_are_the_twin_tested_plan(config):
+    """DeepSpeed's pipeline engine runs the accumulation micro-batches as one pass: on 8 devices, 2
+    stages and 4 micro-batches of 1 -- the 1F1B m=2p plan whose twin test is above."""
+    from torsh_jax.translate.deepspeed import translate_deepspeed
+
+    plan = translate_deepspeed(config, world_size=8).plan
+    tested = pipeline_plan("1f1b", stages=2, microbatches=4)
+    assert (plan.mesh, plan.batch, plan.pipeline) == (tested.mesh, tested.batch, tested.pipeline)
+    assert dict(build_mesh(plan).shape) == {"data": 4, "stage": 2, "fsdp": 1, "tensor": 1}
+
+
+def test_a_pipeline_shorter_than_its_stages_translates_to_gpipe():
+    from torsh_jax.translate.deepspeed import translate_deepspeed
+
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "pipeline": {"stages": 4}}
+    plan = translate_deepspeed(config, world_size=8).plan  # 2 data-parallel ranks x 4 micro-batches of 1
+    assert plan.pipeline.schedule == "1f1b" and plan.pipeline.microbatches == 4
+    config["train_batch_size"] = 4  # 2 micro-batches on 4 stages: 1F1B needs 4
+    plan = translate_deepspeed(config, world_size=8).plan
+    assert plan.pipeline.schedule == "gpipe" and plan.pipeline.microbatches == 2
+
+
 # ---------------------------------------------------------------- bytes and memory of the compiled step
 
 

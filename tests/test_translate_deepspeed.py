@@ -377,7 +377,9 @@ def test_tensor_parallel_and_pipeline_section():
     plan = result.plan
     assert plan.mesh.tensor.ici == 2 and plan.mesh.stage.ici == 2
     assert result.extras["data_parallel_size"] == 2
-    assert plan.batch.accumulation_steps == 8 and plan.pipeline.microbatches == 8
+    # DeepSpeed's pipeline engine runs the 8 accumulation micro-batches as one pass
+    assert plan.batch.accumulation_steps == 1 and plan.batch.micro_batch_size == 8
+    assert plan.pipeline.microbatches == 8 and plan.pipeline.schedule == "1f1b"
 
 
 def test_neox_yaml_dialect(tmp_path):

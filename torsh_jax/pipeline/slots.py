@@ -13,7 +13,7 @@ Example:
     >>> from torsh_jax.pipeline.schedule import build_schedule
     >>> plan = slot_plan(build_schedule("1f1b", stages=2, microbatches=4))
     >>> plan.activation_slots, plan.gradient_slots
-    (1, 1)
+    (2, 1)
 """
 
 from __future__ import annotations

@@ -13,8 +13,20 @@ micro-batches in flight, which is what the schedule decides.
 Embedding and head parameters are replicated over ``stage``; their gradients,
 made on the first and last stage, are summed over ``stage`` once per pass.
 
-Example (inside ``shard_map`` over a mesh with a ``stage`` axis):
-    ``grads, loss, slots = pipeline_gradients(model, schedule)(params, batch, scale)``
+Inside ``shard_map`` over a mesh with a ``stage`` axis the step calls
+``grads, loss, slots = pipeline_gradients(model, schedule)(params, batch, scale)``.
+
+Example (the table and the layout a plan gets):
+    >>> import jax.numpy as jnp
+    >>> from torsh_jax.plan import load_plan
+    >>> from torsh_jax.plan.roles import compose
+    >>> plan = load_plan("pp_1f1b")
+    >>> roles = compose(plan, {"data": 2, "stage": 4, "fsdp": 1, "tensor": 1})
+    >>> schedule_for(plan, roles).ticks
+    22
+    >>> params = {"layers": {"w": jnp.zeros((8, 3))}}
+    >>> stage_specs({"layers": {"w": P(None, None)}}, params, plan, roles, "layers")
+    {'layers': {'w': P('stage', None)}}
 """
 
 from __future__ import annotations

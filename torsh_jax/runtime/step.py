@@ -39,6 +39,7 @@ from torsh_jax.runtime.layout import StateLayout
 from torsh_jax.runtime.mesh import mesh_shape_str
 from torsh_jax.runtime.offload import check_offload, to_device_memory
 from torsh_jax.runtime.params import take_params
+from torsh_jax.runtime.pipeline import require_layered
 from torsh_jax.runtime.precision import cast_tree
 from torsh_jax.runtime.program import build_program
 from torsh_jax.runtime.specs import path_str
@@ -174,6 +175,7 @@ def make_train_step(
     """
     roles = compose(plan, mesh.shape)
     check_supported(plan, roles)
+    require_layered(loss_fn, roles)
     check_offload(plan, mesh)
     global_batch = plan.batch.global_batch_size(roles.batch_size)
     built: dict[str, Any] = {"traces": 0}

@@ -150,7 +150,8 @@ def _check_trainer_matches(config: dict, hf_trainer: Mapping[str, Any], world_si
         )
 
 
-def _batch(ctx: Context, config: dict, world_size: int | None, parallel: int) -> BatchSpec:
+def _batch(ctx: Context, config: dict, world_size: int | None, tensor: int, stages: int) -> BatchSpec:
+    parallel = tensor * stages
     values = {
         k: ctx.read_int(k, config[k], maximum=MAX_BATCH_SIZE) if k in config else None for k in _BATCH_KEYS
     }
@@ -167,14 +168,14 @@ def _batch(ctx: Context, config: dict, world_size: int | None, parallel: int) ->
         ctx.extras.update(world_size=world_size, data_parallel_size=triple.world_size)
     else:
         triple = _batch_without_world(ctx, train, micro, accum)
+    where = f"batch (micro {triple.micro_batch_size} x accumulation {triple.accumulation_steps} x " \
+        f"data-parallel {triple.world_size or 'N'})"  # fmt: skip
+    if stages > 1:
+        where += (f"; the {triple.accumulation_steps} accumulation micro-batches run as one pipeline pass "
+                  "(pipeline.microbatches, as DeepSpeed's pipeline engine does)")  # fmt: skip
     for key in _BATCH_KEYS:
         if key in config:
-            ctx.mapped(
-                key,
-                config[key],
-                f"batch (micro {triple.micro_batch_size} x accumulation "
-                f"{triple.accumulation_steps} x data-parallel {triple.world_size or 'N'})",
-            )
+            ctx.mapped(key, config[key], where)
     ctx.extras["train_batch_size"] = triple.train_batch_size or None
     return BatchSpec(micro_batch_size=triple.micro_batch_size, accumulation_steps=triple.accumulation_steps)
 
@@ -287,7 +288,7 @@ def _sections(ctx: Context, config: dict, neox: bool, world_size: int | None) ->
         tensor, stages = max(tensor, neox_result.tensor), max(stages, neox_result.stages)
         precision = _neox_precision(precision, neox_result)
     optimizer, one_bit = _optimizer(ctx, config, neox_result)
-    batch = _batch(ctx, config, world_size, tensor * stages)
+    batch, pipeline = _pipelined(_batch(ctx, config, world_size, tensor, stages), stages)
     return ParallelPlan(
         name="deepspeed",
         mesh=_mesh(zero, tensor, stages),
@@ -296,9 +297,20 @@ def _sections(ctx: Context, config: dict, neox: bool, world_size: int | None) ->
         batch=batch,
         communication=_communication(ctx, config, zero, precision),
         compression=_compression(ctx, zero, one_bit),
-        pipeline=PipelineSpec(microbatches=batch.accumulation_steps) if stages > 1 else PipelineSpec(),
+        pipeline=pipeline,
         optimizer=optimizer,
     )
+
+
+def _pipelined(batch: BatchSpec, stages: int) -> tuple[BatchSpec, PipelineSpec]:
+    """DeepSpeed's PipelineEngine runs the gradient-accumulation micro-batches as one pipeline pass
+    (``TrainSchedule``, 1F1B): here one pass of ``pipeline.microbatches = gas`` micro-batches."""
+    if stages == 1:
+        return batch, PipelineSpec()
+    m = batch.accumulation_steps
+    schedule = "1f1b" if m >= stages else "gpipe"  # 1F1B needs a micro-batch per stage at least
+    pipelined = dataclasses.replace(batch, micro_batch_size=batch.micro_batch_size * m, accumulation_steps=1)
+    return pipelined, PipelineSpec(schedule=schedule, microbatches=m)
 
 
 def _neox_precision(precision: PrecisionSpec, neox: NeoxResult) -> PrecisionSpec:
