@@ -116,6 +116,18 @@ def test_bench_tensor_quick():
 
 
 @pytest.mark.slow
+def test_bench_pipeline_quick():
+    """The 1F1B pipeline and DDP over the same devices train to the same loss; the row carries the
+    table's bubble, the activations held and stage bytes equal to their theory."""
+    rows = run_quick("bench_pipeline.py", "--plans", "pp_1f1b")
+    row = rows["pipeline_1f1b"]
+    assert_keys(row, {"ratio", "paired_ratio", "bubble", "theory_bubble", "temp_ratio", "stage_wire_ratio"})
+    assert row["bubble"] == pytest.approx(3 / 11) and row["activations_held"] == [4, 3, 2, 1]
+    assert abs(row["loss"] - row["ddp_loss"]) <= 1e-5 * abs(row["ddp_loss"])
+    assert row["stage_wire_ratio"] == pytest.approx(1.0, abs=0.02), row
+
+
+@pytest.mark.slow
 def test_bench_checkpoint_quick():
     """Saves, restores and survives SIGKILL during saves (2 kills in the smoke run, 20 by default)."""
     rows = run_quick("bench_checkpoint.py")

@@ -257,3 +257,21 @@ def test_a_restart_on_fewer_processes_continues_with_the_same_global_batch(runs,
     assert recovered["start_step"] == 1 and len(recovered["losses"]) == STEPS - 1
     np.testing.assert_allclose(recovered["losses"], straight["losses"][1:], rtol=RTOL)
     np.testing.assert_allclose(recovered["grad_norms"], straight["grad_norms"][1:], rtol=RTOL)
+
+
+def test_pipeline_stages_across_processes_equal_one_process(runs):
+    """ZeRO-2 over fsdp 2 x a 1F1B pipeline over 4 stages, 2 processes x 4 devices: stages 0-1 in
+    process 0, stages 2-3 in process 1, so activations and their gradients cross the processes
+    between stages 1 and 2; equal to one 8-device process."""
+    layers = ("--layers", "4")
+    launched, single = runs(
+        Config("fsdp_pp", launched=True, devices_per_process=4, extra=layers),
+        Config("fsdp_pp", launched=False, devices_per_process=4, extra=layers),
+    )
+    assert launched["process_count"] == 2 and launched["devices"] == 8
+    assert launched["mesh"] == {"data": 1, "stage": 4, "fsdp": 2, "tensor": 1}
+    processes = np.asarray(launched["mesh_processes"]).reshape(4, 2)  # [stage, fsdp]
+    assert processes[:, 0].tolist() == [0, 0, 1, 1], processes
+    first, second = launched["ranks"]
+    assert first["losses"] == second["losses"]
+    assert_same_training(launched, single)
