@@ -82,6 +82,9 @@ def main() -> None:
     cfg = LMConfig(**{"d_model": 32, "heads": 2, "head_dim": 16, "mlp": 128, "layers": args.layers,
                       "seq_len": 64, **wide})  # fmt: skip
     plans = {name: load_plan(name) for name in args.plans}
+    if args.quick:  # m = p: the shortest 1F1B table (a smoke run)
+        plans = {n: p.replace(pipeline=dataclasses.replace(p.pipeline, microbatches=p.mesh.stage.ici))
+                 for n, p in plans.items()}  # fmt: skip
     pairs = {name: common.build_pair(cfg, plan, baseline=None) for name, plan in plans.items()}
     ddp_pair = common.build_pair(cfg, equivalent_ddp(next(iter(plans.values()))), baseline=None)
     for name, pair in [*pairs.items(), ("ddp", ddp_pair)]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,14 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+# One compilation cache for the session's workers and the processes they start: a program compiled
+# twice (a step and its inspect report, the same twin in two tests) compiles once.
+CACHE = os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"torsh_jax_tests_{jax.__version__}")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+jax.config.update("jax_compilation_cache_dir", CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

@@ -60,7 +60,7 @@ class Config(NamedTuple):
         local = "-local" if self.local_batches else ""
         extra = "".join(a.strip("-").split("/")[-1] for a in self.extra)
         where = "launch" if self.launched else "single"
-        return f"{self.plan}-{where}{local}-{self.devices_per_process}{extra}"
+        return f"{Path(self.plan).stem}-{where}{local}-{self.devices_per_process}{extra}"
 
     def argv(self, out: Path) -> list[str]:
         script = [str(SCRIPT), "--plan", self.plan, "--steps", str(STEPS), "--out", str(out)]
@@ -259,19 +259,19 @@ def test_a_restart_on_fewer_processes_continues_with_the_same_global_batch(runs,
     np.testing.assert_allclose(recovered["grad_norms"], straight["grad_norms"][1:], rtol=RTOL)
 
 
+#: ZeRO-2 over fsdp 2 x a 1F1B pipeline over 2 stages (one per process), 2 micro-batches
+PIPELINE_PLAN = REPO / "tests" / "scripts" / "pipeline_2x2.toml"
+
+
 def test_pipeline_stages_across_processes_equal_one_process(runs):
-    """ZeRO-2 over fsdp 2 x a 1F1B pipeline over 4 stages, 2 processes x 4 devices: stages 0-1 in
-    process 0, stages 2-3 in process 1, so activations and their gradients cross the processes
-    between stages 1 and 2; equal to one 8-device process."""
-    layers = ("--layers", "4")
-    launched, single = runs(
-        Config("fsdp_pp", launched=True, devices_per_process=4, extra=layers),
-        Config("fsdp_pp", launched=False, devices_per_process=4, extra=layers),
-    )
-    assert launched["process_count"] == 2 and launched["devices"] == 8
-    assert launched["mesh"] == {"data": 1, "stage": 4, "fsdp": 2, "tensor": 1}
-    processes = np.asarray(launched["mesh_processes"]).reshape(4, 2)  # [stage, fsdp]
-    assert processes[:, 0].tolist() == [0, 0, 1, 1], processes
+    """2 processes x 2 devices: stage 0 in process 0, stage 1 in process 1, so every activation and
+    its gradient crosses the processes; equal to one 4-device process."""
+    plan = str(PIPELINE_PLAN)
+    launched, single = runs(Config(plan, launched=True), Config(plan, launched=False))
+    assert launched["process_count"] == 2 and launched["devices"] == 4
+    assert launched["mesh"] == {"data": 1, "stage": 2, "fsdp": 2, "tensor": 1}
+    processes = np.asarray(launched["mesh_processes"]).reshape(2, 2)  # [stage, fsdp]
+    assert processes.tolist() == [[0, 0], [1, 1]], processes
     first, second = launched["ranks"]
     assert first["losses"] == second["losses"]
     assert_same_training(launched, single)

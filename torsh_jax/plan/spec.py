@@ -333,16 +333,26 @@ class AxisCompression:
 
 @dataclass(frozen=True)
 class PipelineSpec:
-    """Pipeline settings used when the ``stage`` axis is larger than 1."""
+    """Pipeline settings used when the ``stage`` axis is larger than 1.
+
+    Args:
+        microbatches: pipeline micro-batches each pass splits the micro batch into.
+        schedule: ``gpipe``, ``1f1b`` or ``interleaved``.
+        virtual_stages: layer chunks per stage (``interleaved``).
+        gather: under ZeRO-3, gather a stage's parameters ``once`` per step or
+            ``per_microbatch`` (one layer at a time in every slot).
+    """
 
     microbatches: int = 1
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     virtual_stages: int = 1
+    gather: Literal["once", "per_microbatch"] = "once"
 
     def __post_init__(self):
         _check_positive_int(self.microbatches, "pipeline.microbatches")
         _check_choice(self.schedule, ("gpipe", "1f1b", "interleaved"), "pipeline.schedule")
         _check_positive_int(self.virtual_stages, "pipeline.virtual_stages")
+        _check_choice(self.gather, ("once", "per_microbatch"), "pipeline.gather")
 
 
 @dataclass(frozen=True)

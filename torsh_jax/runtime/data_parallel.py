@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from torsh_jax.plan.roles import Roles
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.sync import AxisRoute, SyncSpec
+from torsh_jax.tensor.axis import varying_axes
 
 __all__ = [
     "gradient_factors",
@@ -65,7 +66,12 @@ def mark_varying(tree: PyTree, axes: tuple[str, ...]) -> PyTree:
     """
     if not axes:
         return tree
-    return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree)
+
+    def one(x):
+        missing = tuple(a for a in axes if a not in varying_axes(x))  # gathered values may vary already
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree)
 
 
 def gradient_routes(roles: Roles) -> dict[str, AxisRoute]:
@@ -95,11 +101,13 @@ def gradient_sync(plan: ParallelPlan, roles: Roles) -> SyncSpec:
     DDP all-reduces over the batch axes; ZeRO-1/2 reduce-scatter sharded
     leaves over ``fsdp``; ZeRO-3 synchronises here only its compressed replica
     axes (HSDP's ``data``), deferred from the backward pass so that their
-    error feedback advances once per step.
+    error feedback advances once per step. Under a pipeline ZeRO-3 gathers a
+    stage's parameters once per step and reduce-scatters their gradients
+    here, as ZeRO-2 does.
     """
     routes = gradient_routes(roles)
     factors = gradient_factors(plan, data_parallel_size=roles.batch_size)
-    if roles.zero_stage == 3:
+    if roles.zero_stage == 3 and roles.stage_axis is None:
         deferred = {a: r for a, r in routes.items() if a != roles.shard_axis}
         return SyncSpec(
             axes=tuple(deferred),

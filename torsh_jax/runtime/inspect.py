@@ -58,8 +58,9 @@ def _shard_param_count(train: TrainStep) -> int:
 
 
 def _layer_fraction(train: TrainStep) -> float:
-    """Part of the parameters in stacked layers: a layered model's, none for a plain loss."""
-    if not isinstance(train.loss, LayeredModel):
+    """Part of the parameters in stacked layers: a layered model's, none for a plain loss (nor under
+    a pipeline, whose ZeRO-3 gathers a stage's parameters once per step)."""
+    if not isinstance(train.loss, LayeredModel) or train.layout.roles.stage_axis is not None:
         return 0.0
     counts = _shard_counts(train)
     return sum(jax.tree.leaves(counts[train.loss.layers_key])) / sum(jax.tree.leaves(counts))
@@ -112,7 +113,8 @@ def _shared_grad_bytes(train: TrainStep) -> int:
     layout, key = train.layout, train.loss.layers_key
     counts = _shard_counts(train)
     shared = sum(n for k, v in counts.items() if k != key for n in jax.tree.leaves(v))
-    scattered = layout.roles.zero_stage == 2 and not layout.sync.routes  # reduce-scattered per micro-step
+    # reduce-scattered per micro-step: ZeRO-2, and ZeRO-3 under a pipeline (it gathers once per step)
+    scattered = layout.roles.zero_stage in (2, 3) and not layout.sync.routes
     if scattered:
         fsdp = layout.roles.size(layout.roles.shard_axis)
         dims = {k: v for k, v in layout.dims.items() if k != key}

@@ -162,7 +162,8 @@ def _feedback(sync: SyncSpec, params_like, compute, update, dims, split, roles: 
     """``(init, specs)`` of the error feedback of ``sync`` (``(None, None)`` without compression)."""
     if not sync.routes:
         return None, None
-    sharded_sync = roles.zero_stage == 3  # stage 3 synchronises the stored shards
+    # stage 3 synchronises the stored shards (not under a pipeline, which gathers once per step)
+    sharded_sync = roles.zero_stage == 3 and roles.stage_axis is None
     shapes = _local_shapes(params_like, update if sharded_sync else compute, mesh)
     leaf_dims = jax.tree.leaves(dims, is_leaf=lambda x: x is None)
     leaf_split = jax.tree.leaves(split, is_leaf=lambda x: isinstance(x, tuple))

@@ -77,7 +77,8 @@ def gradient_program(loss: LossOrModel, plan: ParallelPlan, layout: StateLayout)
     roles, sync, precision = layout.roles, layout.sync, plan.precision
     compiler = compiler_axes(loss, roles)
     split = tree_only(layout.compute, compiler)
-    if roles.zero_stage == 3:
+    gather_once = roles.zero_stage == 3 and roles.stage_axis is not None  # a pipeline's ZeRO-3
+    if roles.zero_stage == 3 and not gather_once:
         loss_fn = gathered_loss(
             loss, plan, layout.dims, backward=backward_sync(plan, roles), compiler=compiler, specs=split
         )
@@ -89,7 +90,7 @@ def gradient_program(loss: LossOrModel, plan: ParallelPlan, layout: StateLayout)
     if roles.stage_axis is not None:
         accum_dtype = jax.numpy.dtype(precision.param_dtype)
         passes = pipeline_gradients(loss, schedule_for(plan, roles), accum_dtype=accum_dtype)
-    per_micro_step = roles.zero_stage == 2 and not sync.routes
+    per_micro_step = (roles.zero_stage == 2 or gather_once) and not sync.routes
 
     def reduce(grads, feedback, step):
         grads = cast_tree(grads, precision.reduce_dtype)
@@ -101,8 +102,10 @@ def gradient_program(loss: LossOrModel, plan: ParallelPlan, layout: StateLayout)
     reduce = manual_over(reduce, compiler, (split, feedback_split, P()), (split, feedback_split))
 
     def program(params, batch, scale=None, feedback=(), step=None):
-        if roles.zero_stage != 3:
+        if roles.zero_stage != 3 or gather_once:
             params = cast_tree(params, precision.compute_dtype)
+        if gather_once:  # this stage's parameters, whole, for every pass of the step
+            params = all_gather_params(params, layout.dims)
         per_step = (lambda g: reduce(g, (), None)[0]) if per_micro_step else None
         params = mark_varying(params, vary)
         grads, value, extras = _accumulate(plan, loss_fn, params, batch, scale, per_step, passes)
