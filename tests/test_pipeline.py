@@ -132,26 +132,18 @@ def test_schedules_equal_the_twin_for_any_microbatch_count(schedule, m):
     assert_slots_equal_the_table(train, plan)
 
 
+def zero_pipeline(stage: int):
+    """ZeRO-``stage`` over fsdp 4 x 2 stages, 2 accumulation passes of 2 micro-batches."""
+    mesh, zero, batch = {"data": 1, "fsdp": -1}, {"stage": stage}, {"accumulation_steps": 2}
+    return pipeline_plan("1f1b", stages=2, microbatches=2, mesh=mesh, zero=zero, batch=batch)
+
+
 COMPOSED = {
     "pp_1f1b": load_plan("pp_1f1b"),  # data 2 x stage 4, 8 micro-batches
     "fsdp_pp-zero2": load_plan("fsdp_pp"),
     "3d-tensor": load_plan("3d"),
-    "zero3-once-accum": pipeline_plan(
-        "1f1b",
-        stages=2,
-        microbatches=2,
-        mesh={"data": 1, "fsdp": -1},
-        zero={"stage": 3},
-        batch={"accumulation_steps": 2},
-    ),
-    "zero1-accum": pipeline_plan(
-        "1f1b",
-        stages=2,
-        microbatches=2,
-        mesh={"data": 1, "fsdp": -1},
-        zero={"stage": 1},
-        batch={"accumulation_steps": 2},
-    ),  # fmt: skip
+    "zero3-once-accum": zero_pipeline(3),
+    "zero1-accum": zero_pipeline(1),
 }
 
 
