@@ -39,6 +39,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", default=None, help="save here; resume when it holds a step")
     parser.add_argument("--save-every", type=int, default=5, help="steps between checkpoints [5]")
     parser.add_argument("--log-every", type=int, default=5, help="steps between printed lines [5]")
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks [4]")
     return parser.parse_args()
 
 
@@ -62,7 +63,7 @@ def main() -> None:
     if resuming:  # perhaps on fewer devices than the run that saved: keep its global batch
         plan = continue_plan(args.checkpoint_dir, plan, num_devices=jax.device_count())
     mesh = tj.build_mesh(plan)
-    cfg = LMConfig()
+    cfg = LMConfig(layers=args.layers)
     optimizer = tj.build_optimizer(plan.optimizer) if plan.optimizer else optax.adamw(3e-3)
     train = tj.make_train_step(layered_model(cfg), optimizer, plan, mesh)
     state, first = train.init(init_params(cfg, jax.random.key(0))), 0

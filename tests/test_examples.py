@@ -19,7 +19,7 @@ def test_train_with_plan_example_trains_and_resumes_on_fewer_devices(tmp_path):
     def run(steps: int, devices: int) -> list[str]:
         argv = [sys.executable, str(EXAMPLES / "train_with_plan.py"), "--plan", "zero2"]
         argv += ["--steps", str(steps), "--devices", str(devices)]
-        argv += ["--checkpoint-dir", str(tmp_path / "ckpt"), "--log-every", "1"]
+        argv += ["--checkpoint-dir", str(tmp_path / "ckpt"), "--log-every", "1", "--layers", "1"]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         return done.stdout.splitlines()

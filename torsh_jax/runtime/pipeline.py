@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from torsh_jax.errors import PlanError
+from torsh_jax.errors import NotSupportedYetError, PlanError
 from torsh_jax.pipeline.schedule import Schedule, build_schedule
 from torsh_jax.pipeline.slots import BRANCHES, SlotPlan, slot_plan
 from torsh_jax.plan.roles import STAGE_AXIS, Roles
@@ -47,7 +47,7 @@ from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.accumulate import split_micro_batches
 from torsh_jax.runtime.layered import LayeredModel, scan_layers, split_params
 from torsh_jax.runtime.specs import path_str
-from torsh_jax.tensor.axis import varying_axes
+from torsh_jax.tensor.axis import has_tensor_blocks, varying_axes
 
 __all__ = ["pipeline_gradients", "reduce_over_stage", "schedule_for", "stage_specs", "require_layered"]
 
@@ -62,13 +62,23 @@ def schedule_for(plan: ParallelPlan, roles: Roles) -> Schedule:
 
 
 def require_layered(loss: Any, roles: Roles) -> None:
-    """A pipeline needs the model's layer boundaries."""
-    if roles.stage_axis is not None and not isinstance(loss, LayeredModel):
+    """A pipeline needs the model's layer boundaries (and, with ``tensor``, tensor blocks)."""
+    if roles.stage_axis is None:
+        return
+    if not isinstance(loss, LayeredModel):
         raise PlanError(
             f"a pipeline over stage={roles.size(STAGE_AXIS)} needs a LayeredModel (embed, stacked layers, "
             "head), not a plain loss function",
             key="loss_fn",
             fix="pass torsh_jax.LayeredModel(embed=..., layer=..., head=...), or set mesh.stage = 1",
+        )
+    if roles.tensor_axis is not None and not has_tensor_blocks(loss):
+        raise NotSupportedYetError(
+            "a pipeline with a compiler-partitioned tensor axis (a model without torsh_jax.tensor blocks) "
+            "is not built yet",
+            key="mesh.tensor",
+            fix="build the layers from torsh_jax.tensor blocks (LayeredModel(tensor_blocks=True)), "
+            "or set mesh.tensor = 1 with the pipeline",
         )
 
 
