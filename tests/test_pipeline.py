@@ -31,7 +31,7 @@ def pipeline_plan(schedule: str, *, stages: int, microbatches: int, **extra) -> 
     spec = {"mesh": {"data": -1, "stage": stages}, "batch": {"micro_batch_size": microbatches},
             "pipeline": {"schedule": schedule, "microbatches": microbatches}}  # fmt: skip
     for section, values in extra.items():
-        spec[section] = {**spec.get(section, {}), **values}
+        spec[section] = {**spec.get(section, {}), **values} if isinstance(values, dict) else values
     return plan_from_dict(spec, name=f"{schedule}-p{stages}-m{microbatches}")
 
 
@@ -132,10 +132,11 @@ def test_schedules_equal_the_twin_for_any_microbatch_count(schedule, m):
     assert_slots_equal_the_table(train, plan)
 
 
-def zero_pipeline(stage: int):
+def zero_pipeline(stage: int, gather: str = "once"):
     """ZeRO-``stage`` over fsdp 4 x 2 stages, 2 accumulation passes of 2 micro-batches."""
     mesh, zero, batch = {"data": 1, "fsdp": -1}, {"stage": stage}, {"accumulation_steps": 2}
-    return pipeline_plan("1f1b", stages=2, microbatches=2, mesh=mesh, zero=zero, batch=batch)
+    pipe = {"gather": gather}
+    return pipeline_plan("1f1b", stages=2, microbatches=2, mesh=mesh, zero=zero, batch=batch, pipeline=pipe)
 
 
 COMPOSED = {
@@ -143,6 +144,7 @@ COMPOSED = {
     "fsdp_pp-zero2": load_plan("fsdp_pp"),
     "3d-tensor": load_plan("3d"),
     "zero3-once-accum": zero_pipeline(3),
+    "zero3-per-microbatch-accum": zero_pipeline(3, "per_microbatch"),
     "zero1-accum": zero_pipeline(1),
 }
 
@@ -203,6 +205,19 @@ def test_zero3_gathers_a_stage_once_per_step_and_reduce_scatters_every_pass():
     assert summary["theory"]["wire_ratio"] == pytest.approx(1.0, abs=0.02), summary["theory"]
     assert summary["theory"]["axes"]["stage"]["wire_ratio"] == pytest.approx(1.0, abs=0.02)
     assert summary["roles"] == "ZeRO-3 over fsdp=4 x stage=2 (pipeline)"
+
+
+def test_zero3_per_microbatch_gathers_trade_bytes_for_memory():
+    """Gathering one layer at a time in every slot holds less than a stage gathered for the whole
+    step, and sends the stage's parameters again for every slot; inspect shows both."""
+    once = _inspect(COMPOSED["zero3-once-accum"])
+    each = _inspect(COMPOSED["zero3-per-microbatch-accum"])
+    gathered = lambda s: s["totals"]["by_kind"]["all-gather"]["payload_bytes"]
+    # every one of the 2 x 2 forward slots gathers what "once" gathers for the whole step, and more
+    # in the backward slots (the recomputed forward)
+    assert gathered(each) > 4 * gathered(once), (gathered(each), gathered(once))
+    assert each["memory"]["temp_bytes"] < once["memory"]["temp_bytes"], (each["memory"], once["memory"])
+    assert each["theory"]["wire_ratio"] > 4 and once["theory"]["wire_ratio"] == pytest.approx(1.0, abs=0.02)
 
 
 def test_stage_bytes_equal_activations_and_their_gradients_per_boundary():
@@ -282,16 +297,16 @@ def test_fewer_microbatches_than_stages_for_1f1b():
         _build(pipeline_plan("1f1b", stages=4, microbatches=2))
 
 
+ZERO3_INT8 = {"axis": "fsdp", "gradients": {"method": "int8", "error_feedback": False}}
+
+
 @pytest.mark.parametrize(
     ("extra", "key"),
     [
         ({"pipeline": {"schedule": "interleaved", "virtual_stages": 2}}, "pipeline.virtual_stages"),
-        (
-            {"mesh": {"data": 1, "fsdp": -1}, "zero": {"stage": 3}, "pipeline": {"gather": "per_microbatch"}},
-            "pipeline.gather",
-        ),
+        ({"mesh": {"data": 1, "fsdp": -1}, "zero": {"stage": 3}, "compression": [ZERO3_INT8]}, "compression"),
     ],
-    ids=["interleaved", "zero3-per-microbatch"],
+    ids=["interleaved", "zero3-compressed"],
 )
 def test_combinations_not_built_yet_are_refused(extra, key):
     plan = pipeline_plan("1f1b", stages=2, microbatches=2, **extra)

@@ -106,12 +106,6 @@ def _check_pipeline(plan: ParallelPlan, roles: Roles) -> None:
             key="pipeline.virtual_stages",
             fix='set pipeline.virtual_stages = 1 with schedule "1f1b" or "gpipe"',
         )
-    if roles.zero_stage == 3 and pipe.gather != "once":
-        raise NotSupportedYetError(
-            f"ZeRO-3 with a pipeline gathering per micro-batch ({where}) is not built yet",
-            key="pipeline.gather",
-            fix='set pipeline.gather = "once" (a stage\'s parameters gathered once per step)',
-        )
     if roles.zero_stage == 3 and (roles.gradient_compression or roles.weight_compression):
         raise NotSupportedYetError(
             f"compressed collectives with ZeRO-3 under a pipeline ({where}) are not built yet",

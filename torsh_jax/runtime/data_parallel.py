@@ -95,6 +95,12 @@ def _bucketing(plan: ParallelPlan) -> dict:
     }
 
 
+def gathers_once(plan: ParallelPlan, roles: Roles) -> bool:
+    """ZeRO-3 under a pipeline with ``pipeline.gather = "once"``: a stage's parameters are gathered
+    at the start of the step and their gradients reduce-scattered as ZeRO-2's are."""
+    return roles.zero_stage == 3 and roles.stage_axis is not None and plan.pipeline.gather == "once"
+
+
 def gradient_sync(plan: ParallelPlan, roles: Roles) -> SyncSpec:
     """The once-per-step synchronisation of the composition's gradients.
 
@@ -107,7 +113,7 @@ def gradient_sync(plan: ParallelPlan, roles: Roles) -> SyncSpec:
     """
     routes = gradient_routes(roles)
     factors = gradient_factors(plan, data_parallel_size=roles.batch_size)
-    if roles.zero_stage == 3 and roles.stage_axis is None:
+    if roles.zero_stage == 3 and not gathers_once(plan, roles):
         deferred = {a: r for a, r in routes.items() if a != roles.shard_axis}
         return SyncSpec(
             axes=tuple(deferred),

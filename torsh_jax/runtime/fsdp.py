@@ -40,6 +40,7 @@ from torsh_jax.runtime.compiler_axes import manual_over
 from torsh_jax.runtime.layered import LayeredModel, scan_layers, split_params
 from torsh_jax.runtime.specs import logical_dims, param_specs, path_str
 from torsh_jax.runtime.sync import SyncSpec, sync_leaf
+from torsh_jax.tensor.axis import varying_axes
 
 __all__ = ["shard_dims", "sharded_specs", "all_gather_params", "gathered_loss", "GATHERED"]
 
@@ -111,7 +112,8 @@ def all_gather_params(shards: PyTree, dims: PyTree) -> PyTree:
 
 
 def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    return jax.lax.pcast(x, axes, to="varying") if axes else x
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _compressed_gather(shard: jax.Array, dim: int, spec: CompressorSpec) -> jax.Array:
@@ -203,6 +205,22 @@ def _layer_dims(dims: PyTree) -> PyTree:
 def _layer_specs(specs: PyTree) -> PyTree:
     """Specs of one layer's slice of stacked parameters (the layer dim is gone)."""
     return jax.tree.map(lambda s: P(*s[1:]), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def gathering_model(model: LayeredModel, plan: ParallelPlan, dims: PyTree, *, backward: SyncSpec,
+                    specs: PyTree) -> LayeredModel:  # fmt: skip
+    """``model`` whose functions take parameter shards and gather them on use (one layer at a time;
+    gradients reduce-scattered in the backward pass): a pipeline slot's ZeRO-3 per micro-batch."""
+    gather = lambda shards, d, s: _gather_tree(shards, d, s, plan, backward, ())
+    embed_d, stacked_d, head_d = split_params(model, dims)
+    embed_p, stacked_p, head_p = split_params(model, specs)
+    one_layer = _layer_dims(stacked_d), _layer_specs(stacked_p)
+    return model._replace(
+        embed=lambda s, batch: model.embed(gather(s, embed_d, embed_p), batch),
+        layer=_remat(lambda s, h: model.layer(gather(s, *one_layer), h), plan),
+        head=lambda s, hidden, batch: model.head(gather(s, head_d, head_p), hidden, batch),
+        embed_keys=model.embed_keys, head_keys=model.head_keys,
+    )
 
 
 def gathered_loss(

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from torsh_jax.plan.roles import Roles, compose
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.checks import check_param_axes
-from torsh_jax.runtime.data_parallel import gradient_sync
+from torsh_jax.runtime.data_parallel import gathers_once, gradient_sync
 from torsh_jax.runtime.fsdp import shard_dims, sharded_specs
 from torsh_jax.runtime.offload import offloaded_parts
 from torsh_jax.runtime.pipeline import stage_specs
@@ -158,12 +158,12 @@ def split_axes(compute: PyTree) -> PyTree:
     return jax.tree.map(one, compute, is_leaf=_is_spec)
 
 
-def _feedback(sync: SyncSpec, params_like, compute, update, dims, split, roles: Roles, mesh: Mesh):
+def _feedback(sync: SyncSpec, params_like, compute, update, dims, split, roles: Roles, mesh: Mesh, plan):
     """``(init, specs)`` of the error feedback of ``sync`` (``(None, None)`` without compression)."""
     if not sync.routes:
         return None, None
     # stage 3 synchronises the stored shards (not under a pipeline, which gathers once per step)
-    sharded_sync = roles.zero_stage == 3 and roles.stage_axis is None
+    sharded_sync = roles.zero_stage == 3 and not gathers_once(plan, roles)
     shapes = _local_shapes(params_like, update if sharded_sync else compute, mesh)
     leaf_dims = jax.tree.leaves(dims, is_leaf=lambda x: x is None)
     leaf_split = jax.tree.leaves(split, is_leaf=lambda x: isinstance(x, tuple))
@@ -201,7 +201,7 @@ def state_layout(
     stored = update if roles.params_sharded else compute
     sync = gradient_sync(plan, roles)
     split = split_axes(compute)
-    init_feedback, fb_specs = _feedback(sync, params_like, compute, update, dims, split, roles, mesh)
+    init_feedback, fb_specs = _feedback(sync, params_like, compute, update, dims, split, roles, mesh, plan)
     abstract_opt = jax.eval_shape(optimizer.init, params_like)
     scaler = scaler_for(plan)
     specs = TrainState(

@@ -239,10 +239,10 @@ def pipeline_gradients(
     def run(params, batch, scale=None):
         """``(grads, mean loss, slots run [1, 2])``."""
         stage = jax.lax.axis_index(axis)
-        # every value below varies over stage (and the batch's axes): typed so up front, the
-        # backward of a branch sums no parameter gradient inside it (only some devices run it)
-        axes = frozenset({axis}).union(*(varying_axes(x) for x in jax.tree.leaves(batch)))
-        params = _cast(params, jax.tree.map(lambda _: axes, params))
+        # every value below varies over stage: typed so up front, the backward of a branch sums no
+        # parameter gradient over stage inside it (only some devices run it); the caller types the
+        # parameters as varying over the batch axes whose sum it places itself
+        params = _cast(params, jax.tree.map(lambda _: frozenset({axis}), params))
         seed = (jnp.float32(1.0) if scale is None else scale.astype(jnp.float32)) / m
         one = _Pass(model, schedule, params, batch, seed)
         shape = jax.eval_shape(lambda: model.embed(one.embed_p, one.batch_of(0)))

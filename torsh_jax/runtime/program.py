@@ -35,8 +35,8 @@ from jax.sharding import PartitionSpec as P
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.accumulate import accumulate, local_gradients
 from torsh_jax.runtime.compiler_axes import compiler_axes, manual_over, tree_only, tree_without
-from torsh_jax.runtime.data_parallel import backward_sync, batch_specs, mark_varying
-from torsh_jax.runtime.fsdp import all_gather_params, gathered_loss
+from torsh_jax.runtime.data_parallel import backward_sync, batch_specs, gathers_once, mark_varying
+from torsh_jax.runtime.fsdp import all_gather_params, gathered_loss, gathering_model
 from torsh_jax.runtime.layered import LayeredModel, layered_loss
 from torsh_jax.runtime.layout import StateLayout, state_layout
 from torsh_jax.runtime.pipeline import pipeline_gradients, reduce_over_stage, require_layered, schedule_for
@@ -77,7 +77,7 @@ def gradient_program(loss: LossOrModel, plan: ParallelPlan, layout: StateLayout)
     roles, sync, precision = layout.roles, layout.sync, plan.precision
     compiler = compiler_axes(loss, roles)
     split = tree_only(layout.compute, compiler)
-    gather_once = roles.zero_stage == 3 and roles.stage_axis is not None  # a pipeline's ZeRO-3
+    gather_once = gathers_once(plan, roles)  # a pipeline's ZeRO-3, gathering a stage once per step
     if roles.zero_stage == 3 and not gather_once:
         loss_fn = gathered_loss(
             loss, plan, layout.dims, backward=backward_sync(plan, roles), compiler=compiler, specs=split
@@ -89,7 +89,10 @@ def gradient_program(loss: LossOrModel, plan: ParallelPlan, layout: StateLayout)
     passes = None
     if roles.stage_axis is not None:
         accum_dtype = jax.numpy.dtype(precision.param_dtype)
-        passes = pipeline_gradients(loss, schedule_for(plan, roles), accum_dtype=accum_dtype)
+        model = loss
+        if roles.zero_stage == 3 and not gather_once:  # gather one layer at a time in every slot
+            model = gathering_model(loss, plan, layout.dims, backward=backward_sync(plan, roles), specs=split)
+        passes = pipeline_gradients(model, schedule_for(plan, roles), accum_dtype=accum_dtype)
     per_micro_step = (roles.zero_stage == 2 or gather_once) and not sync.routes
 
     def reduce(grads, feedback, step):
