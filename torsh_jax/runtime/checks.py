@@ -1,9 +1,10 @@
 """What the train step can run: checks that read the plan's axis roles.
 
 * ``stage`` > 1 runs GPipe and 1F1B over a :class:`LayeredModel`'s stacked
-  layers with DDP, ZeRO-1/2 and tensor parallelism; interleaved schedules
-  (``virtual_stages`` > 1) and ZeRO-3 with a pipeline are not built yet. Each
-  pass's batch (the micro batch) must split into ``pipeline.microbatches``.
+  layers with DDP, ZeRO-1/2/3 and tensor blocks; interleaved schedules
+  (``virtual_stages`` > 1) and compressed collectives with ZeRO-3 under a
+  pipeline are not built yet. Each pass's batch (the micro batch) must split
+  into ``pipeline.microbatches``.
 * ``tensor`` > 1 needs a loss written with :mod:`torsh_jax.tensor` blocks
   (it computes on local shards); a loss without them would compute on shards
   as if they were whole weights.

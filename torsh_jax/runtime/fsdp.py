@@ -219,7 +219,6 @@ def gathering_model(model: LayeredModel, plan: ParallelPlan, dims: PyTree, *, ba
         embed=lambda s, batch: model.embed(gather(s, embed_d, embed_p), batch),
         layer=_remat(lambda s, h: model.layer(gather(s, *one_layer), h), plan),
         head=lambda s, hidden, batch: model.head(gather(s, head_d, head_p), hidden, batch),
-        embed_keys=model.embed_keys, head_keys=model.head_keys,
     )
 
 
