@@ -67,14 +67,14 @@ def final_loss(gradients: str | None = None, feedback: bool = True) -> float:
     ],
 )
 def test_final_loss_with_error_feedback_is_close_to_uncompressed(preset, ceiling):
-    ratio = final_loss(preset) / final_loss()
+    """Within the ceiling of the uncompressed loss; top-k and 1-bit without their feedback end visibly
+    worse (checked here, so that the runs with feedback are not repeated on another worker)."""
+    with_feedback = final_loss(preset)
+    ratio = with_feedback / final_loss()
     print(f"{preset}: final loss {ratio:.4f}x uncompressed")
     assert ratio <= ceiling
-
-
-@pytest.mark.parametrize("preset", ["topk", "sign"])
-def test_without_error_feedback_top_k_and_1_bit_end_visibly_worse(preset):
-    with_feedback, without = final_loss(preset), final_loss(preset, feedback=False)
-    print(f"{preset} without feedback: final loss {without / final_loss():.4f}x uncompressed")
-    assert without / final_loss() >= 1.2
-    assert without > with_feedback * 1.15
+    if preset in ("topk", "sign"):
+        without = final_loss(preset, feedback=False)
+        print(f"{preset} without feedback: final loss {without / final_loss():.4f}x uncompressed")
+        assert without / final_loss() >= 1.2
+        assert without > with_feedback * 1.15
