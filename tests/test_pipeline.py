@@ -313,3 +313,20 @@ def test_combinations_not_built_yet_are_refused(extra, key):
     with pytest.raises(NotSupportedYetError) as info:
         make_train_step(layered_model(PIPE), optax.sgd(0.1), plan, build_mesh(plan))
     assert info.value.key == key
+
+
+def test_cli_inspect_prints_the_schedule_grid(capsys):
+    """``torsh-jax inspect --plan pp_1f1b --devices 8``: the report ends with the grid (rows stages,
+    columns ticks), the bubble against its formula, the activations each stage holds and the stage
+    bytes against their theory."""
+    from torsh_jax.cli.main import main
+
+    assert main(["inspect", "--plan", "pp_1f1b", "--devices", "8", "--d-model", "16", "--layers", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index("pipeline: 1f1b, 4 stages x 8 micro-batches, 22 ticks, bubble 0.273 (theory 0.273)")
+    grid = lines[start + 1 : start + 5]
+    assert grid[0].startswith("stage 0 | F0 F1 F2 F3 .  .  .  B0 F4") and grid[3].startswith(
+        "stage 3 | .  .  .  F0 B0"
+    )
+    assert lines[start + 5] == "activations held per stage: 4, 3, 2, 1"
+    assert lines[start + 6].startswith("stage bytes per device:") and "(ratio 1.00" in lines[start + 6]
