@@ -27,6 +27,8 @@ from __future__ import annotations
 import common
 
 STAGES = (1, 2, 3)
+#: ``--quick`` (a smoke run): the two ends; stage 2 runs the same code paths as 1 and 3 together
+QUICK_STAGES = (1, 3)
 EXTRA = ("fsdp_gathered",)
 
 
@@ -92,7 +94,7 @@ def main() -> None:
     cfg = LMConfig(layers=layers)
     fields = {"devices": args.devices, "layers": layers}
     known = {}
-    for stage in STAGES:
+    for stage in QUICK_STAGES if args.quick else STAGES:
         rows, summary = stage_rows(stage, cfg, steps=steps, chunk=chunk, extra=extra, fields=fields)
         if stage == 3:
             known[layers] = summary

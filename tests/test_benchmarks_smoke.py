@@ -84,7 +84,7 @@ def test_bench_ddp_quick():
 @pytest.mark.slow
 def test_bench_zero_quick():
     rows = run_quick("bench_zero.py")
-    stages = (1, 2, 3)
+    stages = (1, 3)  # --quick skips stage 2
     expected = {f"zero{s}_{kind}" for s in stages for kind in ("step_time", "wire", "memory")}
     assert set(rows) == expected | {"zero3_temp_memory"}
     for stage in stages:

@@ -4,6 +4,7 @@ twin, composition with data, ZeRO and tensor axes, and the bytes and memory of t
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -316,17 +317,15 @@ def test_combinations_not_built_yet_are_refused(extra, key):
 
 
 def test_cli_inspect_prints_the_schedule_grid(capsys):
-    """``torsh-jax inspect --plan pp_1f1b --devices 8``: the report ends with the grid (rows stages,
-    columns ticks), the bubble against its formula, the activations each stage holds and the stage
-    bytes against their theory."""
+    """``torsh-jax inspect --plan PLAN``: the report ends with the grid (rows stages, columns ticks),
+    the bubble against its formula, the activations each stage holds and the stage bytes against
+    their theory (a 2-stage plan: the pp_1f1b grid is in docs/pipeline.md)."""
     from torsh_jax.cli.main import main
 
-    assert main(["inspect", "--plan", "pp_1f1b", "--devices", "8", "--d-model", "16", "--layers", "4"]) == 0
+    plan = str(Path(__file__).parent / "scripts" / "pipeline_2x2.toml")
+    assert main(["inspect", "--plan", plan, "--devices", "4", "--d-model", "16", "--layers", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    start = lines.index("pipeline: 1f1b, 4 stages x 8 micro-batches, 22 ticks, bubble 0.273 (theory 0.273)")
-    grid = lines[start + 1 : start + 5]
-    assert grid[0].startswith("stage 0 | F0 F1 F2 F3 .  .  .  B0 F4") and grid[3].startswith(
-        "stage 3 | .  .  .  F0 B0"
-    )
-    assert lines[start + 5] == "activations held per stage: 4, 3, 2, 1"
-    assert lines[start + 6].startswith("stage bytes per device:") and "(ratio 1.00" in lines[start + 6]
+    start = lines.index("pipeline: 1f1b, 2 stages x 2 micro-batches, 6 ticks, bubble 0.333 (theory 0.333)")
+    assert lines[start + 1 : start + 3] == ["stage 0 | F0 F1 .  B0 .  B1", "stage 1 | .  F0 B0 F1 B1 ."]
+    assert lines[start + 3] == "activations held per stage: 2, 1"
+    assert lines[start + 4].startswith("stage bytes per device:") and "(ratio 1.00" in lines[start + 4]
