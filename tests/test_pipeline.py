@@ -38,7 +38,7 @@ def pipeline_plan(schedule: str, *, stages: int, microbatches: int, **extra) -> 
 
 def momentum():
     """SGD with momentum: Adam divides by the gradient's root mean square, which amplifies
-    round-off where gradients are tiny (docs/tensor.md)."""
+    round-off where gradients are tiny (docs/strategies.md, tensor parallelism)."""
     return optax.chain(record_gradients(), optax.sgd(0.05, momentum=0.9))
 
 
