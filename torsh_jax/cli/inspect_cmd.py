@@ -63,15 +63,13 @@ def _pipeline_text(summary: dict) -> str:
     pipe = summary.get("pipeline")
     if pipe is None:
         return ""
-    from torsh_jax.pipeline.schedule import build_schedule
+    from torsh_jax.pipeline.schedule import render_grid
 
-    table = build_schedule(pipe["schedule"], stages=pipe["stages"], microbatches=pipe["microbatches"],
-                           virtual_stages=pipe["virtual_stages"])  # fmt: skip
     stage = (summary.get("theory") or {}).get("axes", {}).get("stage") or {}
     lines = [
         f"pipeline: {pipe['schedule']}, {pipe['stages']} stages x {pipe['microbatches']} micro-batches, "
         f"{pipe['ticks']} ticks, bubble {pipe['bubble']:.3f} (theory {pipe['theory_bubble']:.3f})",
-        table.render(),
+        render_grid(pipe["grid"]),
         "activations held per stage: " + ", ".join(str(n) for n in pipe["in_flight"]),
     ]
     if stage:

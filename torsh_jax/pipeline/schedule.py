@@ -36,7 +36,7 @@ import numpy as np
 
 from torsh_jax.errors import PlanError
 
-__all__ = ["SCHEDULES", "Schedule", "build_schedule", "IDLE", "FORWARD", "BACKWARD"]
+__all__ = ["SCHEDULES", "Schedule", "build_schedule", "render_grid", "IDLE", "FORWARD", "BACKWARD"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 #: Slot kinds in :attr:`Schedule.table` ``[..., 0]``.
@@ -92,11 +92,7 @@ class Schedule:
 
     def render(self) -> str:
         """Rows stages, columns ticks; ``F3`` / ``B2`` (``F3.1``: chunk 1 when interleaved) / ``.``."""
-        cells = [[self._cell(t, s) for t in range(self.ticks)] for s in range(self.stages)]
-        width = max(len(c) for row in cells for c in row)
-        return "\n".join(
-            f"stage {s} | " + " ".join(c.ljust(width) for c in row).rstrip() for s, row in enumerate(cells)
-        )
+        return render_grid([[self._cell(t, s) for t in range(self.ticks)] for s in range(self.stages)])
 
     def _cell(self, tick: int, stage: int) -> str:
         kind, micro, virtual = (int(x) for x in self.table[tick, stage])
@@ -118,6 +114,14 @@ class Schedule:
             "in_flight": self.in_flight.tolist(),
             "grid": [[self._cell(t, s) for t in range(self.ticks)] for s in range(self.stages)],
         }
+
+
+def render_grid(cells: list[list[str]]) -> str:
+    """A table's cells (rows stages, columns ticks; :meth:`Schedule.to_json`'s ``grid``) as text."""
+    width = max(len(c) for row in cells for c in row)
+    return "\n".join(
+        f"stage {s} | " + " ".join(c.ljust(width) for c in row).rstrip() for s, row in enumerate(cells)
+    )
 
 
 def build_schedule(name: str, *, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
