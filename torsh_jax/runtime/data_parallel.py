@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from torsh_jax.plan.roles import Roles
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.sync import AxisRoute, SyncSpec
-from torsh_jax.tensor.axis import varying_axes
+from torsh_jax.tensor.axis import vary_over
 
 __all__ = [
     "gradient_factors",
@@ -64,14 +64,7 @@ def mark_varying(tree: PyTree, axes: tuple[str, ...]) -> PyTree:
     JAX insert the gradient sum itself; marking it varying first keeps the
     gradients per-device so that the program places the reduction.
     """
-    if not axes:
-        return tree
-
-    def one(x):
-        missing = tuple(a for a in axes if a not in varying_axes(x))  # gathered values may vary already
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(one, tree)
+    return jax.tree.map(lambda x: vary_over(x, axes), tree) if axes else tree
 
 
 def gradient_routes(roles: Roles) -> dict[str, AxisRoute]:

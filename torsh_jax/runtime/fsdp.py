@@ -40,7 +40,7 @@ from torsh_jax.runtime.compiler_axes import manual_over
 from torsh_jax.runtime.layered import LayeredModel, scan_layers, split_params
 from torsh_jax.runtime.specs import logical_dims, param_specs, path_str
 from torsh_jax.runtime.sync import SyncSpec, sync_leaf
-from torsh_jax.tensor.axis import varying_axes
+from torsh_jax.tensor.axis import vary_over
 
 __all__ = ["shard_dims", "sharded_specs", "all_gather_params", "gathered_loss", "GATHERED"]
 
@@ -111,11 +111,6 @@ def all_gather_params(shards: PyTree, dims: PyTree) -> PyTree:
     return jax.tree.map(one, shards, dims, is_leaf=lambda x: x is None)
 
 
-def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    missing = tuple(a for a in axes if a not in varying_axes(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _compressed_gather(shard: jax.Array, dim: int, spec: CompressorSpec) -> jax.Array:
     """All-gather ``shard`` along ``dim`` over ``fsdp`` with a compressed payload."""
     size = jax.lax.axis_size(FSDP)
@@ -151,12 +146,12 @@ def make_gather(
     def forward(shard: jax.Array) -> jax.Array:
         full = shard.astype(precision.compute_dtype)
         if dim is None:
-            return _vary(full, backward.axes)
+            return vary_over(full, backward.axes)
         if weights is not None:  # the compressed gather is typed as replicated over fsdp
-            return _vary(
+            return vary_over(
                 _compressed_gather(shard, dim, weights).astype(precision.compute_dtype), (*replicas, FSDP)
             )
-        return _vary(jax.lax.all_gather(full, FSDP, axis=dim, tiled=True), replicas)
+        return vary_over(jax.lax.all_gather(full, FSDP, axis=dim, tiled=True), replicas)
 
     def grad(g: jax.Array) -> jax.Array:
         return sync_leaf(g.astype(precision.reduce_dtype), dim, sync).astype(precision.param_dtype)

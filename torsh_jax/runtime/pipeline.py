@@ -47,7 +47,7 @@ from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.accumulate import split_micro_batches
 from torsh_jax.runtime.layered import LayeredModel, scan_layers, split_params
 from torsh_jax.runtime.specs import path_str
-from torsh_jax.tensor.axis import has_tensor_blocks, varying_axes
+from torsh_jax.tensor.axis import has_tensor_blocks, vary_over, varying_axes
 
 __all__ = ["pipeline_gradients", "reduce_over_stage", "schedule_for", "stage_specs", "require_layered"]
 
@@ -290,11 +290,8 @@ def _tick(carry, tick: int, stage, plan: SlotPlan, branches: dict, axis: str, p:
 def _cast(tree: PyTree, axes: PyTree) -> PyTree:
     """``tree`` typed as varying over ``axes`` (per leaf; no data moves)."""
 
-    def one(x, want):
-        missing = tuple(sorted(want - varying_axes(x)))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(one, tree, axes, is_leaf=lambda a: isinstance(a, frozenset))
+    return jax.tree.map(lambda x, want: vary_over(x, sorted(want)), tree, axes,
+                        is_leaf=lambda a: isinstance(a, frozenset))  # fmt: skip
 
 
 def _switch(index, branches: list[Callable], carry, ints):

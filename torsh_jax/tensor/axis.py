@@ -85,9 +85,7 @@ class TensorAxis:
         over the axis; varying it first sums their total once (Megatron's fused
         QKV: one backward reduction for the three projections).
         """
-        if not self.active() or self.name in varying_axes(x):
-            return x
-        return jax.lax.pcast(x, self.name, to="varying")
+        return vary_over(x, (self.name,)) if self.active() else x
 
     def gather_sequence(self, x: jax.Array) -> jax.Array:
         """``x[B, T/t, ...] -> x[B, T, ...]`` (sequence parallel only)."""
@@ -128,6 +126,12 @@ def varying_axes(x: jax.Array) -> frozenset:
     aval = jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)
     return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def vary_over(x: jax.Array, axes) -> jax.Array:
+    """``x`` typed as varying over ``axes`` (no data moves); axes it varies over already are kept."""
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def tensor_axis(plan) -> TensorAxis:
