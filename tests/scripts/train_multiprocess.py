@@ -79,17 +79,12 @@ def local_rows(batch: dict, *, process_index: int, process_count: int) -> dict:
     return {name: value[rows] for name, value in batch.items()}
 
 
-def has_checkpoint(args: argparse.Namespace) -> bool:
-    from torsh_jax.checkpoint.store import step_dirs
-
-    return any(d.complete for d in step_dirs(args.checkpoint_dir))
-
-
 def resume(args: argparse.Namespace, train, state):
     """``(state, first step)`` from the newest complete checkpoint, or ``(state, 0)`` when there is none."""
     from torsh_jax.checkpoint import restore
+    from torsh_jax.checkpoint.store import has_complete_step
 
-    if not has_checkpoint(args):
+    if not has_complete_step(args.checkpoint_dir):
         return state, 0
     restored = restore(args.checkpoint_dir, train)
     return restored.state, restored.step
@@ -118,13 +113,14 @@ def main() -> None:
     import optax
 
     from torsh_jax.checkpoint import continue_plan
+    from torsh_jax.checkpoint.store import has_complete_step
     from torsh_jax.demo.model import init_params, layered_model, synthetic_tokens
     from torsh_jax.plan import load_plan
     from torsh_jax.runtime.mesh import build_mesh
     from torsh_jax.runtime.step import make_train_step
 
     plan = load_plan(args.plan)
-    if args.resume and has_checkpoint(args):  # perhaps on fewer processes: keep the global batch
+    if args.resume and has_complete_step(args.checkpoint_dir):  # perhaps on fewer processes: same batch
         plan = continue_plan(args.checkpoint_dir, plan, num_devices=jax.device_count())
     cfg = model_config(args.layers)
     mesh = build_mesh(plan, jax.devices())

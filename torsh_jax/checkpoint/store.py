@@ -70,6 +70,11 @@ def step_dirs(directory: str | Path) -> list[StepDir]:
     return sorted(found, key=lambda d: (d.step, d.complete))
 
 
+def has_complete_step(directory: str | Path) -> bool:
+    """Whether ``directory`` holds a complete checkpoint (``False`` when it does not exist)."""
+    return any(d.complete for d in step_dirs(directory))
+
+
 def nonempty_leaves(tree) -> dict:
     """``{path: leaf}`` of the leaves with elements (orbax cannot store zero-size arrays;
     compression feedback has some, e.g. an unused warm-start buffer)."""

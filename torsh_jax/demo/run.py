@@ -152,17 +152,12 @@ def run_demo(
     return summary
 
 
-def _has_checkpoint(config: DemoConfig) -> bool:
-    from torsh_jax.checkpoint.store import step_dirs
-
-    return any(d.complete for d in step_dirs(config.checkpoint_dir))
-
-
 def _plan_to_continue(config: DemoConfig, plan: ParallelPlan, num_devices: int, phase) -> ParallelPlan:
     """Resuming (possibly on another device count): ``plan`` with the saved run's global batch."""
     from torsh_jax.checkpoint import continue_plan
+    from torsh_jax.checkpoint.store import has_complete_step
 
-    if not (config.resume and _has_checkpoint(config)):
+    if not (config.resume and has_complete_step(config.checkpoint_dir)):
         return plan
     continued = continue_plan(config.checkpoint_dir, plan, num_devices=num_devices)
     if continued.batch != plan.batch:
@@ -175,10 +170,11 @@ def _plan_to_continue(config: DemoConfig, plan: ParallelPlan, num_devices: int, 
 def _resumed(config: DemoConfig, train, state, phase: Callable[[str], None]):
     """``(state, first step)``: the newest readable checkpoint with ``resume``, else ``(state, 0)``."""
     from torsh_jax.checkpoint import restore
+    from torsh_jax.checkpoint.store import has_complete_step
 
     if not config.resume:
         return state, 0
-    if not _has_checkpoint(config):
+    if not has_complete_step(config.checkpoint_dir):
         phase(f"no complete checkpoint in {config.checkpoint_dir}: starting at step 0")
         return state, 0
     restored = restore(config.checkpoint_dir, train, fallback=True)
