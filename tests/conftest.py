@@ -22,6 +22,9 @@ CACHE = os.environ.setdefault(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 jax.config.update("jax_compilation_cache_dir", CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+# Start the backend now, with its 8 devices: a command run in-process first (demo --devices 4)
+# would otherwise request its own count before the backend starts and shrink the whole worker.
+jax.devices()
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
