@@ -28,9 +28,10 @@ RTOL = 1e-5
 
 
 def pipeline_plan(schedule: str, *, stages: int, microbatches: int, **extra) -> object:
-    """data x stage over 8 devices, one pass of ``microbatches`` micro-batches of one example."""
-    spec = {"mesh": {"data": -1, "stage": stages}, "batch": {"micro_batch_size": microbatches},
-            "pipeline": {"schedule": schedule, "microbatches": microbatches}}  # fmt: skip
+    """data x stage over 8 devices, one pass of ``microbatches`` micro-batches of one example
+    (interleaved: 2 chunks per stage)."""
+    pipe = {"schedule": schedule, "microbatches": microbatches, "virtual_stages": 2 if schedule == "interleaved" else 1}
+    spec = {"mesh": {"data": -1, "stage": stages}, "batch": {"micro_batch_size": microbatches}, "pipeline": pipe}
     for section, values in extra.items():
         spec[section] = {**spec.get(section, {}), **values} if isinstance(values, dict) else values
     return plan_from_dict(spec, name=f"{schedule}-p{stages}-m{microbatches}")
@@ -115,29 +116,37 @@ def assert_twin(plan, *, cfg=PIPE, steps=5):
 def assert_slots_equal_the_table(train, plan):
     state = train.init(init_params(PIPE, jax.random.key(0)))
     _, metrics = train.step(state, synthetic_tokens(PIPE, batch_size=train.global_batch_size, seed=0))
-    table = build_schedule(plan.pipeline.schedule, stages=train.mesh.shape["stage"],
-                           microbatches=plan.pipeline.microbatches)  # fmt: skip
+    pipe = plan.pipeline
+    table = build_schedule(pipe.schedule, stages=train.mesh.shape["stage"], microbatches=pipe.microbatches,
+                           virtual_stages=pipe.virtual_stages)  # fmt: skip
     passes = plan.batch.accumulation_steps
     want = np.stack([table.slots(FORWARD), table.slots(BACKWARD)], axis=1) * passes
     np.testing.assert_array_equal(np.asarray(metrics["pipeline_slots"]), want)
 
 
 @pytest.mark.parametrize("m", [2, 4, 3], ids=["m=p", "m=2p", "m-uneven"])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 def test_schedules_equal_the_twin_for_any_microbatch_count(schedule, m):
-    """data=4 x stage=2: losses, gradients and parameters within 1e-5 of one device over 5 steps;
-    each stage ran exactly the table's forward and backward slots."""
+    """data=4 x stage=2 (interleaved: 2 chunks of one layer per stage): losses, gradients and
+    parameters within 1e-5 of one device over 5 steps; each stage ran exactly the table's forward
+    and backward slots."""
     plan = pipeline_plan(schedule, stages=2, microbatches=m)
     train = assert_twin(plan)
     assert train.layout.roles.describe() == "DDP over data=4 x stage=2 (pipeline)"
     assert_slots_equal_the_table(train, plan)
 
 
-def zero_pipeline(stage: int, gather: str = "once"):
+def zero_pipeline(stage: int, gather: str = "once", schedule: str = "1f1b"):
     """ZeRO-``stage`` over fsdp 4 x 2 stages, 2 accumulation passes of 2 micro-batches."""
     mesh, zero, batch = {"data": 1, "fsdp": -1}, {"stage": stage}, {"accumulation_steps": 2}
     pipe = {"gather": gather}
-    return pipeline_plan("1f1b", stages=2, microbatches=2, mesh=mesh, zero=zero, batch=batch, pipeline=pipe)
+    return pipeline_plan(schedule, stages=2, microbatches=2, mesh=mesh, zero=zero, batch=batch, pipeline=pipe)
+
+
+def interleaved(plan):
+    """``plan`` with the interleaved schedule, 2 chunks per stage."""
+    pipe = dataclasses.replace(plan.pipeline, schedule="interleaved", virtual_stages=2)
+    return dataclasses.replace(plan, pipeline=pipe, name=f"{plan.name}-interleaved")
 
 
 COMPOSED = {
@@ -147,6 +156,9 @@ COMPOSED = {
     "zero3-once-accum": zero_pipeline(3),
     "zero3-per-microbatch-accum": zero_pipeline(3, "per_microbatch"),
     "zero1-accum": zero_pipeline(1),
+    # chunks stored [2, layers / 2, ...]: ZeRO-3 gathers one layer of a chunk in every slot
+    "interleaved-zero3-per-microbatch-accum": zero_pipeline(3, "per_microbatch", "interleaved"),
+    "interleaved-3d-tensor": interleaved(load_plan("3d")),
 }
 
 
@@ -232,6 +244,26 @@ def test_stage_bytes_equal_activations_and_their_gradients_per_boundary():
     assert summary["pipeline"]["bubble"] == pytest.approx(3 / 11)
 
 
+def test_interleaved_stage_bytes_cross_every_chunk_boundary_and_the_layout_holds_its_chunks():
+    """2 stages x 2 chunks: a micro-batch crosses 3 chunk boundaries (the last stage sends back to
+    the first), twice; each stage stores its 2 chunks ([2, 2, ...] layers split over stage on dim
+    1), and the state holds what the layout says."""
+    plan = pipeline_plan("interleaved", stages=2, microbatches=4)
+    summary = _inspect(plan)
+    stage = summary["theory"]["axes"]["stage"]
+    # 4 micro-batches x 3 boundaries x 2 directions of one [1, 8, 16] f32 activation, per device
+    assert stage["payload_bytes_by_kind"]["collective-permute"] == 2 * 4 * 3 * 512 / 2
+    assert stage["wire_ratio"] == pytest.approx(1.0, abs=0.02)
+    assert summary["pipeline"]["bubble"] == pytest.approx(1 / 9) and summary["pipeline"]["virtual_stages"] == 2
+    train = make_train_step(layered_model(PIPE), momentum(), plan, build_mesh(plan))
+    state = train.init(init_params(PIPE, jax.random.key(0)))
+    assert state.params["layers"]["wq"].shape[:2] == (2, 2)
+    assert train.layout.state.params["layers"]["wq"][:2] == (None, "stage")
+    assert jax.tree.map(lambda x: x.sharding, state) == train.layout.shardings()
+    logical = train.logical_params(state.params)["layers"]["wq"]
+    np.testing.assert_array_equal(logical, init_params(PIPE, jax.random.key(0))["layers"]["wq"])
+
+
 #: activations large enough to see in the temporary memory: [2, 64, 32] f32 = 16 KiB per micro-batch
 WIDE = LMConfig(vocab=64, d_model=32, heads=2, head_dim=16, mlp=64, layers=2, seq_len=64)
 
@@ -304,10 +336,9 @@ ZERO3_INT8 = {"axis": "fsdp", "gradients": {"method": "int8", "error_feedback": 
 @pytest.mark.parametrize(
     ("extra", "key"),
     [
-        ({"pipeline": {"schedule": "interleaved", "virtual_stages": 2}}, "pipeline.virtual_stages"),
         ({"mesh": {"data": 1, "fsdp": -1}, "zero": {"stage": 3}, "compression": [ZERO3_INT8]}, "compression"),
     ],
-    ids=["interleaved", "zero3-compressed"],
+    ids=["zero3-compressed"],
 )
 def test_combinations_not_built_yet_are_refused(extra, key):
     plan = pipeline_plan("1f1b", stages=2, microbatches=2, **extra)
@@ -329,3 +360,32 @@ def test_cli_inspect_prints_the_schedule_grid(capsys):
     assert lines[start + 1 : start + 3] == ["stage 0 | F0 F1 .  B0 .  B1", "stage 1 | .  F0 B0 F1 B1 ."]
     assert lines[start + 3] == "activations held per stage: 2, 1"
     assert lines[start + 4].startswith("stage bytes per device:") and "(ratio 1.00" in lines[start + 4]
+
+
+# ---------------------------------------------------------------- checkpoints across layer layouts
+
+
+def test_checkpoints_move_between_interleaved_and_contiguous_layer_layouts(tmp_path):
+    """An interleaved state (layers stored in chunks) restores onto a 1F1B plan and back: the same
+    parameters and optimizer state in the model's layer order, and the next steps' losses agree."""
+    from torsh_jax.checkpoint import Checkpointer, restore
+
+    plans = {s: pipeline_plan(s, stages=2, microbatches=2) for s in ("interleaved", "1f1b")}
+    make = lambda s: make_train_step(layered_model(PIPE), momentum(), plans[s], build_mesh(plans[s]))
+    chunked, contiguous = make("interleaved"), make("1f1b")
+    batch = lambda i: synthetic_tokens(PIPE, batch_size=chunked.global_batch_size, seed=i)
+    state, _ = chunked.step(chunked.init(init_params(PIPE, jax.random.key(0))), batch(0))
+    with Checkpointer(tmp_path / "chunked") as saver:
+        saver.save(state, plan=plans["interleaved"])
+    moved = restore(tmp_path / "chunked", contiguous).state  # its layout from the saved shapes
+    assert moved.params["layers"]["wq"].shape[0] == PIPE.layers
+    same = lambda a, b: np.testing.assert_array_equal(np.asarray(a).reshape(np.shape(b)), np.asarray(b))
+    jax.tree.map(same, (state.params, state.opt_state), (moved.params, moved.opt_state))
+    with Checkpointer(tmp_path / "contiguous") as saver:
+        saver.save(moved, plan=plans["1f1b"])
+    back = restore(tmp_path / "contiguous", make("interleaved")).state
+    assert back.params["layers"]["wq"].shape[:2] == (2, PIPE.layers // 2)
+    jax.tree.map(same, (moved.params, moved.opt_state), (back.params, back.opt_state))
+    for i in (1, 2):
+        (moved, a), (back, b) = contiguous.step(moved, batch(i)), chunked.step(back, batch(i))
+        assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=RTOL)

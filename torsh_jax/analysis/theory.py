@@ -311,12 +311,15 @@ def pipeline_stages(
     microbatches: int,
     passes: int = 1,
     shared_grad_bytes: int = 0,
+    virtual_stages: int = 1,
 ) -> Theory:
     """``stage``-axis traffic of a pipeline, per device (averaged over the stages).
 
-    Each of the ``m`` micro-batches crosses each of the ``p - 1`` stage
-    boundaries twice (its activation forward, the activation's gradient
-    backward), in every accumulation pass; nothing is sent on an idle slot.
+    Each of the ``m`` micro-batches crosses each of the ``p v - 1`` boundaries
+    between consecutive layer chunks (``p - 1`` without interleaving; with
+    ``v`` chunks per stage the last stage also sends back to the first)
+    twice (its activation forward, the activation's gradient backward), in
+    every accumulation pass; nothing is sent on an idle slot.
     The gradients of parameters every stage holds (embedding and head; made on
     one stage each) and the loss are summed over ``stage`` once per step.
 
@@ -324,12 +327,13 @@ def pipeline_stages(
         >>> pipeline_stages(1024, stages=4, microbatches=8).wire_bytes
         12288.0
     """
-    _check_sizes(stages=stages, microbatches=microbatches, passes=passes)
-    sent = 2 * microbatches * (stages - 1) * passes * activation_bytes / stages
+    _check_sizes(stages=stages, microbatches=microbatches, passes=passes, virtual_stages=virtual_stages)
+    sent = 2 * microbatches * (stages * virtual_stages - 1) * passes * activation_bytes / stages
     collectives = [TheoryCollective("collective-permute", ("stage",), sent, stages)]
     if shared_grad_bytes:
         collectives.append(TheoryCollective("all-reduce", ("stage",), shared_grad_bytes, stages))
-    return Theory(f"pipeline over stage={stages}, {microbatches} micro-batches x {passes} pass(es)",
+    chunks = f" ({virtual_stages} chunks each)" if virtual_stages > 1 else ""
+    return Theory(f"pipeline over stage={stages}{chunks}, {microbatches} micro-batches x {passes} pass(es)",
                   tuple(collectives))  # fmt: skip
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from torsh_jax.checkpoint.relayer import read_targets, relayered, saved_chunks
 from torsh_jax.checkpoint.store import (
     FEEDBACK,
     LOSS_SCALE,
@@ -47,6 +48,7 @@ from torsh_jax.checkpoint.store import (
 from torsh_jax.errors import CheckpointError, TorshError
 from torsh_jax.plan.io import plan_from_toml, plan_to_dict
 from torsh_jax.plan.spec import ParallelPlan
+from torsh_jax.runtime.pipeline import unchunk_layers
 from torsh_jax.runtime.specs import path_str
 from torsh_jax.runtime.state import TrainState
 
@@ -138,14 +140,15 @@ def _abstract(tree: PyTree, shardings: PyTree) -> PyTree:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def _prepared(train_step, manager, step: int):
-    """The layout of ``train_step``, built from the saved parameter shapes if ``init`` has not run."""
+def _prepared(train_step, manager, step: int, chunks: int):
+    """The layout of ``train_step``, built from the saved parameter shapes (stacked layers saved in
+    ``chunks`` chunks) if ``init`` has not run."""
     if "layout" not in train_step._built:
         params = saved_metadata(manager, step, STATE)["params"]
         like = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), params, is_leaf=_is_array_meta
         )
-        train_step.prepare(like)
+        train_step.prepare(unchunk_layers(like, getattr(train_step.loss, "layers_key", "layers"), chunks))
     return train_step.layout
 
 
@@ -194,7 +197,8 @@ def _restore_step(manager, root: Path, step: int, train_step) -> Restored:
 
     meta = read_meta(manager, step)
     saved_plan = plan_from_toml(meta["plan"], source=f"{root / str(step)} (meta)")
-    layout = _prepared(train_step, manager, step)
+    chunks = saved_chunks(saved_plan, meta.get("mesh") or {})
+    layout = _prepared(train_step, manager, step, chunks)
     shardings = layout.shardings()
     abstract = layout.abstract
     target = {
@@ -202,19 +206,25 @@ def _restore_step(manager, root: Path, step: int, train_step) -> Restored:
         "params": _abstract(abstract.params, shardings.params),
         "opt_state": _abstract(abstract.opt_state, shardings.opt_state),
     }
-    _check_arrays(saved_arrays(manager, step, STATE), _by_path(target), where=f"step {step}")
+    on_disk = saved_arrays(manager, step, STATE)
+    reads = read_targets(
+        on_disk, target, stacked_key=layout.stacked_key, saved=chunks, chunks=layout.layer_chunks
+    )
+    read = jax.tree_util.tree_map_with_path(lambda p, x: reads.get(path_str(p), x), target)
+    _check_arrays(on_disk, _by_path(read), where=f"step {step}")
     notes: list[str] = []
-    args = {STATE: ocp.args.StandardRestore(target)}
+    args = {STATE: ocp.args.StandardRestore(read)}
     fb_args, fresh_feedback = _feedback_args(
         manager, step, meta, saved_plan, train_step, layout, shardings, notes
     )
     ls_args, fresh_scale = _loss_scale_args(meta, train_step, layout, shardings, notes)
     args.update({k: v for k, v in ((FEEDBACK, fb_args), (LOSS_SCALE, ls_args)) if v is not None})
     out = _read(manager, step, args)
+    read_state = relayered(out[STATE], target, reads)
     state = TrainState(
-        step=out[STATE]["step"],
-        params=out[STATE]["params"],
-        opt_state=out[STATE]["opt_state"],
+        step=read_state["step"],
+        params=read_state["params"],
+        opt_state=read_state["opt_state"],
         loss_scale=out[LOSS_SCALE] if ls_args is not None else fresh_scale,
         feedback=_feedback_tree(out[FEEDBACK], layout, shardings) if fb_args is not None else fresh_feedback,
     )

@@ -36,8 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per step, then a summary object")
     parser.add_argument("--seed", type=count_type(0, 2**31 - 1, fix="pass --seed 0"), default=0,
                         help="parameter and data seed [0]")  # fmt: skip
-    parser.add_argument("--layers", type=count_type(1, 256, fix="pass --layers 4"), default=4,
-                        help="transformer layers [4]")  # fmt: skip
+    parser.add_argument("--layers", type=count_type(1, 256, fix="pass --layers 4"), default=None,
+                        help="transformer layers [4, or a multiple of stages x chunks]")  # fmt: skip
     parser.add_argument("--d-model", type=count_type(16, 8192, fix="pass --d-model 64"), default=64,
                         help="model width [64]")  # fmt: skip
     parser.add_argument(

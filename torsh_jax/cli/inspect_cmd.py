@@ -21,8 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="devices; simulated on CPU, bounded by host memory [8]",
     )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--layers", type=count_type(1, 256, fix="pass --layers 4"), default=4,
-                        help="demo model layers [4]")  # fmt: skip
+    parser.add_argument("--layers", type=count_type(1, 256, fix="pass --layers 4"), default=None,
+                        help="demo model layers [4, or a multiple of stages x chunks]")  # fmt: skip
     parser.add_argument("--d-model", type=count_type(16, 8192, fix="pass --d-model 64"), default=64,
                         help="demo model width [64]")  # fmt: skip
     parser.set_defaults(func=run)
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
             f"compiling the train step on {args.devices} devices"
         )
     mesh = build_mesh(plan, select_devices(args.devices))
-    cfg = model_config(DemoConfig(layers=args.layers, d_model=args.d_model))
+    cfg = model_config(DemoConfig(plan=plan, layers=args.layers, d_model=args.d_model), dict(mesh.shape))
     model = layered_model(cfg, tp=tensor_axis(plan))
     train = make_train_step(model, build_optimizer(plan.optimizer), plan, mesh)
     state = train.init(init_params(cfg, jax.random.key(0)))

@@ -29,6 +29,7 @@ from torsh_jax.runtime.inspect import headline, inspect_step
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.step import make_train_step
 from torsh_jax.runtime.twin import make_reference_step
+from torsh_jax.runtime.verify import twin_state_of
 from torsh_jax.tensor.axis import tensor_axis
 
 __all__ = ["DemoConfig", "run_demo"]
@@ -44,7 +45,8 @@ class DemoConfig:
         steps: optimizer steps.
         verify: also run the single-device twin.
         seed: parameter and data seed.
-        layers, d_model: model size.
+        layers, d_model: model size; ``layers=None``: 4, rounded up to a
+            multiple of the plan's pipeline chunks (stages x virtual stages).
         checkpoint_dir: save checkpoints here (every ``save_every`` steps and
             at the last step).
         save_every: steps between checkpoints (0: only the last step).
@@ -58,7 +60,7 @@ class DemoConfig:
     steps: int = 20
     verify: bool = False
     seed: int = 0
-    layers: int = 4
+    layers: int | None = None
     d_model: int = 64
     checkpoint_dir: str | None = None
     save_every: int = 0
@@ -72,15 +74,24 @@ class DemoConfig:
             raise PlanError("needs a checkpoint directory", key=flag, fix="pass --checkpoint-dir DIR")
 
 
-def model_config(config: DemoConfig) -> LMConfig:
+def model_config(config: DemoConfig, mesh_shape: dict | None = None) -> LMConfig:
+    """The demo model of ``config`` (for the plan's pipeline on ``mesh_shape`` when layers is ``None``)."""
     heads = max(config.d_model // 16, 1)
     return LMConfig(
         d_model=config.d_model,
         heads=heads,
         head_dim=config.d_model // heads,
         mlp=4 * config.d_model,
-        layers=config.layers,
+        layers=config.layers or _default_layers(config.plan, mesh_shape or {}),
     )
+
+
+def _default_layers(plan: str | ParallelPlan, mesh_shape: dict) -> int:
+    """4, rounded up to a multiple of the layer chunks a pipeline splits the model into."""
+    plan = plan if isinstance(plan, ParallelPlan) else load_plan(plan)
+    pipe = plan.pipeline
+    chunks = mesh_shape.get("stage", 1) * (pipe.virtual_stages if pipe.schedule == "interleaved" else 1)
+    return chunks * -(-4 // chunks)
 
 
 def run_demo(
@@ -97,7 +108,7 @@ def run_demo(
     devices = select_devices(config.devices)
     plan = _plan_to_continue(config, plan, len(devices), phase)
     mesh = build_mesh(plan, devices)
-    cfg = model_config(config)
+    cfg = model_config(config, dict(mesh.shape))
     optimizer = build_optimizer(plan.optimizer)
     tp = tensor_axis(plan)
     train = make_train_step(layered_model(cfg, tp=tp), optimizer, plan, mesh)
@@ -190,7 +201,7 @@ def _twin_start(twin, params, state, *, resumed: bool):
         return None
     if not resumed:
         return twin[0](params)
-    return jax.device_get(state)._replace(feedback=None)
+    return twin_state_of(state, like=twin[0](params))
 
 
 def _saver(config: DemoConfig):

@@ -1,10 +1,10 @@
 """What the train step can run: checks that read the plan's axis roles.
 
-* ``stage`` > 1 runs GPipe and 1F1B over a :class:`LayeredModel`'s stacked
-  layers with DDP, ZeRO-1/2/3 and tensor blocks; interleaved schedules
-  (``virtual_stages`` > 1) and compressed collectives with ZeRO-3 under a
-  pipeline are not built yet. Each pass's batch (the micro batch) must split
-  into ``pipeline.microbatches``.
+* ``stage`` > 1 runs GPipe, 1F1B and interleaved 1F1B over a
+  :class:`LayeredModel`'s stacked layers with DDP, ZeRO-1/2/3 and tensor
+  blocks; compressed collectives with ZeRO-3 under a pipeline are not built
+  yet. Each pass's batch (the micro batch) must split into
+  ``pipeline.microbatches``.
 * ``tensor`` > 1 needs a loss written with :mod:`torsh_jax.tensor` blocks
   (it computes on local shards); a loss without them would compute on shards
   as if they were whole weights.
@@ -100,13 +100,6 @@ def _check_pipeline(plan: ParallelPlan, roles: Roles) -> None:
     if roles.stage_axis is None:
         return
     pipe, where = plan.pipeline, f"mesh {mesh_shape_text(roles)}"
-    if pipe.virtual_stages > 1:
-        raise NotSupportedYetError(
-            f"interleaved pipelines (virtual_stages = {pipe.virtual_stages}, {where}) are not built yet: "
-            "each stage would hold every p-th layer chunk, a strided layout the stored state has no form for",
-            key="pipeline.virtual_stages",
-            fix='set pipeline.virtual_stages = 1 with schedule "1f1b" or "gpipe"',
-        )
     if roles.zero_stage == 3 and (roles.gradient_compression or roles.weight_compression):
         raise NotSupportedYetError(
             f"compressed collectives with ZeRO-3 under a pipeline ({where}) are not built yet",

@@ -192,24 +192,25 @@ def _remat(fn: Callable, plan: ParallelPlan) -> Callable:
     return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
 
 
-def _layer_dims(dims: PyTree) -> PyTree:
-    """Shard dims of one layer's slice of stacked parameters (the layer dim is gone)."""
-    return jax.tree.map(lambda d: None if d is None else d - 1, dims, is_leaf=lambda x: x is None)
+def _layer_dims(dims: PyTree, leading: int = 1) -> PyTree:
+    """Shard dims of one layer's slice of stacked parameters (the ``leading`` layer dims are gone)."""
+    return jax.tree.map(lambda d: None if d is None else d - leading, dims, is_leaf=lambda x: x is None)
 
 
-def _layer_specs(specs: PyTree) -> PyTree:
-    """Specs of one layer's slice of stacked parameters (the layer dim is gone)."""
-    return jax.tree.map(lambda s: P(*s[1:]), specs, is_leaf=lambda x: isinstance(x, P))
+def _layer_specs(specs: PyTree, leading: int = 1) -> PyTree:
+    """Specs of one layer's slice of stacked parameters (the ``leading`` layer dims are gone)."""
+    return jax.tree.map(lambda s: P(*s[leading:]), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def gathering_model(model: LayeredModel, plan: ParallelPlan, dims: PyTree, *, backward: SyncSpec,
-                    specs: PyTree) -> LayeredModel:  # fmt: skip
+                    specs: PyTree, layer_dims: int = 1) -> LayeredModel:  # fmt: skip
     """``model`` whose functions take parameter shards and gather them on use (one layer at a time;
-    gradients reduce-scattered in the backward pass): a pipeline slot's ZeRO-3 per micro-batch."""
+    gradients reduce-scattered in the backward pass): a pipeline slot's ZeRO-3 per micro-batch.
+    ``layer_dims``: leading layer dims of the stored stacked leaves (2 when stored in chunks)."""
     gather = lambda shards, d, s: _gather_tree(shards, d, s, plan, backward, ())
     embed_d, stacked_d, head_d = split_params(model, dims)
     embed_p, stacked_p, head_p = split_params(model, specs)
-    one_layer = _layer_dims(stacked_d), _layer_specs(stacked_p)
+    one_layer = _layer_dims(stacked_d, layer_dims), _layer_specs(stacked_p, layer_dims)
     return model._replace(
         embed=lambda s, batch: model.embed(gather(s, embed_d, embed_p), batch),
         layer=_remat(lambda s, h: model.layer(gather(s, *one_layer), h), plan),

@@ -73,7 +73,7 @@ def tensor_theory(train: TrainStep, batch: Any) -> Theory | None:
         return None
     compute = jnp.dtype(plan.precision.compute_dtype)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute), train.layout.abstract.params)
-    embed_params, stacked, _ = split_params(model, params)
+    embed_params = split_params(model, params)[0]
     micro = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((plan.batch.micro_batch_size, *x.shape[1:]), x.dtype), batch
     )
@@ -87,7 +87,7 @@ def tensor_theory(train: TrainStep, batch: Any) -> Theory | None:
     return megatron_blocks(
         hidden.size * compute.itemsize,
         tensor_size=roles.size(roles.tensor_axis),
-        layers=jax.tree.leaves(stacked)[0].shape[0],
+        layers=_layers(train),
         sequence_parallel=roles.sequence_parallel,
         token_bytes=math.prod(hidden.shape[:-1]) * 4,
         replicated_grad_bytes=replicated,
@@ -135,6 +135,7 @@ def stage_theory(train: TrainStep, batch: Any) -> Theory | None:
         microbatches=plan.pipeline.microbatches,
         passes=plan.batch.accumulation_steps,
         shared_grad_bytes=_shared_grad_bytes(train),
+        virtual_stages=plan.pipeline.virtual_stages,
     )
 
 
@@ -154,7 +155,8 @@ def _layers(train: TrainStep) -> int | None:
     """Stacked layers of a layered model (``None`` for a plain loss)."""
     if not isinstance(train.loss, LayeredModel):
         return None
-    return jax.tree.leaves(train.layout.abstract.params[train.loss.layers_key])[0].shape[0]
+    logical = train.layout.logical_params(train.layout.abstract.params)
+    return jax.tree.leaves(logical[train.loss.layers_key])[0].shape[0]
 
 
 def inspect_step(train: TrainStep, state: TrainState, batch: Any) -> dict:

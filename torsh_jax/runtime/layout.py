@@ -41,7 +41,7 @@ from torsh_jax.runtime.checks import check_param_axes
 from torsh_jax.runtime.data_parallel import gathers_once, gradient_sync
 from torsh_jax.runtime.fsdp import shard_dims, sharded_specs
 from torsh_jax.runtime.offload import offloaded_parts
-from torsh_jax.runtime.pipeline import stage_specs
+from torsh_jax.runtime.pipeline import chunk_layers, layer_chunks, stage_specs, unchunk_layers
 from torsh_jax.runtime.specs import entry_axes, param_specs
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.runtime.sync import SyncSpec, feedback_specs, sync_feedback
@@ -68,6 +68,11 @@ class StateLayout:
         abstract: the stored state's shapes and dtypes (global).
         split: per parameter, the mesh axes its compute layout splits it over
             (``("tensor",)`` or ``()``); gradient buckets never mix them.
+        stacked_key: top-level key of the stacked layer parameters.
+        layer_chunks: the stacked layers are stored as ``[layer_chunks, layers /
+            layer_chunks, ...]`` (an interleaved pipeline; 1: as given). Every
+            field above describes the stored form; :meth:`logical_params` and
+            :meth:`stored_params` convert.
     """
 
     roles: Roles
@@ -81,6 +86,16 @@ class StateLayout:
     init_feedback: Callable[[], PyTree] | None = None
     offloaded: tuple[str, ...] = ()
     split: PyTree = None
+    stacked_key: str = "layers"
+    layer_chunks: int = 1
+
+    def stored_params(self, params: PyTree) -> PyTree:
+        """Parameters as the model defines them -> as the train state stores them."""
+        return chunk_layers(params, self.stacked_key, self.layer_chunks)
+
+    def logical_params(self, params: PyTree) -> PyTree:
+        """Stored parameters (``state.params``, gradients) -> as the model defines them."""
+        return unchunk_layers(params, self.stacked_key, self.layer_chunks)
 
     def memory_kind(self, part: str) -> str:
         """``pinned_host`` for an offloaded state field, ``device`` otherwise."""
@@ -197,6 +212,8 @@ def state_layout(
     compute = stage_specs(param_specs(params_like, plan, mesh), params_like, plan, roles, stacked_key)
     check_param_axes(compute, roles)
     dims = shard_dims(params_like, plan, mesh, roles=roles, specs=compute, stacked_key=stacked_key)
+    chunks = layer_chunks(plan, roles)
+    params_like, compute, dims = _chunked(params_like, compute, dims, stacked_key, chunks)
     update = sharded_specs(compute, dims) if roles.opt_state_sharded else compute
     stored = update if roles.params_sharded else compute
     sync = gradient_sync(plan, roles)
@@ -218,6 +235,16 @@ def state_layout(
         loss_scale=None if scaler is None else jax.eval_shape(scaler.init),
         feedback=None if init_feedback is None else jax.eval_shape(init_feedback),
     )
-    return StateLayout(
-        roles, mesh, compute, dims, update, specs, sync, abstract, init_feedback, offloaded_parts(plan), split
-    )
+    return StateLayout(roles, mesh, compute, dims, update, specs, sync, abstract, init_feedback,
+                       offloaded_parts(plan), split, stacked_key, chunks)  # fmt: skip
+
+
+def _chunked(params_like: PyTree, compute: PyTree, dims: PyTree, key: str, chunks: int) -> tuple:
+    """Shapes, compute specs and shard dims of the stored form (:func:`chunk_layers`): the chunk dim
+    leads, replicated; the stage split moves to the layer dim within a chunk."""
+    if chunks == 1:
+        return params_like, compute, dims
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_like)
+    compute = {**compute, key: jax.tree.map(lambda s: P(None, *s), compute[key], is_leaf=_is_spec)}
+    shifted = jax.tree.map(lambda d: None if d is None else d + 1, dims[key], is_leaf=lambda x: x is None)
+    return chunk_layers(shapes, key, chunks), compute, {**dims, key: shifted}

@@ -49,7 +49,16 @@ from torsh_jax.runtime.layered import LayeredModel, scan_layers, split_params
 from torsh_jax.runtime.specs import path_str
 from torsh_jax.tensor.axis import has_tensor_blocks, vary_over, varying_axes
 
-__all__ = ["pipeline_gradients", "reduce_over_stage", "schedule_for", "stage_specs", "require_layered"]
+__all__ = [
+    "pipeline_gradients",
+    "reduce_over_stage",
+    "schedule_for",
+    "stage_specs",
+    "require_layered",
+    "layer_chunks",
+    "chunk_layers",
+    "unchunk_layers",
+]
 
 PyTree = Any
 
@@ -59,6 +68,45 @@ def schedule_for(plan: ParallelPlan, roles: Roles) -> Schedule:
     pipe = plan.pipeline
     return build_schedule(pipe.schedule, stages=roles.size(STAGE_AXIS), microbatches=pipe.microbatches,
                           virtual_stages=pipe.virtual_stages)  # fmt: skip
+
+
+def layer_chunks(plan: ParallelPlan, roles: Roles) -> int:
+    """Chunks the stored stacked layers are split into: ``virtual_stages`` under an interleaved
+    pipeline, else 1.
+
+    Interleaving puts layer chunk ``c * p + s`` on stage ``s``: a strided split of
+    the layer dim that no ``PartitionSpec`` of ``[layers, ...]`` expresses. Stored
+    as ``[v, layers / v, ...]`` (a reshape: the values keep their order) and
+    split ``P(None, 'stage')``, stage ``s`` holds exactly its ``v`` chunks, so no
+    parameter moves between stages in a step.
+    """
+    pipe = plan.pipeline
+    interleaved = roles.stage_axis is not None and pipe.schedule == "interleaved"
+    return pipe.virtual_stages if interleaved else 1
+
+
+def chunk_layers(params: dict, key: str, chunks: int) -> dict:
+    """``params`` with the stacked layers ``[layers, ...]`` under ``key`` stored as ``[chunks,
+    layers / chunks, ...]`` (arrays or ``ShapeDtypeStruct`` s; ``chunks == 1``: unchanged)."""
+    return _reshape_layers(params, key, chunks, lambda s: (chunks, s[0] // chunks, *s[1:]))
+
+
+def unchunk_layers(params: dict, key: str, chunks: int) -> dict:
+    """Inverse of :func:`chunk_layers`: the stacked layers back as ``[layers, ...]``."""
+    return _reshape_layers(params, key, chunks, lambda s: (s[0] * s[1], *s[2:]))
+
+
+def _reshape_layers(params: dict, key: str, chunks: int, new_shape: Callable) -> dict:
+    if chunks == 1:
+        return params
+
+    def one(x):
+        shape = new_shape(x.shape)
+        return (
+            jax.ShapeDtypeStruct(shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x.reshape(shape)
+        )
+
+    return {**params, key: jax.tree.map(one, params[key])}
 
 
 def require_layered(loss: Any, roles: Roles) -> None:
@@ -136,7 +184,8 @@ class _Pass:
     def __init__(self, model: LayeredModel, schedule: Schedule, params, batch, seed):
         self.model, self.v = model, schedule.virtual_stages
         self.embed_p, layers, self.head_p = split_params(model, params)
-        self.chunks = jax.tree.map(lambda x: x.reshape(self.v, x.shape[0] // self.v, *x.shape[1:]), layers)
+        # this stage's chunks [v, layers per chunk, ...]: stored so when interleaved (layer_chunks)
+        self.chunks = layers if self.v > 1 else jax.tree.map(lambda x: x[None], layers)
         self.micro = split_micro_batches(batch, schedule.microbatches)
         self.seed = seed
 
@@ -226,7 +275,8 @@ def pipeline_gradients(
 ) -> Callable:
     """Per device: ``(params, batch, scale) -> (grads, mean loss, [[forward, backward]] slots run)``.
 
-    ``params`` hold this stage's layers (``[layers / stage, ...]``); ``batch`` is
+    ``params`` hold this stage's layers (``[layers / stage, ...]``, or its
+    ``[v, layers / (v stage), ...]`` chunks when interleaved); ``batch`` is
     one pass's batch, split into ``schedule.microbatches``. Gradients are of the
     mean loss times ``scale`` (1 when ``None``), in ``accum_dtype``. The
     embedding and head gradients and the loss are this stage's share (zero
@@ -256,7 +306,7 @@ def pipeline_gradients(
         for tick in range(schedule.ticks):
             carry = _tick(carry, tick, stage, plan, branches, axis, p)
         acts, cots, (g_embed, g_chunks, g_head), loss_sum, counts = carry
-        g_layers = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), g_chunks)
+        g_layers = g_chunks if schedule.virtual_stages > 1 else jax.tree.map(lambda x: x[0], g_chunks)
         grads = {**g_embed, model.layers_key: g_layers, **g_head}
         return grads, loss_sum / m, counts[None]
 

@@ -91,7 +91,8 @@ def gradient_program(loss: LossOrModel, plan: ParallelPlan, layout: StateLayout)
         accum_dtype = jax.numpy.dtype(precision.param_dtype)
         model = loss
         if roles.zero_stage == 3 and not gather_once:  # gather one layer at a time in every slot
-            model = gathering_model(loss, plan, layout.dims, backward=backward_sync(plan, roles), specs=split)
+            model = gathering_model(loss, plan, layout.dims, backward=backward_sync(plan, roles), specs=split,
+                                    layer_dims=1 + (layout.layer_chunks > 1))  # fmt: skip
         passes = pipeline_gradients(model, schedule_for(plan, roles), accum_dtype=accum_dtype)
     per_micro_step = (roles.zero_stage == 2 or gather_once) and not sync.routes
 

@@ -39,7 +39,7 @@ from torsh_jax.runtime.layout import StateLayout
 from torsh_jax.runtime.mesh import mesh_shape_str
 from torsh_jax.runtime.offload import check_offload, to_device_memory
 from torsh_jax.runtime.params import take_params
-from torsh_jax.runtime.pipeline import require_layered
+from torsh_jax.runtime.pipeline import layer_chunks, require_layered, unchunk_layers
 from torsh_jax.runtime.precision import cast_tree
 from torsh_jax.runtime.program import build_program
 from torsh_jax.runtime.specs import path_str
@@ -115,6 +115,11 @@ class TrainStep:
     def layout(self) -> StateLayout:
         """The state layout (after ``init`` was called, or with ``example_params``)."""
         return self._built["layout"]
+
+    def logical_params(self, params: PyTree) -> PyTree:
+        """``state.params`` (or gradients) as the model defines them: identical except under an
+        interleaved pipeline, which stores the stacked layers as ``[chunks, layers / chunks, ...]``."""
+        return self.layout.logical_params(params)
 
     def prepare(self, params_like: PyTree) -> None:
         """Derive the state layout from parameters or their shapes, as ``init`` would, without
@@ -194,7 +199,8 @@ def make_train_step(
         built["jitted"] = jax.jit(
             traced, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0
         )
-        built["init"] = jax.jit(_init_state(optimizer, plan, layout.init_feedback), out_shardings=shardings)
+        init_state = _init_state(optimizer, plan, layout.init_feedback, to_stored=layout.stored_params)
+        built["init"] = jax.jit(init_state, out_shardings=shardings)
 
     def ensure_built(params_like: PyTree) -> PyTree:
         """Plain parameters of ``params_like``; builds the step the first time."""
@@ -214,8 +220,9 @@ def make_train_step(
         return built["init"](plain)
 
     def step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
-        if "jitted" not in built:
-            ensure_built(state.params)
+        if "jitted" not in built:  # a state stored by an equal step: its layers may be in chunks
+            stacked = loss_fn.layers_key if isinstance(loss_fn, LayeredModel) else None
+            ensure_built(unchunk_layers(state.params, stacked, layer_chunks(plan, roles)))
         return built["jitted"](state, train_step.shard_batch(batch))
 
     train_step = TrainStep(
@@ -232,12 +239,15 @@ def make_train_step(
 
 
 def _init_state(
-    optimizer: optax.GradientTransformation, plan: ParallelPlan, init_feedback: Callable | None = None
+    optimizer: optax.GradientTransformation,
+    plan: ParallelPlan,
+    init_feedback: Callable | None = None,
+    to_stored: Callable = lambda params: params,
 ) -> Callable:
     scaler = scaler_for(plan)
 
     def init(params: PyTree) -> TrainState:
-        params = cast_tree(params, plan.precision.param_dtype)
+        params = to_stored(cast_tree(params, plan.precision.param_dtype))
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,

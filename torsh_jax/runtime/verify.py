@@ -39,6 +39,7 @@ __all__ = [
     "relative_error",
     "TwinReport",
     "compare_with_twin",
+    "twin_state_of",
 ]
 
 PyTree = Any
@@ -111,7 +112,7 @@ def compare_with_twin(
     report = TwinReport()
     for batch in batches:
         if lockstep:
-            t_state = _gathered(p_state, like=t_state)
+            t_state = twin_state_of(p_state, like=t_state)
         p_state, p_metrics = p_step(p_state, batch)
         t_state, t_metrics = t_step(t_state, batch)
         loss, twin_loss = float(p_metrics["loss"]), float(t_metrics["loss"])
@@ -119,17 +120,26 @@ def compare_with_twin(
         report.twin_losses.append(twin_loss)
         report.max_loss_rel_err = max(report.max_loss_rel_err, abs(loss - twin_loss) / abs(twin_loss))
         report.max_param_rel_err = max(
-            report.max_param_rel_err, relative_error(p_state.params, t_state.params)
+            report.max_param_rel_err, relative_error(_as_twin(p_state.params, t_state.params), t_state.params)
         )
         try:
             grads, twin_grads = recorded(p_state.opt_state), recorded(t_state.opt_state)
         except ValueError:
             continue
-        report.max_grad_rel_err = max(report.max_grad_rel_err, relative_error(grads, twin_grads))
+        report.max_grad_rel_err = max(
+            report.max_grad_rel_err, relative_error(_as_twin(grads, twin_grads), twin_grads)
+        )
     return report
 
 
-def _gathered(state: PyTree, *, like: PyTree) -> PyTree:
-    """``state`` as whole arrays on the default device, in the twin state's structure."""
-    state = state._replace(feedback=like.feedback)
-    return jax.tree.map(lambda x, t: jnp.asarray(np.asarray(x), dtype=t.dtype), state, like)
+def _as_twin(tree: PyTree, like: PyTree) -> PyTree:
+    """Whole host arrays in the twin's shapes: a state that stores stacked layers in chunks
+    (an interleaved pipeline) holds them in the same order, reshaped."""
+    return jax.tree.map(lambda x, t: np.asarray(x).reshape(np.shape(t)), tree, like)
+
+
+def twin_state_of(state: PyTree, *, like: PyTree) -> PyTree:
+    """A parallel program's ``state`` as a twin state: whole arrays on the default device, in the
+    structure and shapes of the twin state ``like``, without the per-device compression feedback."""
+    state = _as_twin(state._replace(feedback=like.feedback), like)
+    return jax.tree.map(lambda x, t: jnp.asarray(x, dtype=t.dtype), state, like)
