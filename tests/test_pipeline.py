@@ -15,7 +15,7 @@ from helpers import twin_report
 from torsh_jax import NotSupportedYetError, PlanError, load_plan
 from torsh_jax.demo.model import LMConfig, init_params, layered_model, loss_fn, synthetic_tokens
 from torsh_jax.pipeline.schedule import BACKWARD, FORWARD, build_schedule
-from torsh_jax.pipeline.slots import slot_plan
+from torsh_jax.pipeline.slots import slot_plan, tick_segments
 from torsh_jax.plan import plan_from_dict
 from torsh_jax.runtime.inspect import inspect_step
 from torsh_jax.runtime.mesh import build_mesh
@@ -30,8 +30,16 @@ RTOL = 1e-5
 def pipeline_plan(schedule: str, *, stages: int, microbatches: int, **extra) -> object:
     """data x stage over 8 devices, one pass of ``microbatches`` micro-batches of one example
     (interleaved: 2 chunks per stage)."""
-    pipe = {"schedule": schedule, "microbatches": microbatches, "virtual_stages": 2 if schedule == "interleaved" else 1}
-    spec = {"mesh": {"data": -1, "stage": stages}, "batch": {"micro_batch_size": microbatches}, "pipeline": pipe}
+    pipe = {
+        "schedule": schedule,
+        "microbatches": microbatches,
+        "virtual_stages": 2 if schedule == "interleaved" else 1,
+    }
+    spec = {
+        "mesh": {"data": -1, "stage": stages},
+        "batch": {"micro_batch_size": microbatches},
+        "pipeline": pipe,
+    }
     for section, values in extra.items():
         spec[section] = {**spec.get(section, {}), **values} if isinstance(values, dict) else values
     return plan_from_dict(spec, name=f"{schedule}-p{stages}-m{microbatches}")
@@ -76,6 +84,26 @@ def test_1f1b_holds_at_most_p_activations_while_gpipe_holds_m():
     flat = [slot_plan(build_schedule("1f1b", stages=4, microbatches=m)).activation_slots for m in (16, 32)]
     grows = [slot_plan(build_schedule("gpipe", stages=4, microbatches=m)).activation_slots for m in (16, 32)]
     assert flat == [4, 4] and grows == [16, 32]
+
+
+@pytest.mark.parametrize(
+    ("name", "p", "m", "v", "code_ticks"),
+    [("1f1b", 4, 8, 1, 16), ("1f1b", 4, 32, 1, 16), ("gpipe", 2, 4, 1, 4), ("interleaved", 4, 32, 2, 43)],
+)
+def test_the_executor_scans_repeated_ticks_so_its_code_stops_growing_with_m(name, p, m, v, code_ticks):
+    """Segments cover every tick once, in order; a scanned block repeats its senders (the static
+    ppermute pairs); 1F1B's steady state is one scanned block of 2 ticks, whatever m."""
+    plan = slot_plan(build_schedule(name, stages=p, microbatches=m, virtual_stages=v))
+    segments = tick_segments(plan, periods=(1, 2, 2 * p * v))
+    covered = [t for s in segments for t in range(s.start, s.start + s.period * s.repeats)]
+    assert covered == list(range(plan.branch.shape[0]))
+    for s in segments:
+        for r in range(1, s.repeats):
+            for j in range(s.period):
+                tick, first = s.start + r * s.period + j, s.start + j
+                assert (plan.sends_forward[tick] == plan.sends_forward[first]).all()
+                assert (plan.sends_backward[tick] == plan.sends_backward[first]).all()
+    assert sum(s.period for s in segments) == code_ticks
 
 
 def test_grid_and_json():
@@ -254,7 +282,9 @@ def test_interleaved_stage_bytes_cross_every_chunk_boundary_and_the_layout_holds
     # 4 micro-batches x 3 boundaries x 2 directions of one [1, 8, 16] f32 activation, per device
     assert stage["payload_bytes_by_kind"]["collective-permute"] == 2 * 4 * 3 * 512 / 2
     assert stage["wire_ratio"] == pytest.approx(1.0, abs=0.02)
-    assert summary["pipeline"]["bubble"] == pytest.approx(1 / 9) and summary["pipeline"]["virtual_stages"] == 2
+    assert (
+        summary["pipeline"]["bubble"] == pytest.approx(1 / 9) and summary["pipeline"]["virtual_stages"] == 2
+    )
     train = make_train_step(layered_model(PIPE), momentum(), plan, build_mesh(plan))
     state = train.init(init_params(PIPE, jax.random.key(0)))
     assert state.params["layers"]["wq"].shape[:2] == (2, 2)

@@ -9,22 +9,31 @@ are assigned by interval colouring: an activation lives from its arrival to
 its backward, a gradient from its arrival to its use, so the stash holds what
 the schedule keeps in flight and no more.
 
+The ticks are then cut into segments the executor runs as one ``lax.scan``
+each: a block of ``period`` ticks repeated ``repeats`` times with the same
+senders (a steady 1F1B state alternates a forward and a backward send, so its
+period is 2). The senders fix the ``ppermute`` pairs, which must be static;
+everything else is read from the tables at the scanned tick.
+
 Example:
     >>> from torsh_jax.pipeline.schedule import build_schedule
     >>> plan = slot_plan(build_schedule("1f1b", stages=2, microbatches=4))
     >>> plan.activation_slots, plan.gradient_slots
     (2, 1)
+    >>> [tuple(s) for s in tick_segments(slot_plan(build_schedule("1f1b", stages=2, microbatches=16)))]
+    [(0, 1, 1), (1, 1, 1), (2, 1, 1), (3, 2, 14), (31, 1, 1), (32, 1, 1), (33, 1, 1)]
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from torsh_jax.pipeline.schedule import BACKWARD, FORWARD, IDLE, Schedule
 
-__all__ = ["SlotPlan", "slot_plan", "BRANCHES"]
+__all__ = ["SlotPlan", "slot_plan", "BRANCHES", "Segment", "tick_segments"]
 
 #: Branch names; ``F_first`` embeds, ``F_last`` / ``B_last`` run the head and the loss.
 BRANCHES = ("idle", "F_first", "F_mid", "F_last", "B_first", "B_mid", "B_last")
@@ -107,3 +116,34 @@ def slot_plan(schedule: Schedule) -> SlotPlan:
             sends_b[arrive, (virtual + 1) % p] = True
     return SlotPlan(branch, micro_t, chunk_t, **tables, sends_forward=sends_f, sends_backward=sends_b,
                     activation_slots=acts.size, gradient_slots=grads.size)  # fmt: skip
+
+
+class Segment(NamedTuple):
+    """Ticks ``start .. start + period * repeats - 1``: a block of ``period`` ticks, ``repeats`` times."""
+
+    start: int
+    period: int
+    repeats: int
+
+
+def _senders(plan: SlotPlan, tick: int) -> tuple:
+    return tuple(plan.sends_forward[tick].tolist()), tuple(plan.sends_backward[tick].tolist())
+
+
+def tick_segments(plan: SlotPlan, *, periods: tuple[int, ...] = (1, 2)) -> list[Segment]:
+    """Every tick once, in order: at each tick the longest run of a block of ``periods`` ticks whose
+    senders repeat (scanned when that saves at least 2 ticks of code), else the single tick."""
+    ticks = plan.branch.shape[0]
+    senders = [_senders(plan, t) for t in range(ticks)]
+    out, tick = [], 0
+    while tick < ticks:
+        best = Segment(tick, 1, 1)
+        for period in periods:
+            block, repeats = senders[tick : tick + period], 1
+            while senders[tick + repeats * period : tick + (repeats + 1) * period] == block:
+                repeats += 1
+            if period * (repeats - 1) >= 2 and period * repeats > best.period * best.repeats:
+                best = Segment(tick, period, repeats)
+        out.append(best)
+        tick += best.period * best.repeats
+    return out

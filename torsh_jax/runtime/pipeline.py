@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from torsh_jax.errors import NotSupportedYetError, PlanError
 from torsh_jax.pipeline.schedule import Schedule, build_schedule
-from torsh_jax.pipeline.slots import BRANCHES, SlotPlan, slot_plan
+from torsh_jax.pipeline.slots import BRANCHES, Segment, SlotPlan, slot_plan, tick_segments
 from torsh_jax.plan.roles import STAGE_AXIS, Roles
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.accumulate import split_micro_batches
@@ -250,15 +250,21 @@ class _Pass:
         return acts, cots, grads, loss_sum, counts.at[which].add(1)
 
 
-def _ints(plan: SlotPlan, tick: int, stage: jax.Array) -> dict[str, jax.Array]:
+def _at(table: np.ndarray, tick: int | jax.Array, stage: jax.Array) -> jax.Array:
+    """``table[tick, stage]``; a static tick embeds one row, a scanned one the table."""
+    if isinstance(tick, int):
+        return jnp.asarray(table[tick])[stage]
+    return jnp.asarray(table)[tick, stage]
+
+
+def _ints(plan: SlotPlan, tick: int | jax.Array, stage: jax.Array) -> dict[str, jax.Array]:
     names = ("micro", "chunk", "activation_in", "gradient_in")
-    return {name: jnp.asarray(getattr(plan, name)[tick])[stage] for name in names}
+    return {name: _at(getattr(plan, name), tick, stage) for name in names}
 
 
-def _receive(buffer: jax.Array, received: jax.Array, slots: np.ndarray, stage: jax.Array) -> jax.Array:
-    """Write ``received`` into this stage's slot (``-1``: keep the buffer). A select, not a ``cond``:
+def _receive(buffer: jax.Array, received: jax.Array, slot: jax.Array) -> jax.Array:
+    """Write ``received`` into this stage's ``slot`` (``-1``: keep the buffer). A select, not a ``cond``:
     XLA may sink the ``ppermute`` feeding a conditional into its branch, which only some devices run."""
-    slot = jnp.asarray(slots)[stage]
     buffer = _cast(buffer, varying_axes(buffer) | varying_axes(received))
     row = jnp.maximum(slot, 0)
     kept = jax.lax.dynamic_index_in_dim(buffer, row, keepdims=False)
@@ -296,15 +302,17 @@ def pipeline_gradients(
         seed = (jnp.float32(1.0) if scale is None else scale.astype(jnp.float32)) / m
         one = _Pass(model, schedule, params, batch, seed)
         shape = jax.eval_shape(lambda: model.embed(one.embed_p, one.batch_of(0)))
-        one.dtype, one.zeros = shape.dtype, jnp.zeros(shape.shape, shape.dtype)
-        acts = jnp.zeros((plan.activation_slots, *shape.shape), shape.dtype)
-        cots = jnp.zeros((plan.gradient_slots, *shape.shape), shape.dtype)
+        # activations vary as the embedding's output does (and over stage) from the first tick on: a
+        # scanned tick reading the stash before anything arrived sees the type it will have
+        hidden = lambda *lead: _cast(jnp.zeros((*lead, *shape.shape), shape.dtype), _vmas(shape) | {axis})
+        one.dtype, one.zeros = shape.dtype, hidden()
+        acts, cots = hidden(plan.activation_slots), hidden(plan.gradient_slots)
         zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, accum_dtype), tree)
         grads = (zeros(one.embed_p), zeros(one.chunks), zeros(one.head_p))
         carry = (acts, cots, grads, jnp.float32(0.0), jnp.zeros(2, jnp.int32))
-        branches = one.branches()
-        for tick in range(schedule.ticks):
-            carry = _tick(carry, tick, stage, plan, branches, axis, p)
+        run_ticks = lambda c, tick, like: _tick(c, tick, like, stage, plan, one.branches(), axis, p)
+        for segment in tick_segments(plan, periods=(1, 2, 2 * p * schedule.virtual_stages)):
+            carry = _segment(carry, segment, run_ticks)
         acts, cots, (g_embed, g_chunks, g_head), loss_sum, counts = carry
         g_layers = g_chunks if schedule.virtual_stages > 1 else jax.tree.map(lambda x: x[0], g_chunks)
         grads = {**g_embed, model.layers_key: g_layers, **g_head}
@@ -321,19 +329,40 @@ def reduce_over_stage(grads: dict, loss: jax.Array, layers_key: str, axis: str =
     return {**shared, layers_key: grads[layers_key]}, loss
 
 
-def _tick(carry, tick: int, stage, plan: SlotPlan, branches: dict, axis: str, p: int):
-    present = sorted(set(plan.branch[tick].tolist()))
-    index = jnp.asarray(np.searchsorted(present, plan.branch[tick]).astype(np.int32))[stage]
+def _segment(carry, segment: Segment, run_tick: Callable):
+    """The ticks of ``segment``: one tick in line, or a ``lax.scan`` over the repeats of its block."""
+    start, period, repeats = segment
+    if repeats == 1:
+        return run_tick(carry, start, [start])
+
+    def block(carry, r):
+        for j in range(period):
+            carry = run_tick(
+                carry, start + r * period + j, range(start + j, start + period * repeats, period)
+            )
+        return carry, None
+
+    carry = _settled(lambda c: block(c, jnp.int32(0))[0], carry)
+    return jax.lax.scan(block, carry, jnp.arange(repeats, dtype=jnp.int32))[0]
+
+
+def _tick(carry, tick, like, stage, plan: SlotPlan, branches: dict, axis: str, p: int):
+    """One tick: ``tick`` (an int, or traced inside a scan) stands for the static ticks ``like``,
+    which have the same senders; each stage runs its branch, then the senders ``ppermute``."""
+    like = list(like)
+    present = sorted(set(plan.branch[like].ravel().tolist()))
+    index = np.zeros_like(plan.branch)
+    index[like] = np.searchsorted(present, plan.branch[like])
     chosen = [branches[BRANCHES[b]] for b in present]
-    ints = _ints(plan, tick, stage)
-    carry, forward, backward = _switch(index, chosen, carry, ints)
+    carry, forward, backward = _switch(_at(index, tick, stage), chosen, carry, _ints(plan, tick, stage))
     acts, cots, *rest = carry
-    if plan.sends_forward[tick].any():
-        received = jax.lax.ppermute(forward, axis, _pairs(plan.sends_forward[tick], 1, p))
-        acts = _receive(acts, received, plan.receive_activation[tick], stage)
-    if plan.sends_backward[tick].any():
-        received = jax.lax.ppermute(backward, axis, _pairs(plan.sends_backward[tick], -1, p))
-        cots = _receive(cots, received, plan.receive_gradient[tick], stage)
+    sends_forward, sends_backward = plan.sends_forward[like[0]], plan.sends_backward[like[0]]
+    if sends_forward.any():
+        received = jax.lax.ppermute(forward, axis, _pairs(sends_forward, 1, p))
+        acts = _receive(acts, received, _at(plan.receive_activation, tick, stage))
+    if sends_backward.any():
+        received = jax.lax.ppermute(backward, axis, _pairs(sends_backward, -1, p))
+        cots = _receive(cots, received, _at(plan.receive_gradient, tick, stage))
     return (acts, cots, *rest)
 
 
@@ -344,12 +373,29 @@ def _cast(tree: PyTree, axes: PyTree) -> PyTree:
                         is_leaf=lambda a: isinstance(a, frozenset))  # fmt: skip
 
 
+def _kinds(tree: PyTree) -> PyTree:
+    return jax.tree.map(varying_axes, tree)
+
+
+def _union(trees: list) -> PyTree:
+    return jax.tree.map(lambda *s: frozenset().union(*s), *trees, is_leaf=lambda a: isinstance(a, frozenset))
+
+
+def _settled(fn: Callable, carry):
+    """``carry`` typed as varying over every axis ``fn(carry)`` makes it vary over (a scan's carry
+    must keep its type)."""
+    for _ in range(4):
+        want = _union([_kinds(carry), _vmas(jax.eval_shape(fn, carry))])
+        if want == _kinds(carry):
+            break
+        carry = _cast(carry, want)
+    return carry
+
+
 def _switch(index, branches: list[Callable], carry, ints):
     """``lax.switch`` whose branches may differ in which manual axes a value varies over: every
     output (and the carry going in) is typed as varying over the union."""
-    kinds = lambda tree: jax.tree.map(varying_axes, tree)
-    union = lambda trees: jax.tree.map(lambda *s: frozenset().union(*s), *trees,
-                                       is_leaf=lambda a: isinstance(a, frozenset))  # fmt: skip
+    kinds, union = _kinds, _union
     for _ in range(3):  # the carry's type settles after a pass or two
         outs = [jax.eval_shape(b, carry, ints) for b in branches]
         target = union([_vmas(o) for o in outs])
