@@ -1,6 +1,7 @@
 """Pipeline schedules against the equivalent non-pipelined plan, in the same run.
 
-Each schedule (``pp_gpipe``, ``pp_1f1b``: data 2 x stage 4, 8 micro-batches)
+Each schedule (``pp_gpipe``, ``pp_1f1b``, ``pp_interleaved`` with 2 chunks per
+stage: data 2 x stage 4, 8 micro-batches)
 trains the demo language model with ``optax.adamw``; the baseline is our DDP
 step over all 8 devices with the same global batch. Steps are interleaved
 (ABC...) in one process.
@@ -14,10 +15,10 @@ Prints one JSON object per line, for each schedule ``s``:
 
 On simulated CPU devices every device is a thread on the same cores, so a
 pipeline cannot overlap its stages: the ratio shows the schedule's overhead
-(its bubble and the ticks it unrolls), not the speed-up of real devices.
+(its bubble and its per-tick work), not the speed-up of real devices.
 
 Usage:
-    python benchmarks/bench_pipeline.py [--steps 20] [--layers 4] [--quick] [--plans pp_gpipe,pp_1f1b]
+    python benchmarks/bench_pipeline.py [--steps 20] [--layers 8] [--quick] [--plans pp_gpipe,pp_1f1b,...]
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import dataclasses
 
 import common
 
-PLANS = ("pp_gpipe", "pp_1f1b")
+PLANS = ("pp_gpipe", "pp_1f1b", "pp_interleaved")
 
 
 def equivalent_ddp(plan):
@@ -70,7 +71,7 @@ def pipeline_row(plan_name: str, pair, ddp_pair, times: dict, summaries: dict, *
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0], default_steps=20, default_layers=4, plans=PLANS)
+    args = common.parse_args(__doc__.splitlines()[0], default_steps=20, default_layers=8, plans=PLANS)
     common.setup_devices(8)
 
     from torsh_jax.demo.model import LMConfig
