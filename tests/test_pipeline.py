@@ -345,6 +345,13 @@ def test_layers_that_do_not_divide_into_stages_name_the_parameter():
     assert info.value.key.startswith("layers/") and "divisible by 4" in info.value.fix
 
 
+def test_layers_that_do_not_divide_into_stages_times_chunks_name_the_parameter():
+    plan = pipeline_plan("interleaved", stages=4, microbatches=4)  # 4 layers, 4 stages x 2 chunks
+    with pytest.raises(PlanError, match="4 stacked layers do not split into 4 stages x 2 virtual") as info:
+        _build(plan)
+    assert info.value.key.startswith("layers/") and "divisible by 8" in info.value.fix
+
+
 def test_a_micro_batch_that_does_not_split_into_the_microbatches():
     plan = pipeline_plan("1f1b", stages=2, microbatches=4, batch={"micro_batch_size": 6})
     with pytest.raises(PlanError, match="does not split into 4 pipeline micro-batches") as info:
