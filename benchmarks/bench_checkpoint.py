@@ -167,6 +167,8 @@ class _Target:
             abstract=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state),
             mesh=getattr(jax.tree.leaves(state.params)[0].sharding, "mesh", None),
             shardings=lambda: shardings,
+            stacked_key="layers",  # no stacked layers here: nothing is stored in chunks
+            layer_chunks=1,
         )
         self._built = {"layout": self.layout}
 

@@ -24,9 +24,11 @@ from torsh_jax.demo.model import LMConfig, init_params, layered_model, loss_fn, 
 from torsh_jax.errors import PlanError
 from torsh_jax.optim import build_optimizer
 from torsh_jax.plan.io import load_plan
+from torsh_jax.plan.roles import compose
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.inspect import headline, inspect_step
 from torsh_jax.runtime.mesh import build_mesh
+from torsh_jax.runtime.pipeline import layer_chunks
 from torsh_jax.runtime.step import make_train_step
 from torsh_jax.runtime.twin import make_reference_step
 from torsh_jax.runtime.verify import twin_state_of
@@ -89,8 +91,7 @@ def model_config(config: DemoConfig, mesh_shape: dict | None = None) -> LMConfig
 def _default_layers(plan: str | ParallelPlan, mesh_shape: dict) -> int:
     """4, rounded up to a multiple of the layer chunks a pipeline splits the model into."""
     plan = plan if isinstance(plan, ParallelPlan) else load_plan(plan)
-    pipe = plan.pipeline
-    chunks = mesh_shape.get("stage", 1) * (pipe.virtual_stages if pipe.schedule == "interleaved" else 1)
+    chunks = mesh_shape.get("stage", 1) * layer_chunks(plan, compose(plan, mesh_shape))
     return chunks * -(-4 // chunks)
 
 
