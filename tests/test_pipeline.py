@@ -188,7 +188,9 @@ COMPOSED = {
     "interleaved-zero3-per-microbatch-accum": zero_pipeline(3, "per_microbatch", "interleaved"),
     "interleaved-3d-tensor": interleaved(load_plan("3d")),
     # HSDP: ZeRO-3 over fsdp 2 inside each of 2 data replicas, x 2 stages
-    "hsdp-zero3": pipeline_plan("1f1b", stages=2, microbatches=2, mesh={"data": 2, "fsdp": 2}, zero={"stage": 3}),
+    "hsdp-zero3": pipeline_plan(
+        "1f1b", stages=2, microbatches=2, mesh={"data": 2, "fsdp": 2}, zero={"stage": 3}
+    ),
     "3d-sequence-parallel": dataclasses.replace(
         load_plan("3d"), tensor=dataclasses.replace(load_plan("3d").tensor, sequence_parallel=True)
     ),
