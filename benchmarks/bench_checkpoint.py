@@ -1,8 +1,9 @@
 """Checkpoint cost: how long an asynchronous save blocks training, restore throughput, crash safety.
 
-A train state of ``--megabytes`` MB of float32 parameters (plus a step
-counter), sharded over ``fsdp`` on 8 simulated CPU devices, is saved with
-:class:`torsh_jax.checkpoint.Checkpointer`:
+The state of a ZeRO-3 train step (preset ``zero3``, 8 simulated CPU devices;
+``--megabytes`` MB of float32 parameters, optimizer ``optax.sgd`` so the
+parameters are the state) is saved with :class:`torsh_jax.checkpoint.Checkpointer`
+and restored into the same train step with :func:`torsh_jax.checkpoint.restore`:
 
 * ``checkpoint_save_blocking``: ``ratio`` = seconds the ``save`` call blocks
   with ``asynchronous=True`` / seconds of a synchronous save of the same state
@@ -42,40 +43,47 @@ from pathlib import Path
 
 SAVE_TARGET = 0.25
 
-CHILD = r"""
-import os, sys
-import jax
-import jax.numpy as jnp
-from torsh_jax.checkpoint import Checkpointer
-from torsh_jax.plan import ParallelPlan
-from torsh_jax.runtime.state import TrainState
 
-directory = sys.argv[1]
-params = {f"w{i}": jax.random.normal(jax.random.key(i), (256, 1024)) for i in range(8)}   # 8 MiB
-state = TrainState(step=jnp.int32(0), params=params, opt_state=())
-with Checkpointer(directory, keep_last=2) as saver:
-    for step in range(10**6):
-        saver.save(state._replace(step=jnp.int32(step)), plan=ParallelPlan())
-        print(step, flush=True)
-"""
+def _params(leaves: int, rows: int = 1024) -> dict:
+    """``leaves`` random float32 ``[rows, 4096]`` arrays (random: constants would compress to nothing)."""
+    import jax
+    import jax.numpy as jnp
+
+    return {f"w{i}": jax.random.normal(jax.random.key(i), (rows, 4096), jnp.float32) for i in range(leaves)}
+
+
+def _train_step():
+    """A ZeRO-3 train step: its ``init`` and :func:`restore` give a state its real layout."""
+    import jax.numpy as jnp
+    import optax
+
+    from torsh_jax import build_mesh, load_plan, make_train_step
+
+    plan = load_plan("zero3")
+    loss = lambda params, batch: sum(jnp.mean(w) for w in params.values()) * jnp.mean(batch)
+    return make_train_step(loss, optax.sgd(1e-3), plan, build_mesh(plan))
 
 
 def _state(megabytes: int):
-    import jax
+    """``(train step, its state)`` with ``megabytes`` MB of parameters (16 MiB per array)."""
+    params = _params(max(megabytes // 16, 1))
+    train = _train_step()
+    return train, train.init(params)
+
+
+def child(directory: str) -> None:
+    """Save an 8 MiB ZeRO-3 state to ``directory`` in a loop, one line per save, until killed."""
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    from torsh_jax.runtime.state import TrainState
+    from torsh_jax.checkpoint import Checkpointer
 
-    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
-    leaves = max(megabytes // 16, 1)  # 16 MiB per leaf
-    sharding = NamedSharding(mesh, P("fsdp"))
-    # random values: constant arrays would compress to nothing on disk
-    full = lambda i: jax.random.normal(jax.random.key(i), (1024, 4096), jnp.float32)
-    params = {f"w{i}": jax.device_put(full(i), sharding) for i in range(leaves)}
-    step = jax.device_put(jnp.int32(1), NamedSharding(mesh, P()))
-    return TrainState(step=step, params=params, opt_state=()), mesh
+    params = _params(8, rows=64)
+    train = _train_step()
+    state = train.init(params)
+    with Checkpointer(directory, keep_last=2) as saver:
+        for step in range(10**6):
+            saver.save(state._replace(step=jnp.int32(step)), plan=train.plan)
+            print(step, flush=True)
 
 
 def _save_seconds(state, plan, *, asynchronous: bool) -> tuple[float, float]:
@@ -94,10 +102,8 @@ def _save_seconds(state, plan, *, asynchronous: bool) -> tuple[float, float]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def save_row(state, repeats: int, megabytes: float) -> dict:
-    from torsh_jax.plan import ParallelPlan
-
-    plan = ParallelPlan()
+def save_row(train, state, repeats: int, megabytes: float) -> dict:
+    plan = train.plan
     _save_seconds(state, plan, asynchronous=True)  # warm-up: handlers, thread pools
     rounds = []
     for _ in range(repeats):
@@ -118,22 +124,19 @@ def save_row(state, repeats: int, megabytes: float) -> dict:
     }
 
 
-def restore_row(state, megabytes: float) -> dict:
+def restore_row(train, state, megabytes: float) -> dict:
     import jax
 
-    from torsh_jax.checkpoint import Checkpointer
-    from torsh_jax.checkpoint.restore_state import restore
-    from torsh_jax.plan import ParallelPlan
+    from torsh_jax.checkpoint import Checkpointer, restore
 
     root = Path(tempfile.mkdtemp(prefix="bench_ckpt_"))
     try:
         with Checkpointer(root / "ckpt") as saver:
-            saver.save(state, plan=ParallelPlan())
-        step_dir = root / "ckpt" / "1"
+            saver.save(state, plan=train.plan)
+        step_dir = root / "ckpt" / str(int(state.step))
         start = time.perf_counter()
         shutil.copytree(step_dir, root / "copy")
         copy_s = time.perf_counter() - start
-        train = _Target(state)
         start = time.perf_counter()
         restored = restore(root / "ckpt", train)
         jax.block_until_ready(restored.state)
@@ -153,46 +156,26 @@ def restore_row(state, megabytes: float) -> dict:
         shutil.rmtree(root, ignore_errors=True)
 
 
-class _Target:
-    """The least a restore needs from a train step: a layout with ``state``'s own shardings."""
-
-    def __init__(self, state):
-        import types
-
-        import jax
-
-        shardings = jax.tree.map(lambda x: x.sharding, state)
-        self.plan = None
-        self.layout = types.SimpleNamespace(
-            abstract=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state),
-            mesh=getattr(jax.tree.leaves(state.params)[0].sharding, "mesh", None),
-            shardings=lambda: shardings,
-            stacked_key="layers",  # no stacked layers here: nothing is stored in chunks
-            layer_chunks=1,
-        )
-        self._built = {"layout": self.layout}
-
-
 def crash_row(kills: int) -> dict:
     """Kill a saving child with SIGKILL ``kills`` times; restore the newest complete step after each."""
     import jax
 
-    from torsh_jax.checkpoint.restore_state import restore
+    from torsh_jax.checkpoint import restore
 
+    train = _train_step()  # restore derives the state's layout from the saved shapes
     root = Path(tempfile.mkdtemp(prefix="bench_crash_"))
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     rng = random.Random(0)
     restored, steps = 0, []
     try:
         for _ in range(kills):
-            argv = [sys.executable, "-c", CHILD, str(root)]
+            argv = [sys.executable, __file__, "--child", str(root)]
             child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
             child.stdout.readline()  # the first save has started
             time.sleep(rng.uniform(0.0, 1.0))
             child.kill()
             child.wait()
-            state = _child_state()
-            result = restore(root, _Target(state), fallback=True)
+            result = restore(root, train, fallback=True)
             jax.block_until_ready(result.state)
             restored += 1
             steps.append(result.step)
@@ -256,15 +239,6 @@ def recovery_row(kill_after: int = 3, steps: int = 6) -> dict:
             "processes": "2 -> 1"}  # fmt: skip
 
 
-def _child_state():
-    import jax.numpy as jnp
-
-    from torsh_jax.runtime.state import TrainState
-
-    params = {f"w{i}": jnp.zeros((256, 1024)) for i in range(8)}
-    return TrainState(step=jnp.int32(0), params=params, opt_state=())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--megabytes", type=int, default=256, help="state size [256]")
@@ -274,6 +248,7 @@ def main() -> None:
         "--quick", action="store_true", help="32 MB, 1 round, 2 kills, no recovery row (a smoke run)"
     )
     parser.add_argument("--no-recovery", action="store_true", help="skip the 2-process kill-and-restart row")
+    parser.add_argument("--child", metavar="DIR", help=argparse.SUPPRESS)  # crash_row's saving process
     args = parser.parse_args()
     if args.quick:
         args.megabytes, args.repeats, args.crashes, args.no_recovery = 32, 1, 2, True
@@ -281,9 +256,11 @@ def main() -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    state, _ = _state(args.megabytes)
+    if args.child:
+        return child(args.child)
+    train, state = _state(args.megabytes)
     megabytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / 1e6
-    for row in (save_row(state, args.repeats, megabytes), restore_row(state, megabytes)):
+    for row in (save_row(train, state, args.repeats, megabytes), restore_row(train, state, megabytes)):
         print(json.dumps(row), flush=True)
     if args.crashes:
         print(json.dumps(crash_row(args.crashes)), flush=True)

@@ -18,7 +18,7 @@ from conftest import require_devices
 from torsh_jax import load_plan
 from torsh_jax.checkpoint import Checkpointer, list_checkpoints, restore, show_checkpoint
 from torsh_jax.demo.model import LMConfig, init_params, layered_model, synthetic_tokens
-from torsh_jax.errors import CheckpointError
+from torsh_jax.errors import CheckpointError, CheckpointUnreadableError
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.step import make_train_step
 from torsh_jax.tensor import tensor_axis
@@ -170,7 +170,7 @@ def test_a_damaged_step_is_named_and_resume_falls_back(tmp_path):
         saver.save(state._replace(step=state.step + 1), plan=train.plan)
     for data in (tmp_path / "1" / "state" / "ocdbt.process_0" / "d").iterdir():  # the array data files
         data.write_bytes(data.read_bytes()[:100])
-    with pytest.raises(CheckpointError, match="step 1 cannot be read") as err:
+    with pytest.raises(CheckpointUnreadableError, match="step 1 cannot be read") as err:
         restore(tmp_path, _train_step("ddp", 1), step=1)
     assert str(tmp_path / "1" / "state") in str(err.value) and "params." in str(err.value)
     restored = restore(tmp_path, _train_step("ddp", 1), fallback=True)

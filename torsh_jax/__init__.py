@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "DistributedError": "torsh_jax.errors",
     "CompressionError": "torsh_jax.errors",
     "CheckpointError": "torsh_jax.errors",
+    "CheckpointUnreadableError": "torsh_jax.errors",
     "ParameterError": "torsh_jax.errors",
     "PrecisionWarning": "torsh_jax.errors",
     # plans

@@ -24,6 +24,7 @@ __all__ = [
     "DistributedError",
     "CompressionError",
     "CheckpointError",
+    "CheckpointUnreadableError",
     "ParameterError",
     "PrecisionWarning",
 ]
@@ -86,6 +87,10 @@ class CompressionError(TorshError, ValueError):
 
 class CheckpointError(TorshError, RuntimeError):
     """A checkpoint cannot be saved or restored for this plan."""
+
+
+class CheckpointUnreadableError(CheckpointError):
+    """A checkpoint step's files are damaged or missing (an earlier complete step may still restore)."""
 
 
 class ParameterError(TorshError, TypeError):

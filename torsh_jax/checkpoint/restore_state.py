@@ -45,7 +45,7 @@ from torsh_jax.checkpoint.store import (
     open_manager,
     require_dir,
 )
-from torsh_jax.errors import CheckpointError, TorshError
+from torsh_jax.errors import CheckpointError, CheckpointUnreadableError, TorshError
 from torsh_jax.plan.io import plan_from_toml, plan_to_dict
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.pipeline import unchunk_layers
@@ -143,7 +143,7 @@ def _abstract(tree: PyTree, shardings: PyTree) -> PyTree:
 def _prepared(train_step, manager, step: int, chunks: int):
     """The layout of ``train_step``, built from the saved parameter shapes (stacked layers saved in
     ``chunks`` chunks) if ``init`` has not run."""
-    if "layout" not in train_step._built:
+    if not train_step.prepared:
         params = saved_metadata(manager, step, STATE)["params"]
         like = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), params, is_leaf=_is_array_meta
@@ -263,7 +263,7 @@ def _restore_readable(manager, root: Path, step: int, train_step) -> Restored:
     except TorshError:
         raise
     except Exception as err:  # orbax, tensorstore, JSON: a damaged or missing file
-        raise CheckpointError(
+        raise CheckpointUnreadableError(
             f"step {step} cannot be read ({_root_cause(err)})",
             key=str(root / str(step)),
             fix="restore an earlier complete step, or delete the damaged step directory",
@@ -325,9 +325,8 @@ def _restore_newest(manager, root: Path, train_step, candidates: list[int], fall
     for index, candidate in enumerate(candidates):
         try:
             restored = _restore_readable(manager, root, candidate, train_step)
-        except CheckpointError as err:
-            unreadable = "cannot be read" in err.message
-            if not (fallback and unreadable and index + 1 < len(candidates)):
+        except CheckpointUnreadableError as err:
+            if not (fallback and index + 1 < len(candidates)):
                 raise
             skipped.append(f"step {candidate} skipped: {err}")
             log.warning("checkpoint step %d cannot be read; trying step %d", candidate, candidates[index + 1])

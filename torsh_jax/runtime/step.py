@@ -112,6 +112,11 @@ class TrainStep:
         return self._built.get("notes", ())
 
     @property
+    def prepared(self) -> bool:
+        """Whether the state layout exists (``init`` or :meth:`prepare` has run)."""
+        return "layout" in self._built
+
+    @property
     def layout(self) -> StateLayout:
         """The state layout (after ``init`` was called, or with ``example_params``)."""
         return self._built["layout"]
