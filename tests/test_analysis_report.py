@@ -126,6 +126,23 @@ def test_many_operands_are_abbreviated_in_the_table(mesh):
     assert "+3 more" in render_text(summary)
 
 
+def test_identical_collectives_share_one_row_counting_their_ops(mesh):
+    """Three same-shaped ppermutes in a row: one table row with ``ops`` 3, ``x/step`` 3 (JSON keeps 3)."""
+
+    def step(x):
+        for i in range(3):
+            x = lax.ppermute(jnp.sin(x) + i, "data", [(0, 1), (1, 0)])
+        return x
+
+    program = jax.shard_map(step, mesh=mesh, in_specs=P(("data", "fsdp")), out_specs=P(("data", "fsdp")),
+                            check_vma=False)  # fmt: skip
+    summary = summarize(jax.jit(program).lower(jnp.ones((64, 16))).compile(), mesh)
+    assert [r["kind"] for r in summary["collectives"]] == ["collective-permute"] * 3
+    [line] = [line for line in render_text(summary).splitlines() if line.startswith("│ collective-permute")]
+    cells = [cell.strip() for cell in line.split("│")[1:-1]]
+    assert cells[6:] == ["3", "3", "top"]
+
+
 def _zero3_layer_scan(remat: bool):
     """ZeRO-3 over fsdp=8: stacked layers W[L, D, D] sharded on dim 1, gathered one layer per scan step."""
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AUTO,))

@@ -218,19 +218,39 @@ def _shapes(shapes: list[str], *, limit: int = 3) -> str:
 
 
 def _collectives_table(summary: dict) -> Table:
+    """One row per distinct collective (kind, axes, dtype, shapes, bytes, loop): ``ops`` counts the
+    HLO instructions it stands for, ``x/step`` their executions per step together."""
     table = Table(title="Collectives (per device)")
-    for column in ("kind", "axes", "dtype", "shapes", "payload", "wire", "x/step", "where"):
-        table.add_column(column, justify="right" if column in ("payload", "wire", "x/step") else "left")
-    for c in summary["collectives"]:
+    for column in ("kind", "axes", "dtype", "shapes", "payload", "wire", "ops", "x/step", "where"):
+        table.add_column(
+            column, justify="right" if column in ("payload", "wire", "ops", "x/step") else "left"
+        )
+    for row, (ops, executions) in _distinct_collectives(summary["collectives"]).items():
+        table.add_row(*row[:6], str(ops), str(executions), row[6])
+    return table
+
+
+def _distinct_collectives(rows: list[dict]) -> dict[tuple, list[int]]:
+    """``(kind, axes, dtype, shapes, payload, wire, where) -> [ops, executions]`` in first-seen order."""
+    merged: dict[tuple, list[int]] = {}
+    for c in rows:
         axes = axis_key(None if c["axes"] is None else tuple(c["axes"]))
         loop = f"loop x{c['trip_count'] or '?'}" if c["in_loop"] else "top"
         dtype = f"{c['dtype']} (from {c['widened_from']})" if c["widened_from"] else c["dtype"]
         shapes = f"{_shapes(c['operand_shapes'])} -> {_shapes(c['result_shapes'])}"
-        table.add_row(
-            c["kind"], axes, dtype, shapes, format_bytes(c["payload_bytes"]),
-            format_bytes(c["wire_bytes"]), str(c["executions"]), loop,
-        )  # fmt: skip
-    return table
+        key = (
+            c["kind"],
+            axes,
+            dtype,
+            shapes,
+            format_bytes(c["payload_bytes"]),
+            format_bytes(c["wire_bytes"]),
+            loop,
+        )
+        counts = merged.setdefault(key, [0, 0])
+        counts[0] += 1
+        counts[1] += c["executions"]
+    return merged
 
 
 def _totals_table(summary: dict) -> Table:
