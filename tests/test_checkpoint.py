@@ -175,3 +175,25 @@ def test_a_damaged_step_is_named_and_resume_falls_back(tmp_path):
     assert str(tmp_path / "1" / "state") in str(err.value) and "params." in str(err.value)
     restored = restore(tmp_path, _train_step("ddp", 1), fallback=True)
     assert restored.step == 0 and "step 1 skipped" in restored.notes[0]
+
+
+def test_a_flipped_bit_in_array_data_is_caught_by_its_checksum_and_resume_falls_back(tmp_path):
+    """Random parameters do not compress, so zarr stores them raw: one flipped bit in a data file
+    decodes to a different value, which only the saved checksum catches."""
+    train = _shared_step("ddp", 1)
+    params = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape, x.dtype),
+                          init_params(TINY, jax.random.key(0)))  # fmt: skip
+    state = train.init(params)
+    with Checkpointer(tmp_path) as saver:
+        saver.save(state, plan=train.plan)
+        saver.save(state._replace(step=state.step + 1), plan=train.plan)
+    data = max((tmp_path / "1" / "state").rglob("d/*"), key=lambda f: f.stat().st_size)
+    damaged = bytearray(data.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x10
+    data.write_bytes(bytes(damaged))
+    with pytest.raises(CheckpointUnreadableError, match="differ from what was saved, first 'params") as err:
+        restore(tmp_path, train, step=1)
+    assert str(tmp_path / "1" / "state") in str(err.value) and "Fix:" in str(err.value)
+    restored = restore(tmp_path, train, fallback=True)
+    assert restored.step == 0 and "step 1 skipped" in restored.notes[0]
+    assert all(np.array_equal(a, b) for a, b in zip(_host(restored.state.params), _host(state.params)))

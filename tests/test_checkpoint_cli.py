@@ -48,9 +48,12 @@ def test_checkpoint_list_and_show(capsys, tmp_path):
     assert shown["step"] == 1 and shown["mesh"]["fsdp"] == 4 and 'name = "zero3"' in shown["plan"]
     assert shown["data_position"] == {"next_step": 1, "seed": 0}
     assert any("fsdp" in (p["partition_spec"] or []) for p in shown["params"].values())
+    # the step, every parameter and the optimizer's moments carry a checksum
+    assert shown["checksummed_arrays"] > 2 * len(shown["params"])
     assert main(["checkpoint", "show", str(tmp_path)]) == 0
     text = capsys.readouterr()[0]
     assert text.startswith("step 2") and "params/embed/embedding" in text
+    assert f"checksums: {shown['checksummed_arrays']} arrays" in text
 
 
 @pytest.mark.parametrize(

@@ -48,8 +48,8 @@ def _saved_params(manager, step: int) -> dict[str, dict]:
 
 
 def show_checkpoint(directory: str | Path, *, step: int | None = None) -> dict:
-    """The step (default: newest complete), its plan (TOML), mesh, items, bytes, data position and
-    the saved parameter shapes and partition specs."""
+    """The step (default: newest complete), its plan (TOML), mesh, items, bytes, data position, how
+    many arrays carry a checksum, and the saved parameter shapes and partition specs."""
     root = require_dir(directory)
     steps = complete_steps(root, step)
     step = steps[-1] if step is None else step
@@ -70,5 +70,6 @@ def show_checkpoint(directory: str | Path, *, step: int | None = None) -> dict:
         "bytes_on_disk": _dir_bytes(root / str(step)),
         "data_position": meta.get("data_position"),
         "has_rng": meta.get("rng") is not None,
+        "checksummed_arrays": sum(len(sums) for sums in (meta.get("checksums") or {}).values()),
         "params": params,
     }

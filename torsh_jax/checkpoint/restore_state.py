@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from torsh_jax.checkpoint.checksum import mismatched
 from torsh_jax.checkpoint.relayer import read_targets, relayered, saved_chunks
 from torsh_jax.checkpoint.store import (
     FEEDBACK,
@@ -220,6 +221,7 @@ def _restore_step(manager, root: Path, step: int, train_step) -> Restored:
     ls_args, fresh_scale = _loss_scale_args(meta, train_step, layout, shardings, notes)
     args.update({k: v for k, v in ((FEEDBACK, fb_args), (LOSS_SCALE, ls_args)) if v is not None})
     out = _read(manager, step, args)
+    _verify(meta, out, step, root)
     read_state = relayered(out[STATE], target, reads)
     state = TrainState(
         step=read_state["step"],
@@ -268,6 +270,22 @@ def _restore_readable(manager, root: Path, step: int, train_step) -> Restored:
             key=str(root / str(step)),
             fix="restore an earlier complete step, or delete the damaged step directory",
         ) from None
+
+
+def _verify(meta: dict, read: dict, step: int, root: Path) -> None:
+    """Compare the arrays read with the checksums the save recorded (steps saved without them pass)."""
+    saved = meta.get("checksums") or {}
+    for item, tree in read.items():
+        bad = mismatched(saved.get(item, {}), tree)
+        if bad:
+            path, want, got = bad[0]
+            raise CheckpointUnreadableError(
+                f"step {step}: {len(bad)} array(s) differ from what was saved, first {path!r} "
+                f"(checksum {got:#010x}, saved {want:#010x}): the files changed after they were written",
+                key=str(root / str(step) / item),
+                fix="restore an earlier complete step (fallback=True, or demo --resume, does so), "
+                "or delete the damaged step directory",
+            )
 
 
 def _check_step(state: TrainState, step: int, meta: dict, root: Path) -> None:

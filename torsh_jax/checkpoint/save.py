@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from torsh_jax.checkpoint.checksum import checksums as array_checksums
 from torsh_jax.checkpoint.store import (
     FEEDBACK,
     FORMAT,
@@ -67,6 +68,9 @@ class Checkpointer:
         keep_every: also keep every step divisible by K.
         asynchronous: write in the background; training continues, and
             :meth:`wait` (or leaving the ``with`` block) blocks until written.
+        checksums: record a checksum of every array, which :func:`restore`
+            verifies (:mod:`torsh_jax.checkpoint.checksum`); ``save`` waits
+            for the sums, one pass over the state on its devices.
 
     Every process of a multi-process job calls :meth:`save`; each writes the
     shards it holds.
@@ -79,12 +83,14 @@ class Checkpointer:
         keep_last: int | None = 3,
         keep_every: int | None = None,
         asynchronous: bool = True,
+        checksums: bool = True,
     ):
         for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise CheckpointError(f"must be a positive integer or None, got {value!r}", key=name,
                                       fix=f"pass {name}=N with N >= 1, or None")  # fmt: skip
         self.directory = Path(directory)
+        self.checksums = checksums
         self._manager = open_manager(
             directory, keep_last=keep_last, keep_every=keep_every, asynchronous=asynchronous
         )
@@ -117,6 +123,7 @@ class Checkpointer:
             "bytes": _total_bytes((state.params, state.opt_state)),
             "data_position": data_position,
             "rng": rng_to_json(rng),
+            "checksums": {k: array_checksums(tree) for k, tree in items.items()} if self.checksums else None,
         }
         args = {name: ocp.args.StandardSave(tree) for name, tree in items.items()}
         args[META] = ocp.args.JsonSave(meta)

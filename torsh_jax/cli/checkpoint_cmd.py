@@ -60,7 +60,10 @@ def run_show(args: argparse.Namespace) -> int:
     print(f"step {shown['step']} ({shown['path']})")
     print(f"mesh: {shown['mesh']}  items: {', '.join(shown['items'] or [])}")
     print(f"state: {format_bytes(shown['state_bytes'])}  on disk: {format_bytes(shown['bytes_on_disk'])}")
-    print(f"data position: {shown['data_position']}  rng: {'saved' if shown['has_rng'] else 'none'}")
+    print(
+        f"data position: {shown['data_position']}  rng: {'saved' if shown['has_rng'] else 'none'}  "
+        f"checksums: {shown['checksummed_arrays']} arrays"
+    )
     print("parameters:")
     for path, info in shown["params"].items():
         print(f"  {path}  {info['dtype']}{info['shape']}  {info['partition_spec']}")
