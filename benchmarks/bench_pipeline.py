@@ -1,7 +1,7 @@
 """Pipeline schedules against the equivalent non-pipelined plan, in the same run.
 
 Each schedule (``pp_gpipe``, ``pp_1f1b``, ``pp_interleaved`` with 2 chunks per
-stage: data 2 x stage 4, 8 micro-batches)
+stage, ``pp_zb_h1``: data 2 x stage 4, 8 micro-batches)
 trains the demo language model with ``optax.adamw``; the baseline is our DDP
 step over all 8 devices with the same global batch. Steps are interleaved
 (ABC...) in one process.
@@ -27,7 +27,7 @@ import dataclasses
 
 import common
 
-PLANS = ("pp_gpipe", "pp_1f1b", "pp_interleaved")
+PLANS = ("pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_zb_h1")
 
 
 def equivalent_ddp(plan):

@@ -18,10 +18,10 @@ from torsh_jax.runtime.layout import state_layout
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.step import make_train_step
 
-#: pp_gpipe, pp_1f1b and fsdp_pp lay out their state as 3d does (layers split over stage) without
+#: pp_gpipe, pp_1f1b, pp_zb_h1 and fsdp_pp lay out their state as 3d does (layers split over stage) without
 #: tensor, with data or fsdp (and compile the longest schedules); their steps are twin-tested in
 #: tests/test_pipeline.py, which also checks the layout of an interleaved state (layers in chunks)
-PIPELINE_ONLY = ("pp_gpipe", "pp_1f1b", "pp_interleaved", "fsdp_pp")
+PIPELINE_ONLY = ("pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_zb_h1", "fsdp_pp")
 PRESETS = [name for name in names("meshes") if name not in PIPELINE_ONLY]
 #: 4 layers for the pipeline presets (up to 4 stages), small activations (their compile time grows with ticks)
 PIPELINED = dataclasses.replace(SMALL, layers=4, d_model=16, head_dim=8, mlp=32, seq_len=8)

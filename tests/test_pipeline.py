@@ -14,7 +14,7 @@ from helpers import twin_report
 
 from torsh_jax import NotSupportedYetError, PlanError, load_plan
 from torsh_jax.demo.model import LMConfig, init_params, layered_model, loss_fn, synthetic_tokens
-from torsh_jax.pipeline.schedule import BACKWARD, FORWARD, build_schedule
+from torsh_jax.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, build_schedule
 from torsh_jax.pipeline.slots import slot_plan, tick_segments
 from torsh_jax.plan import plan_from_dict
 from torsh_jax.runtime.inspect import inspect_step
@@ -67,6 +67,29 @@ def test_bubble_of_interleaved_is_p_minus_1_over_vm_plus_p_minus_1(p, m, v):
     table = build_schedule("interleaved", stages=p, microbatches=m, virtual_stages=v)
     assert table.bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
     assert table.slots(FORWARD).tolist() == [v * m] * p
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (2, 3), (4, 4), (4, 5), (4, 8), (8, 8), (8, 19), (3, 16)])
+def test_zb_h1_idles_p_minus_1_slots_per_stage_and_holds_at_most_p_activations(p, m):
+    """ZB-H1: B and W slots each, (p - 1) / (3 m + p - 1) idle (1F1B's bubble counted in the same
+    slots is three times as many idle slots), never more than p activations held on any stage."""
+    table = build_schedule("zb_h1", stages=p, microbatches=m)
+    assert table.bubble == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12) == table.theory_bubble
+    assert table.slots(FORWARD).tolist() == table.slots(BACKWARD).tolist() == table.slots(WEIGHT).tolist()
+    assert table.slots(WEIGHT).tolist() == [m] * p
+    assert table.in_flight.max() == p
+    assert int(np.sum(table.table[..., 0] == 0)) == p * (p - 1)  # 1F1B: 3 p (p - 1) in these units
+
+
+def test_zb_h1_grid_shows_weight_slots_and_its_steady_state_scans_in_blocks_of_3():
+    table = build_schedule("zb_h1", stages=2, microbatches=3)
+    assert table.render().splitlines() == [
+        "stage 0 | F0 F1 .  B0 W0 F2 B1 W1 B2 W2",
+        "stage 1 | .  F0 B0 F1 B1 W0 F2 B2 W1 W2",
+    ]
+    plan = slot_plan(build_schedule("zb_h1", stages=4, microbatches=32))
+    assert plan.weight_slots == 4  # the last stage runs 4 Bs before its first W
+    assert sum(s.period for s in tick_segments(plan, periods=(1, 2, 3, 8))) == 18
 
 
 def test_an_uneven_interleaved_count_still_makes_a_valid_table():
@@ -122,6 +145,8 @@ def test_grid_and_json():
         (("zigzag", 2, 2, 1), "pipeline.schedule", "unknown schedule"),
         (("1f1b", 4, 3, 1), "pipeline.microbatches", "at least as many micro-batches as stages: 3 < 4"),
         (("1f1b", 2, 4, 2), "pipeline.virtual_stages", "needs the interleaved schedule"),
+        (("zb_h1", 4, 2, 1), "pipeline.microbatches", "at least as many micro-batches as stages: 2 < 4"),
+        (("zb_h1", 2, 4, 2), "pipeline.virtual_stages", "needs the interleaved schedule"),
     ],
 )
 def test_bad_schedules_name_the_key_and_the_fix(args, key, says):
@@ -148,12 +173,12 @@ def assert_slots_equal_the_table(train, plan):
     table = build_schedule(pipe.schedule, stages=train.mesh.shape["stage"], microbatches=pipe.microbatches,
                            virtual_stages=pipe.virtual_stages)  # fmt: skip
     passes = plan.batch.accumulation_steps
-    want = np.stack([table.slots(FORWARD), table.slots(BACKWARD)], axis=1) * passes
+    want = np.stack([table.slots(FORWARD), table.slots(BACKWARD), table.slots(WEIGHT)], axis=1) * passes
     np.testing.assert_array_equal(np.asarray(metrics["pipeline_slots"]), want)
 
 
 @pytest.mark.parametrize("m", [2, 4, 3], ids=["m=p", "m=2p", "m-uneven"])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb_h1"])
 def test_schedules_equal_the_twin_for_any_microbatch_count(schedule, m):
     """data=4 x stage=2 (interleaved: 2 chunks of one layer per stage): losses, gradients and
     parameters within 1e-5 of one device over 5 steps; each stage ran exactly the table's forward
@@ -193,6 +218,12 @@ COMPOSED = {
     ),
     "3d-sequence-parallel": dataclasses.replace(
         load_plan("3d"), tensor=dataclasses.replace(load_plan("3d").tensor, sequence_parallel=True)
+    ),
+    # backwards split into B and W: W's weight gradients from the stash, gathered once (ZeRO-3)
+    "zb_h1-zero3-once-accum": zero_pipeline(3, schedule="zb_h1"),
+    "zb_h1-zero3-per-microbatch-accum": zero_pipeline(3, "per_microbatch", "zb_h1"),
+    "zb_h1-3d-tensor": dataclasses.replace(
+        load_plan("3d"), pipeline=dataclasses.replace(load_plan("3d").pipeline, schedule="zb_h1")
     ),
 }
 
@@ -268,15 +299,17 @@ def test_zero3_per_microbatch_gathers_trade_bytes_for_memory():
     assert each["theory"]["wire_ratio"] > 4 and once["theory"]["wire_ratio"] == pytest.approx(1.0, abs=0.02)
 
 
-def test_stage_bytes_equal_activations_and_their_gradients_per_boundary():
-    summary = _inspect(load_plan("pp_1f1b"))
+@pytest.mark.parametrize(("preset", "bubble"), [("pp_1f1b", 3 / 11), ("pp_zb_h1", 3 / 27)])
+def test_stage_bytes_equal_activations_and_their_gradients_per_boundary(preset, bubble):
+    """ZB-H1 sends what 1F1B sends (its W slots send nothing)."""
+    summary = _inspect(load_plan(preset))
     stage = summary["theory"]["axes"]["stage"]
     # 8 micro-batches x 3 boundaries x 2 directions of one [1, 8, 16] f32 activation, per device
     assert stage["payload_bytes_by_kind"]["collective-permute"] == 2 * 8 * 3 * 512 / 4
     assert stage["wire_ratio_by_kind"]["collective-permute"] == pytest.approx(1.0, abs=1e-9)
     assert stage["wire_ratio"] == pytest.approx(1.0, abs=0.02)
     assert summary["theory"]["wire_ratio"] == pytest.approx(1.0, abs=0.02), "data axis: one stage's layers"
-    assert summary["pipeline"]["bubble"] == pytest.approx(3 / 11)
+    assert summary["pipeline"]["bubble"] == pytest.approx(bubble)
 
 
 def test_interleaved_stage_bytes_cross_every_chunk_boundary_and_the_layout_holds_its_chunks():
@@ -308,10 +341,10 @@ WIDE = LMConfig(vocab=64, d_model=32, heads=2, head_dim=16, mlp=64, layers=2, se
 def test_1f1b_temporary_memory_is_flat_in_microbatches_and_gpipe_grows():
     """memory_analysis of the compiled step on 2 stages, m = 4p and 8p micro-batches of 2 examples:
     1F1B stashes at most p activations per stage, GPipe all m; ZeRO-3 (fsdp 2) gathering a stage's
-    parameters once per step stays flat too."""
+    parameters once per step stays flat too, and so does ZB-H1 (at most p activations and W stashes)."""
     temp = {}
     zero3 = {"mesh": {"data": 1, "fsdp": 2}, "zero": {"stage": 3}}
-    for schedule, extra in (("1f1b", {}), ("gpipe", {}), ("zero3-1f1b", zero3)):
+    for schedule, extra in (("1f1b", {}), ("gpipe", {}), ("zero3-1f1b", zero3), ("zb_h1", {})):
         for m in (8, 16):
             mesh_spec = {"data": 1, **extra.get("mesh", {})}
             plan = pipeline_plan(schedule.removeprefix("zero3-"), stages=2, microbatches=m, mesh=mesh_spec,
@@ -323,6 +356,7 @@ def test_1f1b_temporary_memory_is_flat_in_microbatches_and_gpipe_grows():
             temp[schedule, m] = train.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
     assert temp["1f1b", 16] <= 1.10 * temp["1f1b", 8], temp
     assert temp["zero3-1f1b", 16] <= 1.10 * temp["zero3-1f1b", 8], temp
+    assert temp["zb_h1", 16] <= 1.10 * temp["zb_h1", 8], temp
     stash = 8 * 2 * 64 * 32 * 4  # 8 more micro-batches held, one activation each
     assert temp["gpipe", 16] - temp["gpipe", 8] >= 0.9 * stash, temp
 

@@ -14,6 +14,16 @@ differ only in that order, the cap and which of the two a stage prefers:
   Megatron-LM's order (groups of ``p`` micro-batches, chunk by chunk), at most
   ``2 (p - s - 1) + (v - 1) p + 1`` in flight, forward first when allowed.
 
+``zb_h1`` (ZB-H1 of Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024)
+splits each backward into ``B`` (the input gradient, which the previous stage
+waits for) and ``W`` (the weight gradient, which nobody waits for). Stage ``s``
+runs a fixed order: ``p - s`` forwards, ``s`` rounds of ``B, F``, then rounds
+of ``B, W, F`` and the ``W`` s left; each slot waits for its inputs. Every stage
+holds at most ``p`` activations (1F1B's first stage) and, with ``m >= p``, the
+table idles ``(p - 1) / (3 m + p - 1)`` of its slots against 1F1B's
+``3 (p - 1) / (3 m + 3 (p - 1))`` counted in the same units (a 1F1B backward is
+a ``B`` and a ``W``).
+
 A slot is one chunk's forward or backward; with equal slot times the idle
 fraction is ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B and
 ``(p - 1) / (v m + p - 1)`` for interleaved when ``m`` is a multiple of ``p``.
@@ -36,11 +46,13 @@ import numpy as np
 
 from torsh_jax.errors import PlanError
 
-__all__ = ["SCHEDULES", "Schedule", "build_schedule", "render_grid", "IDLE", "FORWARD", "BACKWARD"]
+__all__ = ["SCHEDULES", "Schedule", "build_schedule", "render_grid", "IDLE", "FORWARD", "BACKWARD", "WEIGHT"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-#: Slot kinds in :attr:`Schedule.table` ``[..., 0]``.
-IDLE, FORWARD, BACKWARD = 0, 1, 2
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
+#: Slot kinds in :attr:`Schedule.table` ``[..., 0]``. ``BACKWARD`` makes the input and, unless the
+#: schedule has ``WEIGHT`` slots, the weight gradients.
+IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
+_LETTERS = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W"}
 _NOT_YET = np.iinfo(np.int64).max
 
 
@@ -49,13 +61,13 @@ class Schedule:
     """A validated schedule.
 
     Attributes:
-        name: ``gpipe``, ``1f1b`` or ``interleaved``.
+        name: ``gpipe``, ``1f1b``, ``interleaved`` or ``zb_h1``.
         stages: pipeline stages ``p``.
         microbatches: micro-batches ``m`` per pipeline pass.
         virtual_stages: chunks ``v`` per stage.
         table: ``int32 [ticks, stages, 3]``: slot kind (:data:`IDLE`,
-            :data:`FORWARD`, :data:`BACKWARD`), micro-batch, virtual stage
-            (``-1`` when idle).
+            :data:`FORWARD`, :data:`BACKWARD`, :data:`WEIGHT`), micro-batch,
+            virtual stage (``-1`` when idle).
     """
 
     name: str
@@ -74,10 +86,15 @@ class Schedule:
         return float(np.mean(self.table[..., 0] == IDLE))
 
     @property
+    def splits_backward(self) -> bool:
+        """Whether backwards are split into ``B`` (input gradient) and ``W`` (weight gradient) slots."""
+        return bool(np.any(self.table[..., 0] == WEIGHT))
+
+    @property
     def theory_bubble(self) -> float:
-        """``(p - 1) / (v m + p - 1)``."""
+        """``(p - 1) / (v m + p - 1)``; ``(p - 1) / (3 m + p - 1)`` with ``W`` slots."""
         p, m, v = self.stages, self.microbatches, self.virtual_stages
-        return (p - 1) / (v * m + p - 1)
+        return (p - 1) / ((3 if self.splits_backward else v) * m + p - 1)
 
     def slots(self, kind: int) -> np.ndarray:
         """``[stages]``: how many slots of ``kind`` each stage runs."""
@@ -85,13 +102,15 @@ class Schedule:
 
     @cached_property
     def in_flight(self) -> np.ndarray:
-        """``[stages]``: the most activations a stage holds at once (forwards whose backward is pending)."""
+        """``[stages]``: the most activations a stage holds at once (forwards whose backward, or
+        weight gradient when split, is pending)."""
         kinds = self.table[..., 0]
-        held = np.cumsum((kinds == FORWARD).astype(int) - (kinds == BACKWARD).astype(int), axis=0)
+        done = WEIGHT if self.splits_backward else BACKWARD
+        held = np.cumsum((kinds == FORWARD).astype(int) - (kinds == done).astype(int), axis=0)
         return held.max(axis=0)
 
     def render(self) -> str:
-        """Rows stages, columns ticks; ``F3`` / ``B2`` (``F3.1``: chunk 1 when interleaved) / ``.``."""
+        """Rows stages, columns ticks; ``F3`` / ``B2`` / ``W2`` (``F3.1``: chunk 1 if interleaved) / ``.``."""
         return render_grid([[self._cell(t, s) for t in range(self.ticks)] for s in range(self.stages)])
 
     def _cell(self, tick: int, stage: int) -> str:
@@ -99,7 +118,7 @@ class Schedule:
         if kind == IDLE:
             return "."
         chunk = f".{virtual // self.stages}" if self.virtual_stages > 1 else ""
-        return f"{'F' if kind == FORWARD else 'B'}{micro}{chunk}"
+        return f"{_LETTERS[kind]}{micro}{chunk}"
 
     def to_json(self) -> dict:
         """The table and its numbers as JSON-able values."""
@@ -130,10 +149,13 @@ def build_schedule(name: str, *, stages: int, microbatches: int, virtual_stages:
     Raises:
         PlanError: an unknown schedule, ``virtual_stages`` > 1 with another
             schedule than ``interleaved``, or fewer micro-batches than stages
-            for ``1f1b`` / ``interleaved``.
+            for ``1f1b``, ``interleaved`` or ``zb_h1``.
     """
     _check(name, stages, microbatches, virtual_stages)
-    table = _simulate(name, stages, microbatches, virtual_stages)
+    if name == "zb_h1":
+        table = _run_orders([_zb_h1_order(stages, microbatches, s) for s in range(stages)])
+    else:
+        table = _simulate(name, stages, microbatches, virtual_stages)
     schedule = Schedule(name, stages, microbatches, virtual_stages, table)
     validate(schedule)
     return schedule
@@ -154,6 +176,50 @@ def _check(name: str, p: int, m: int, v: int) -> None:
             key="pipeline.microbatches",
             fix=f"set pipeline.microbatches >= {p} (2 x stages or more keeps the bubble small)",
         )
+
+
+def _zb_h1_order(p: int, m: int, stage: int) -> list[tuple[int, int]]:
+    """Stage ``stage``'s ``(kind, micro-batch)`` slots in ZB-H1's order."""
+    order: list[tuple[int, int]] = []
+    done = {FORWARD: 0, BACKWARD: 0, WEIGHT: 0}
+
+    def add(kind: int) -> None:
+        limit = done[BACKWARD] if kind == WEIGHT else m
+        if done[kind] < limit:
+            order.append((kind, done[kind]))
+            done[kind] += 1
+
+    for _ in range(p - stage):
+        add(FORWARD)
+    rounds = [(BACKWARD, FORWARD)] * stage + [(BACKWARD, WEIGHT, FORWARD)] * m
+    for kind in (kind for round_ in rounds for kind in round_):
+        add(kind)
+    while done[WEIGHT] < m:
+        add(WEIGHT)
+    return order
+
+
+def _run_orders(orders: list[list[tuple[int, int]]]) -> np.ndarray:
+    """Each stage (virtual stage = stage) runs its slots in order, each at the first tick its inputs
+    are ready; a stage waiting for an input idles."""
+    p, last = len(orders), len(orders) - 1
+    done_at: dict[tuple[int, int, int], int] = {}
+    position, rows = [0] * p, []
+    while any(position[s] < len(order) for s, order in enumerate(orders)):
+        tick, row = len(rows), []
+        for s, order in enumerate(orders):
+            kind, micro = order[position[s]] if position[s] < len(order) else (IDLE, -1)
+            needs = {FORWARD: [(FORWARD, micro, s - 1)] if s > 0 else [],
+                     BACKWARD: [(FORWARD, micro, s)] + ([(BACKWARD, micro, s + 1)] if s < last else []),
+                     WEIGHT: [(BACKWARD, micro, s)], IDLE: []}[kind]  # fmt: skip
+            ready = kind != IDLE and all(done_at.get(n, _NOT_YET) < tick for n in needs)
+            row.append((kind, micro, s) if ready else (IDLE, -1, -1))
+        for s, (kind, micro, virtual) in enumerate(row):
+            if kind != IDLE:
+                done_at[(kind, micro, virtual)] = tick
+                position[s] += 1
+        rows.append(row)
+    return np.asarray(rows, dtype=np.int32)
 
 
 def _orders(name: str, p: int, m: int, v: int, stage: int) -> tuple[list, list]:
@@ -230,8 +296,11 @@ def validate(schedule: Schedule) -> None:
         if kind == BACKWARD:
             later = [(BACKWARD, micro, virtual + 1)] if virtual < p * v - 1 else []
             needs = [(FORWARD, micro, virtual), *later]
+        if kind == WEIGHT:
+            needs = [(BACKWARD, micro, virtual)]
         if any(seen.get(need, tick) >= tick for need in needs):
             raise ValueError(f"{where}: runs before its inputs {needs}")
         seen[(kind, micro, virtual)] = tick
-    if len(seen) != 2 * m * p * v:
-        raise ValueError(f"{schedule.name}: {len(seen)} slots, expected {2 * m * p * v}")
+    kinds = 3 if schedule.splits_backward else 2
+    if len(seen) != kinds * m * p * v:
+        raise ValueError(f"{schedule.name}: {len(seen)} slots, expected {kinds * m * p * v}")

@@ -2,12 +2,14 @@
 
 From a :class:`~torsh_jax.pipeline.schedule.Schedule` this derives, per tick:
 the branch each stage runs (``F`` / ``B`` of the first, a middle or the last
-virtual stage, or idle), its micro-batch and chunk, the stash slot its input
-activation is read from, the slot of the incoming gradient, which stages send
-forward or backward, and the slot a received tensor is written to. Stash slots
-are assigned by interval colouring: an activation lives from its arrival to
-its backward, a gradient from its arrival to its use, so the stash holds what
-the schedule keeps in flight and no more.
+virtual stage, ``W``, or idle), its micro-batch and chunk, the stash slot its
+input activation is read from, the slot of the incoming gradient, the slot a
+split backward leaves for its ``W`` (each layer's input and output gradient),
+which stages send forward or backward, and the slot a received tensor is
+written to. Stash slots are assigned by interval colouring: an activation
+lives from its arrival to its backward, a gradient from its arrival to its
+use, a ``W`` stash from its ``B`` to its ``W``, so the stash holds what the
+schedule keeps in flight and no more.
 
 The ticks are then cut into segments the executor runs as one ``lax.scan``
 each: a block of ``period`` ticks repeated ``repeats`` times with the same
@@ -31,12 +33,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from torsh_jax.pipeline.schedule import BACKWARD, FORWARD, IDLE, Schedule
+from torsh_jax.pipeline.schedule import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule
 
 __all__ = ["SlotPlan", "slot_plan", "BRANCHES", "Segment", "tick_segments"]
 
-#: Branch names; ``F_first`` embeds, ``F_last`` / ``B_last`` run the head and the loss.
-BRANCHES = ("idle", "F_first", "F_mid", "F_last", "B_first", "B_mid", "B_last")
+#: Branch names; ``F_first`` embeds, ``F_last`` / ``B_last`` run the head and the loss, ``W`` makes a
+#: chunk's weight gradients when the schedule splits backwards.
+BRANCHES = ("idle", "F_first", "F_mid", "F_last", "B_first", "B_mid", "B_last", "W")
 
 
 @dataclass(frozen=True)
@@ -48,17 +51,21 @@ class SlotPlan:
     chunk: np.ndarray
     activation_in: np.ndarray
     gradient_in: np.ndarray
+    weight_stash: np.ndarray
     receive_activation: np.ndarray
     receive_gradient: np.ndarray
     sends_forward: np.ndarray
     sends_backward: np.ndarray
     activation_slots: int
     gradient_slots: int
+    weight_slots: int
 
 
 def _branch(kind: int, virtual: int, last: int) -> int:
     if kind == IDLE:
         return 0
+    if kind == WEIGHT:
+        return BRANCHES.index("W")
     offset = 1 if kind == FORWARD else 4
     return offset + (0 if virtual == 0 else 2 if virtual == last else 1)
 
@@ -80,7 +87,7 @@ class _Colouring:
 
     @property
     def size(self) -> int:
-        return max(1, max(len(s) for s in self.free_at))
+        return max(len(s) for s in self.free_at)
 
 
 def slot_plan(schedule: Schedule) -> SlotPlan:
@@ -92,12 +99,12 @@ def slot_plan(schedule: Schedule) -> SlotPlan:
         if kind != IDLE:
             when[(kind, micro, virtual)] = tick
     shape = (ticks, p)
-    tables = {name: np.full(shape, -1, np.int32) for name in
-              ("activation_in", "gradient_in", "receive_activation", "receive_gradient")}  # fmt: skip
+    names = ("activation_in", "gradient_in", "weight_stash", "receive_activation", "receive_gradient")
+    tables = {name: np.full(shape, -1, np.int32) for name in names}
     branch = np.zeros(shape, np.int32)
     micro_t, chunk_t = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
     sends_f, sends_b = np.zeros(shape, bool), np.zeros(shape, bool)
-    acts, grads = _Colouring(p), _Colouring(p)
+    acts, grads, weights = _Colouring(p), _Colouring(p), _Colouring(p)
     for (kind, micro, virtual), tick in sorted(when.items(), key=lambda kv: kv[1]):
         stage = virtual % p
         branch[tick, stage] = _branch(kind, virtual, last)
@@ -114,8 +121,13 @@ def slot_plan(schedule: Schedule) -> SlotPlan:
             tables["gradient_in"][tick, stage] = slot
             tables["receive_gradient"][arrive, stage] = slot
             sends_b[arrive, (virtual + 1) % p] = True
+        if kind == WEIGHT:  # the B of the same micro-batch and chunk left this slot
+            made = when[(BACKWARD, micro, virtual)]
+            slot = weights.assign(stage, made, tick)
+            tables["weight_stash"][tick, stage] = tables["weight_stash"][made, stage] = slot
     return SlotPlan(branch, micro_t, chunk_t, **tables, sends_forward=sends_f, sends_backward=sends_b,
-                    activation_slots=acts.size, gradient_slots=grads.size)  # fmt: skip
+                    activation_slots=max(acts.size, 1), gradient_slots=max(grads.size, 1),
+                    weight_slots=weights.size)  # fmt: skip
 
 
 class Segment(NamedTuple):

@@ -337,20 +337,21 @@ class PipelineSpec:
 
     Args:
         microbatches: pipeline micro-batches each pass splits the micro batch into.
-        schedule: ``gpipe``, ``1f1b`` or ``interleaved``.
+        schedule: ``gpipe``, ``1f1b``, ``interleaved`` or ``zb_h1`` (1F1B with each backward
+            split into input and weight gradients, :mod:`torsh_jax.pipeline.schedule`).
         virtual_stages: layer chunks per stage (``interleaved``).
         gather: under ZeRO-3, gather a stage's parameters ``once`` per step or
             ``per_microbatch`` (one layer at a time in every slot).
     """
 
     microbatches: int = 1
-    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb_h1"] = "1f1b"
     virtual_stages: int = 1
     gather: Literal["once", "per_microbatch"] = "once"
 
     def __post_init__(self):
         _check_positive_int(self.microbatches, "pipeline.microbatches")
-        _check_choice(self.schedule, ("gpipe", "1f1b", "interleaved"), "pipeline.schedule")
+        _check_choice(self.schedule, ("gpipe", "1f1b", "interleaved", "zb_h1"), "pipeline.schedule")
         _check_positive_int(self.virtual_stages, "pipeline.virtual_stages")
         _check_choice(self.gather, ("once", "per_microbatch"), "pipeline.gather")
 

@@ -1,6 +1,6 @@
 """What the train step can run: checks that read the plan's axis roles.
 
-* ``stage`` > 1 runs GPipe, 1F1B and interleaved 1F1B over a
+* ``stage`` > 1 runs GPipe, 1F1B, interleaved 1F1B and ZB-H1 over a
   :class:`LayeredModel`'s stacked layers with DDP, ZeRO-1/2/3 and tensor
   blocks; compressed collectives with ZeRO-3 under a pipeline are not built
   yet. Each pass's batch (the micro batch) must split into

@@ -10,6 +10,16 @@ per boundary and nothing else. A backward recomputes its chunk's forward from
 the stashed input (``jax.vjp``), so a stage holds the inputs of the
 micro-batches in flight, which is what the schedule decides.
 
+A schedule with ``W`` slots (``zb_h1``) splits each chunk's backward: ``B``
+recomputes the chunk from its stashed input and runs one ``vjp`` with respect
+to that input only (no weight-gradient matmuls); zeros added to every layer's
+output make their gradients the layers' output gradients. It sends the chunk's
+input gradient on and leaves each layer's input and output gradient in a
+``W`` stash slot. ``W`` later makes the weight gradients from that slot, one
+layer at a time (recomputing that layer's forward), with nothing waiting on
+it. The embedding and head weight gradients are made in ``B`` of the first and
+last stage.
+
 Embedding and head parameters are replicated over ``stage``; their gradients,
 made on the first and last stage, are summed over ``stage`` once per pass.
 
@@ -32,7 +42,7 @@ Example (the table and the layout a plan gets):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +71,17 @@ __all__ = [
 ]
 
 PyTree = Any
+
+
+class _Carry(NamedTuple):
+    """What the ticks thread through: the stashes, gradients, loss and slot counts of one stage."""
+
+    acts: jax.Array  # [activation slots, *hidden]: inputs received, until their backward
+    cots: jax.Array  # [gradient slots, *hidden]: gradients received, until their backward
+    wstash: jax.Array  # [weight slots, 2, layers per chunk, *hidden]: (inputs, output grads) for W
+    grads: tuple  # (embed, chunks, head) accumulated in accum_dtype
+    loss_sum: jax.Array
+    counts: jax.Array  # [3]: forward, backward, weight slots run
 
 
 def schedule_for(plan: ParallelPlan, roles: Roles) -> Schedule:
@@ -183,9 +204,11 @@ class _Pass:
 
     def __init__(self, model: LayeredModel, schedule: Schedule, params, batch, seed):
         self.model, self.v = model, schedule.virtual_stages
+        self.split = schedule.splits_backward
         self.embed_p, layers, self.head_p = split_params(model, params)
         # this stage's chunks [v, layers per chunk, ...]: stored so when interleaved (layer_chunks)
         self.chunks = layers if self.v > 1 else jax.tree.map(lambda x: x[None], layers)
+        self.per_chunk = jax.tree.leaves(self.chunks)[0].shape[1]  # layers per chunk
         self.micro = split_micro_batches(batch, schedule.microbatches)
         self.seed = seed
 
@@ -199,55 +222,114 @@ class _Pass:
         """``name -> (carry, ints) -> (carry, sent forward, sent backward)``."""
         return {name: getattr(self, name) for name in BRANCHES}
 
-    # carry: (acts, cots, grads(embed, chunks, head), loss_sum, counts[2])
-    def idle(self, carry, ints):
+    def idle(self, carry: _Carry, ints):
         return carry, self.zeros, self.zeros
 
-    def F_first(self, carry, ints):
+    def F_first(self, carry: _Carry, ints):
         batch = self.batch_of(ints["micro"])
         hidden = self.run_chunk(_take(self.chunks, ints["chunk"]), self.model.embed(self.embed_p, batch))
-        return self._counted(carry, 0), hidden.astype(self.dtype), self.zeros
+        return _counted(carry, 0), hidden.astype(self.dtype), self.zeros
 
-    def F_mid(self, carry, ints):
-        hidden = self.run_chunk(_take(self.chunks, ints["chunk"]), carry[0][ints["activation_in"]])
-        return self._counted(carry, 0), hidden.astype(self.dtype), self.zeros
+    def F_mid(self, carry: _Carry, ints):
+        hidden = self.run_chunk(_take(self.chunks, ints["chunk"]), carry.acts[ints["activation_in"]])
+        return _counted(carry, 0), hidden.astype(self.dtype), self.zeros
 
-    def F_last(self, carry, ints):
+    def F_last(self, carry: _Carry, ints):
         batch = self.batch_of(ints["micro"])
-        hidden = self.run_chunk(_take(self.chunks, ints["chunk"]), carry[0][ints["activation_in"]])
+        hidden = self.run_chunk(_take(self.chunks, ints["chunk"]), carry.acts[ints["activation_in"]])
         loss = self.model.head(self.head_p, hidden, batch).astype(jnp.float32)
-        acts, cots, grads, loss_sum, counts = self._counted(carry, 0)
-        return (acts, cots, grads, loss_sum + loss, counts), self.zeros, self.zeros
+        return _counted(carry._replace(loss_sum=carry.loss_sum + loss), 0), self.zeros, self.zeros
 
-    def B_first(self, carry, ints):
+    def B_first(self, carry: _Carry, ints):
         batch, chunk = self.batch_of(ints["micro"]), ints["chunk"]
+        if self.split:
+            chunk_params = _take(self.chunks, chunk)
+            forward = lambda e, z: self._probed_chunk(chunk_params, self.model.embed(e, batch), z)
+            cotangent = carry.cots[ints["gradient_in"]]
+            carry, (g_embed,) = self._split_backward(carry, ints, forward, (self.embed_p,), cotangent)
+            return _counted(_added(carry, embed=g_embed), 1), self.zeros, self.zeros
         forward = lambda e, c: self.run_chunk(c, self.model.embed(e, batch))
         out, vjp = jax.vjp(forward, self.embed_p, _take(self.chunks, chunk))
-        g_embed, g_chunk = vjp(_like(carry[1][ints["gradient_in"]], out))
-        acts, cots, (ge, gc, gh), loss_sum, counts = self._counted(carry, 1)
-        return (acts, cots, (_add(ge, g_embed), _add_at(gc, chunk, g_chunk), gh), loss_sum, counts), \
-            self.zeros, self.zeros  # fmt: skip
+        g_embed, g_chunk = vjp(_like(carry.cots[ints["gradient_in"]], out))
+        return _counted(_added(carry, embed=g_embed, chunk=(chunk, g_chunk)), 1), self.zeros, self.zeros
 
-    def B_mid(self, carry, ints):
-        chunk = ints["chunk"]
-        out, vjp = jax.vjp(self.run_chunk, _take(self.chunks, chunk), carry[0][ints["activation_in"]])
-        g_chunk, g_in = vjp(_like(carry[1][ints["gradient_in"]], out))
-        acts, cots, (ge, gc, gh), loss_sum, counts = self._counted(carry, 1)
-        return (acts, cots, (ge, _add_at(gc, chunk, g_chunk), gh), loss_sum, counts), self.zeros, \
-            g_in.astype(self.dtype)  # fmt: skip
+    def B_mid(self, carry: _Carry, ints):
+        chunk, hidden = ints["chunk"], carry.acts[ints["activation_in"]]
+        if self.split:
+            forward = lambda h, z: self._probed_chunk(_take(self.chunks, chunk), h, z)
+            cotangent = carry.cots[ints["gradient_in"]]
+            carry, (g_in,) = self._split_backward(carry, ints, forward, (hidden,), cotangent)
+            return _counted(carry, 1), self.zeros, g_in.astype(self.dtype)
+        out, vjp = jax.vjp(self.run_chunk, _take(self.chunks, chunk), hidden)
+        g_chunk, g_in = vjp(_like(carry.cots[ints["gradient_in"]], out))
+        return _counted(_added(carry, chunk=(chunk, g_chunk)), 1), self.zeros, g_in.astype(self.dtype)
 
-    def B_last(self, carry, ints):
-        batch, chunk = self.batch_of(ints["micro"]), ints["chunk"]
+    def B_last(self, carry: _Carry, ints):
+        batch, chunk, hidden = self.batch_of(ints["micro"]), ints["chunk"], carry.acts[ints["activation_in"]]
+        if self.split:
+
+            def forward(head_p, h, z):
+                out, inputs = self._probed_chunk(_take(self.chunks, chunk), h, z)
+                return self.model.head(head_p, out, batch), inputs
+
+            primals = (self.head_p, hidden)
+            carry, (g_head, g_in) = self._split_backward(carry, ints, forward, primals, self.seed)
+            return _counted(_added(carry, head=g_head), 1), self.zeros, g_in.astype(self.dtype)
         forward = lambda c, h, x: self.model.head(h, self.run_chunk(c, x), batch)
-        loss, vjp = jax.vjp(forward, _take(self.chunks, chunk), self.head_p, carry[0][ints["activation_in"]])
-        g_chunk, g_head, g_in = vjp(_cast(self.seed.astype(loss.dtype), varying_axes(loss)))
-        acts, cots, (ge, gc, gh), loss_sum, counts = self._counted(carry, 1)
-        return (acts, cots, (ge, _add_at(gc, chunk, g_chunk), _add(gh, g_head)), loss_sum, counts), \
-            self.zeros, g_in.astype(self.dtype)  # fmt: skip
+        loss, vjp = jax.vjp(forward, _take(self.chunks, chunk), self.head_p, hidden)
+        g_chunk, g_head, g_in = vjp(_like(self.seed, loss))
+        carry = _added(carry, chunk=(chunk, g_chunk), head=g_head)
+        return _counted(carry, 1), self.zeros, g_in.astype(self.dtype)
 
-    def _counted(self, carry, which: int):
-        acts, cots, grads, loss_sum, counts = carry
-        return acts, cots, grads, loss_sum, counts.at[which].add(1)
+    def W(self, carry: _Carry, ints):
+        """The weight gradients of a chunk whose ``B`` ran: one ``vjp`` per layer with respect to its
+        parameters, at the input and output gradient ``B`` left in the ``W`` stash."""
+        chunk = ints["chunk"]
+        inputs, g_outs = carry.wstash[ints["weight_stash"]]
+
+        def one(_, layer):
+            params, hidden, g_out = layer
+            out, vjp = jax.vjp(lambda w: self.model.layer(w, hidden), params)
+            return None, vjp(_like(g_out, out))[0]
+
+        _, g_chunk = jax.lax.scan(one, None, (_take(self.chunks, chunk), inputs, g_outs))
+        return _counted(_added(carry, chunk=(chunk, g_chunk)), 2), self.zeros, self.zeros
+
+    def _probed_chunk(self, chunk_params, hidden, probes):
+        """The chunk's output with ``probes[i]`` added to layer ``i``'s output, and every layer's
+        input ``[layers per chunk, *hidden]``. Probes are zeros: their gradients are the layers'
+        output gradients."""
+        body = jax.checkpoint(self.model.layer) if self.model.remat else self.model.layer
+
+        def one(h, layer):
+            params, probe = layer
+            return body(params, h) + probe, h
+
+        return jax.lax.scan(one, hidden, (chunk_params, probes))
+
+    def _split_backward(self, carry: _Carry, ints, forward, primals: tuple, seed):
+        """``B`` of a split backward: ``forward(*primals, probes) -> (output, layer inputs)`` runs the
+        chunk (:meth:`_probed_chunk`); one ``vjp`` at ``seed`` gives the gradients of ``primals``
+        (no weight gradients) and every layer's output gradient, which goes to the ``W`` stash with
+        the layer inputs. Returns the carry and the gradients of ``primals``."""
+        probes = jnp.broadcast_to(self.zeros, (self.per_chunk, *self.zeros.shape))
+        out, vjp, inputs = jax.vjp(forward, *primals, probes, has_aux=True)
+        *grads, g_outs = vjp(_like(seed, out))
+        saved = jnp.stack([inputs, g_outs.astype(inputs.dtype)])
+        return carry._replace(wstash=_put(carry.wstash, ints["weight_stash"], saved)), tuple(grads)
+
+
+def _counted(carry: _Carry, which: int) -> _Carry:
+    return carry._replace(counts=carry.counts.at[which].add(1))
+
+
+def _added(carry: _Carry, *, embed=None, chunk=None, head=None) -> _Carry:
+    """``carry`` with gradients added: of the embedding, of chunk ``(index, grads)``, of the head."""
+    g_embed, g_chunks, g_head = carry.grads
+    g_embed = g_embed if embed is None else _add(g_embed, embed)
+    g_chunks = g_chunks if chunk is None else _add_at(g_chunks, chunk[0], chunk[1])
+    g_head = g_head if head is None else _add(g_head, head)
+    return carry._replace(grads=(g_embed, g_chunks, g_head))
 
 
 def _at(table: np.ndarray, tick: int | jax.Array, stage: jax.Array) -> jax.Array:
@@ -258,7 +340,7 @@ def _at(table: np.ndarray, tick: int | jax.Array, stage: jax.Array) -> jax.Array
 
 
 def _ints(plan: SlotPlan, tick: int | jax.Array, stage: jax.Array) -> dict[str, jax.Array]:
-    names = ("micro", "chunk", "activation_in", "gradient_in")
+    names = ("micro", "chunk", "activation_in", "gradient_in", "weight_stash")
     return {name: _at(getattr(plan, name), tick, stage) for name in names}
 
 
@@ -279,7 +361,8 @@ def _pairs(sends: np.ndarray, step: int, stages: int) -> list[tuple[int, int]]:
 def pipeline_gradients(
     model: LayeredModel, schedule: Schedule, *, accum_dtype: Any = jnp.float32, axis: str = STAGE_AXIS
 ) -> Callable:
-    """Per device: ``(params, batch, scale) -> (grads, mean loss, [[forward, backward]] slots run)``.
+    """Per device: ``(params, batch, scale) -> (grads, mean loss, [[forward, backward, weight]] slots
+    run)``.
 
     ``params`` hold this stage's layers (``[layers / stage, ...]``, or its
     ``[v, layers / (v stage), ...]`` chunks when interleaved); ``batch`` is
@@ -293,7 +376,7 @@ def pipeline_gradients(
     p, m = schedule.stages, schedule.microbatches
 
     def run(params, batch, scale=None):
-        """``(grads, mean loss, slots run [1, 2])``."""
+        """``(grads, mean loss, slots run [1, 3])``."""
         stage = jax.lax.axis_index(axis)
         # every value below varies over stage: typed so up front, the backward of a branch sums no
         # parameter gradient over stage inside it (only some devices run it); the caller types the
@@ -306,17 +389,19 @@ def pipeline_gradients(
         # scanned tick reading the stash before anything arrived sees the type it will have
         hidden = lambda *lead: _cast(jnp.zeros((*lead, *shape.shape), shape.dtype), _vmas(shape) | {axis})
         one.dtype, one.zeros = shape.dtype, hidden()
-        acts, cots = hidden(plan.activation_slots), hidden(plan.gradient_slots)
         zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, accum_dtype), tree)
         grads = (zeros(one.embed_p), zeros(one.chunks), zeros(one.head_p))
-        carry = (acts, cots, grads, jnp.float32(0.0), jnp.zeros(2, jnp.int32))
+        carry = _Carry(acts=hidden(plan.activation_slots), cots=hidden(plan.gradient_slots),
+                       wstash=hidden(plan.weight_slots, 2, one.per_chunk), grads=grads,
+                       loss_sum=jnp.float32(0.0), counts=jnp.zeros(3, jnp.int32))  # fmt: skip
         run_ticks = lambda c, tick, like: _tick(c, tick, like, stage, plan, one.branches(), axis, p)
-        for segment in tick_segments(plan, periods=(1, 2, 2 * p * schedule.virtual_stages)):
+        periods = (1, 2, 3) if schedule.splits_backward else (1, 2)  # a steady B, W, F repeats every 3
+        for segment in tick_segments(plan, periods=(*periods, 2 * p * schedule.virtual_stages)):
             carry = _segment(carry, segment, run_ticks)
-        acts, cots, (g_embed, g_chunks, g_head), loss_sum, counts = carry
+        g_embed, g_chunks, g_head = carry.grads
         g_layers = g_chunks if schedule.virtual_stages > 1 else jax.tree.map(lambda x: x[0], g_chunks)
         grads = {**g_embed, model.layers_key: g_layers, **g_head}
-        return grads, loss_sum / m, counts[None]
+        return grads, carry.loss_sum / m, carry.counts[None]
 
     return run
 
@@ -355,15 +440,14 @@ def _tick(carry, tick, like, stage, plan: SlotPlan, branches: dict, axis: str, p
     index[like] = np.searchsorted(present, plan.branch[like])
     chosen = [branches[BRANCHES[b]] for b in present]
     carry, forward, backward = _switch(_at(index, tick, stage), chosen, carry, _ints(plan, tick, stage))
-    acts, cots, *rest = carry
     sends_forward, sends_backward = plan.sends_forward[like[0]], plan.sends_backward[like[0]]
     if sends_forward.any():
         received = jax.lax.ppermute(forward, axis, _pairs(sends_forward, 1, p))
-        acts = _receive(acts, received, _at(plan.receive_activation, tick, stage))
+        carry = carry._replace(acts=_receive(carry.acts, received, _at(plan.receive_activation, tick, stage)))
     if sends_backward.any():
         received = jax.lax.ppermute(backward, axis, _pairs(sends_backward, -1, p))
-        cots = _receive(cots, received, _at(plan.receive_gradient, tick, stage))
-    return (acts, cots, *rest)
+        carry = carry._replace(cots=_receive(carry.cots, received, _at(plan.receive_gradient, tick, stage)))
+    return carry
 
 
 def _cast(tree: PyTree, axes: PyTree) -> PyTree:

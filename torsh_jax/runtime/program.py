@@ -171,7 +171,7 @@ def build_program(
     )
     to_stored = _to_stored(layout, mesh)
     scaler = scaler_for(plan)
-    # per stage: [forward, backward] slots the pipeline ran this step
+    # per stage: [forward, backward, weight] slots the pipeline ran this step
     extras_specs = {"pipeline_slots": P(layout.roles.stage_axis)} if layout.roles.stage_axis else {}
 
     def run(state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
