@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import optax
 
 from torsh_jax.demo.model import LMConfig, init_params, layered_model, loss_fn, synthetic_tokens
 from torsh_jax.plan.spec import ParallelPlan
+from torsh_jax.runtime.layered import LayeredModel, layered_loss
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.step import make_train_step
 from torsh_jax.runtime.twin import make_reference_step
@@ -20,13 +24,46 @@ def recording_optimizer(lr: float = 1e-2) -> optax.GradientTransformation:
     return optax.chain(record_gradients(), optax.adamw(lr))
 
 
-def twin_report(plan: ParallelPlan, *, devices=None, steps: int = 5, cfg: LMConfig = SMALL, optimizer=None):
-    """Run ``plan`` and its single-device twin for ``steps`` steps on the demo model."""
+def mlp_model(cfg: LMConfig) -> LayeredModel:
+    """The smallest model with the demo's embed -> stacked layers -> head shape and batches: token
+    embedding, residual ``tanh`` MLP layers (``cfg.d_model`` -> ``cfg.mlp``), a linear head with
+    next-token cross-entropy. A third of the demo model's compile time, for tests of what runs
+    around the layers (pipeline schedules), not of the layers themselves."""
+    return LayeredModel(
+        embed=lambda p, batch: p["embed"]["table"][batch["inputs"]],
+        layer=lambda p, h: h + jnp.tanh(h @ p["w_in"]) @ p["w_out"],
+        head=lambda p, h, batch: optax.softmax_cross_entropy_with_integer_labels(
+            h @ p["head"]["w"], batch["targets"]
+        ).mean(),
+    )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def mlp_params(cfg: LMConfig, key: jax.Array) -> dict:
+    """Parameters of :func:`mlp_model` in float32: ``{"embed", "layers" (stacked), "head"}``."""
+    k_embed, k_in, k_out, k_head = jax.random.split(key, 4)
+    d, h, n = cfg.d_model, cfg.mlp, cfg.layers
+    return {
+        "embed": {"table": jax.random.normal(k_embed, (cfg.vocab, d))},
+        "layers": {
+            "w_in": jax.random.normal(k_in, (n, d, h)) / d**0.5,
+            "w_out": jax.random.normal(k_out, (n, h, d)) / h**0.5 / n,
+        },
+        "head": {"w": jax.random.normal(k_head, (d, cfg.vocab)) / d**0.5},
+    }
+
+
+def twin_report(
+    plan: ParallelPlan, *, devices=None, steps: int = 5, cfg: LMConfig = SMALL, optimizer=None, mlp=False
+):
+    """Run ``plan`` and its single-device twin for ``steps`` steps on the demo model (``mlp``:
+    on :func:`mlp_model`)."""
     optimizer = optimizer or recording_optimizer()
     mesh = build_mesh(plan, devices)
     tp = tensor_axis(plan)
-    train = make_train_step(layered_model(cfg, tp=tp), optimizer, plan, mesh)
-    twin = make_reference_step(loss_fn(cfg, tp=tp), optimizer, plan)
-    params = init_params(cfg, jax.random.key(0))
+    model = mlp_model(cfg) if mlp else layered_model(cfg, tp=tp)
+    train = make_train_step(model, optimizer, plan, mesh)
+    twin = make_reference_step(layered_loss(model) if mlp else loss_fn(cfg, tp=tp), optimizer, plan)
+    params = (mlp_params if mlp else init_params)(cfg, jax.random.key(0))
     batches = [synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=i) for i in range(steps)]
     return compare_with_twin(tuple(train), twin, params, batches), train

@@ -137,10 +137,6 @@ def _check_arrays(saved: dict, wanted: dict, *, where: str) -> None:
         )
 
 
-def _abstract(tree: PyTree, shardings: PyTree) -> PyTree:
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
 def _prepared(train_step, manager, step: int, chunks: int):
     """The layout of ``train_step``, built from the saved parameter shapes (stacked layers saved in
     ``chunks`` chunks) if ``init`` has not run."""
@@ -163,7 +159,7 @@ def _feedback_args(manager, step, meta, saved_plan, train_step, layout, sharding
 
     if layout.abstract.feedback is None:
         return None, None
-    target = nonempty_leaves(_abstract(layout.abstract.feedback, shardings.feedback))
+    target = nonempty_leaves(layout.abstract_state().feedback)
     same = (
         FEEDBACK in meta.get("items", [])
         and meta.get("mesh") == {k: int(v) for k, v in layout.mesh.shape.items()}
@@ -188,7 +184,7 @@ def _loss_scale_args(meta, train_step, layout, shardings, notes):
             notes.append("loss-scale state dropped: the new plan does not scale the loss")
         return None, None
     if LOSS_SCALE in meta.get("items", []):
-        return ocp.args.StandardRestore(_abstract(layout.abstract.loss_scale, shardings.loss_scale)), None
+        return ocp.args.StandardRestore(layout.abstract_state().loss_scale), None
     notes.append("loss scaling starts from its initial scale: the checkpoint was saved without it")
     return None, jax.jit(scaler_for(train_step.plan).init, out_shardings=shardings.loss_scale)()
 
@@ -201,12 +197,8 @@ def _restore_step(manager, root: Path, step: int, train_step) -> Restored:
     chunks = saved_chunks(saved_plan, meta.get("mesh") or {})
     layout = _prepared(train_step, manager, step, chunks)
     shardings = layout.shardings()
-    abstract = layout.abstract
-    target = {
-        "step": jax.ShapeDtypeStruct(abstract.step.shape, abstract.step.dtype, sharding=shardings.step),
-        "params": _abstract(abstract.params, shardings.params),
-        "opt_state": _abstract(abstract.opt_state, shardings.opt_state),
-    }
+    abstract = layout.abstract_state()
+    target = {"step": abstract.step, "params": abstract.params, "opt_state": abstract.opt_state}
     on_disk = saved_arrays(manager, step, STATE)
     reads = read_targets(
         on_disk, target, stacked_key=layout.stacked_key, saved=chunks, chunks=layout.layer_chunks
@@ -228,15 +220,15 @@ def _restore_step(manager, root: Path, step: int, train_step) -> Restored:
         params=read_state["params"],
         opt_state=read_state["opt_state"],
         loss_scale=out[LOSS_SCALE] if ls_args is not None else fresh_scale,
-        feedback=_feedback_tree(out[FEEDBACK], layout, shardings) if fb_args is not None else fresh_feedback,
+        feedback=_feedback_tree(out[FEEDBACK], layout) if fb_args is not None else fresh_feedback,
     )
     _check_step(state, step, meta, root)
     return Restored(state, step, saved_plan, meta.get("data_position"), _rng(meta.get("rng")), notes)
 
 
-def _feedback_tree(saved: dict, layout, shardings) -> PyTree:
+def _feedback_tree(saved: dict, layout) -> PyTree:
     """The feedback tree from its saved non-empty leaves (zero-size leaves are made again)."""
-    target = _abstract(layout.abstract.feedback, shardings.feedback)
+    target = layout.abstract_state().feedback
 
     def one(path, leaf):
         key = path_str(path)

@@ -52,8 +52,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = model_config(DemoConfig(plan=plan, layers=args.layers, d_model=args.d_model), dict(mesh.shape))
     model = layered_model(cfg, tp=tensor_axis(plan))
     train = make_train_step(model, build_optimizer(plan.optimizer), plan, mesh)
-    state = train.init(init_params(cfg, jax.random.key(0)))
-    summary = inspect_step(train, state, synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=0))
+    train.prepare(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))  # no state is created
+    batch = synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=0)
+    summary = inspect_step(train, train.abstract_state(), batch)
     print(json_text(summary) if args.json else render_text(summary) + _pipeline_text(summary))
     return 0
 

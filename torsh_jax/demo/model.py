@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import flax.linen as nn
@@ -106,8 +107,10 @@ class Head(nn.Module):
         return tensor.column(_rms_norm(x, norm), kernel, tp=self.tp)
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def init_params(cfg: LMConfig, key: jax.Array) -> dict:
-    """Parameters ``{"embed", "layers" (stacked), "head"}`` in float32."""
+    """Parameters ``{"embed", "layers" (stacked), "head"}`` in float32 (one compiled program: run
+    op by op, the initialisers compile dozens of small ones)."""
     k_embed, k_layers, k_head = jax.random.split(key, 3)
     tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
     hidden = jnp.zeros((1, cfg.seq_len, cfg.d_model), jnp.float32)

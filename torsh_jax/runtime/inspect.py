@@ -160,7 +160,8 @@ def _layers(train: TrainStep) -> int | None:
 
 
 def inspect_step(train: TrainStep, state: TrainState, batch: Any) -> dict:
-    """Summary of the compiled step: collectives, totals, memory and theory.
+    """Summary of the compiled step: collectives, totals, memory and theory. ``state`` may be
+    :meth:`~torsh_jax.runtime.step.TrainStep.abstract_state` (nothing is allocated or run).
 
     See :func:`torsh_jax.analysis.summarize` for the keys; adds
     ``param_count``, ``shard_param_count`` (parameters of one tensor shard,

@@ -109,6 +109,13 @@ class StateLayout:
             out[part] = jax.tree.map(lambda s, k=kind: _sharding(self.mesh, s, k), specs, is_leaf=_is_spec)
         return TrainState(**out)
 
+    def abstract_state(self) -> TrainState:
+        """The stored state as ``jax.ShapeDtypeStruct`` s with their shardings: lower and compile
+        the step, or restore into it, without creating a state."""
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.abstract, self.shardings()
+        )
+
     def bytes_per_device(self) -> dict[str, int]:
         """Bytes of each state field one device holds (largest shard, as a device allocates it)."""
         out = {}

@@ -394,7 +394,8 @@ def pipeline_gradients(
         carry = _Carry(acts=hidden(plan.activation_slots), cots=hidden(plan.gradient_slots),
                        wstash=hidden(plan.weight_slots, 2, one.per_chunk), grads=grads,
                        loss_sum=jnp.float32(0.0), counts=jnp.zeros(3, jnp.int32))  # fmt: skip
-        run_ticks = lambda c, tick, like: _tick(c, tick, like, stage, plan, one.branches(), axis, p)
+        branches, types = one.branches(), {}
+        run_ticks = lambda c, tick, like: _tick(c, tick, like, stage, plan, branches, axis, p, types)
         periods = (1, 2, 3) if schedule.splits_backward else (1, 2)  # a steady B, W, F repeats every 3
         for segment in tick_segments(plan, periods=(*periods, 2 * p * schedule.virtual_stages)):
             carry = _segment(carry, segment, run_ticks)
@@ -431,7 +432,7 @@ def _segment(carry, segment: Segment, run_tick: Callable):
     return jax.lax.scan(block, carry, jnp.arange(repeats, dtype=jnp.int32))[0]
 
 
-def _tick(carry, tick, like, stage, plan: SlotPlan, branches: dict, axis: str, p: int):
+def _tick(carry, tick, like, stage, plan: SlotPlan, branches: dict, axis: str, p: int, types: dict):
     """One tick: ``tick`` (an int, or traced inside a scan) stands for the static ticks ``like``,
     which have the same senders; each stage runs its branch, then the senders ``ppermute``."""
     like = list(like)
@@ -439,7 +440,8 @@ def _tick(carry, tick, like, stage, plan: SlotPlan, branches: dict, axis: str, p
     index = np.zeros_like(plan.branch)
     index[like] = np.searchsorted(present, plan.branch[like])
     chosen = [branches[BRANCHES[b]] for b in present]
-    carry, forward, backward = _switch(_at(index, tick, stage), chosen, carry, _ints(plan, tick, stage))
+    ints = _ints(plan, tick, stage)
+    carry, forward, backward = _switch(_at(index, tick, stage), chosen, carry, ints, types)
     sends_forward, sends_backward = plan.sends_forward[like[0]], plan.sends_backward[like[0]]
     if sends_forward.any():
         received = jax.lax.ppermute(forward, axis, _pairs(sends_forward, 1, p))
@@ -476,20 +478,47 @@ def _settled(fn: Callable, carry):
     return carry
 
 
-def _switch(index, branches: list[Callable], carry, ints):
+def _switch(index, branches: list[Callable], carry, ints, types: dict):
     """``lax.switch`` whose branches may differ in which manual axes a value varies over: every
-    output (and the carry going in) is typed as varying over the union."""
+    output (and the carry going in) is typed as varying over the union. ``types`` keeps each
+    branch's output types by input types across ticks (a branch is traced for them once)."""
     kinds, union = _kinds, _union
     for _ in range(3):  # the carry's type settles after a pass or two
-        outs = [jax.eval_shape(b, carry, ints) for b in branches]
-        target = union([_vmas(o) for o in outs])
+        target = union([_output_vmas(b, carry, ints, types) for b in branches])
         carry_target = union([kinds(carry), target[0]])
         if carry_target == kinds(carry):
             break
         carry = _cast(carry, carry_target)
     target = (carry_target, *target[1:])
-    wrapped = [lambda c, i, b=b: _cast(b(c, i), target) for b in branches]
-    return jax.lax.switch(index, wrapped, carry, ints)
+    return jax.lax.switch(index, [_typed(b, target, types) for b in branches], carry, ints)
+
+
+def _typed(branch: Callable, target: PyTree, types: dict) -> Callable:
+    """``branch`` with its outputs cast to ``target``'s varying axes; one function per branch and
+    target, so ``lax.switch`` reuses its trace in later ticks."""
+    key = ("typed", branch, _frozen(target))
+    if key not in types:
+        types[key] = lambda carry, ints: _cast(branch(carry, ints), target)
+    return types[key]
+
+
+def _frozen(tree: PyTree) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda a: isinstance(a, frozenset))
+    return treedef, tuple(leaves)
+
+
+def _output_vmas(branch: Callable, carry, ints, types: dict) -> PyTree:
+    """Varying axes of ``branch(carry, ints)``'s outputs, traced once per branch and input types."""
+    key = (branch, *(_avals(tree) for tree in (carry, ints)))
+    if key not in types:
+        types[key] = _vmas(jax.eval_shape(branch, carry, ints))
+    return types[key]
+
+
+def _avals(tree: PyTree) -> tuple:
+    """Hashable types of ``tree`` (structure, and shape, dtype and varying axes of each leaf)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(jax.typeof(leaf) for leaf in leaves)
 
 
 def _vmas(tree: PyTree) -> PyTree:

@@ -131,12 +131,18 @@ class TrainStep:
         creating a state (to restore one into it, e.g. :func:`torsh_jax.checkpoint.restore`)."""
         self._built["ensure_built"](params_like)
 
+    def abstract_state(self) -> TrainState:
+        """The state's shapes, dtypes and shardings (``jax.ShapeDtypeStruct`` s; after ``init`` or
+        :meth:`prepare`): what :meth:`lower` needs, with no state created."""
+        return self.layout.abstract_state()
+
     def lower(self, state: TrainState, batch: PyTree) -> jax.stages.Lowered:
-        """Lower the step for ``state`` and a global ``batch`` (for inspection)."""
+        """Lower the step for ``state`` and a global ``batch`` (for inspection); both may be
+        ``jax.ShapeDtypeStruct`` s (:meth:`abstract_state`)."""
         return self._built["jitted"].lower(state, self.shard_batch(batch))
 
     def shard_batch(self, batch: PyTree) -> PyTree:
-        """Validate a global batch and place it on the mesh."""
+        """Validate a global batch and place it on the mesh (shapes: their sharding set)."""
         _validate_batch(batch, global_batch=self.global_batch_size, plan=self.plan, mesh=self.mesh)
         return jax.tree.map(
             lambda x: _place(x, NamedSharding(self.mesh, _leaf_batch_spec(self.batch_spec, x))), batch
@@ -146,6 +152,8 @@ class TrainStep:
 def _place(x: Any, sharding: NamedSharding) -> jax.Array:
     """Put a global batch leaf on the mesh; host data works in multi-process runs too
     (every process passes the same global array and keeps only its shards)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     if isinstance(x, jax.Array):
         return x if x.sharding.is_equivalent_to(sharding, x.ndim) else jax.device_put(x, sharding)
     host = np.asarray(x)
