@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -20,13 +21,16 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
-# One compilation cache for the session's workers and the processes they start: a program compiled
-# twice (a step and its inspect report, the same twin in two tests) compiles once.
-CACHE = os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"torsh_jax_tests_{jax.__version__}")
-)
+# One compilation cache per test session, shared by its workers and the processes they start (a
+# program compiled twice, a step and its inspect report, compiles once), in a new directory each
+# session: with jaxlib 0.10.2, a CPU program with collectives loaded from a cache an earlier session
+# wrote aborted in XLA's collective rendezvous after another multi-device program had run (the
+# interleaved ZeRO-3 pipeline step, on every warm-cache run; see docs/pipeline.md).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="torsh_jax_tests_")
+    os.environ["TORSH_JAX_TESTS_CACHE_OWNER"] = str(os.getpid())
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
-jax.config.update("jax_compilation_cache_dir", CACHE)
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # Start the backend now, with its 8 devices: a command run in-process first (demo --devices 4)
 # would otherwise request its own count before the backend starts and shrink the whole worker.
@@ -51,3 +55,9 @@ def corpus_dir() -> Path:
     if not CORPUS.is_dir():
         pytest.skip(f"corpus not found at {CORPUS}")
     return CORPUS
+
+
+def pytest_unconfigure(config) -> None:
+    """The session that made the compilation cache removes it."""
+    if os.environ.get("TORSH_JAX_TESTS_CACHE_OWNER") == str(os.getpid()):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

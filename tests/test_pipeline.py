@@ -4,6 +4,7 @@ twin, composition with data, ZeRO and tensor axes, and the bytes and memory of t
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import jax
@@ -13,11 +14,12 @@ import pytest
 from helpers import mlp_model, mlp_params, twin_report
 
 from torsh_jax import NotSupportedYetError, PlanError, load_plan
+from torsh_jax.cli.main import main
 from torsh_jax.demo.model import LMConfig, init_params, layered_model, loss_fn, synthetic_tokens
 from torsh_jax.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, build_schedule
 from torsh_jax.pipeline.slots import slot_plan, tick_segments
 from torsh_jax.plan import plan_from_dict
-from torsh_jax.runtime.inspect import inspect_step
+from torsh_jax.runtime.inspect import PIPELINED_TENSOR_NOTE, headline, inspect_step
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.step import make_train_step
 from torsh_jax.runtime.verify import record_gradients
@@ -316,6 +318,26 @@ def test_zero3_per_microbatch_gathers_trade_bytes_for_memory():
     assert each["theory"]["wire_ratio"] > 4 and once["theory"]["wire_ratio"] == pytest.approx(1.0, abs=0.02)
 
 
+def test_headline_compares_each_modelled_axis_and_names_the_tensor_axis_of_a_pipeline_as_unmodelled():
+    """data x stage x tensor: the headline's theory is the data and stage theories' sum, each equal
+    to what is measured; the tensor collectives sit in the pipeline's branches, so they are measured
+    (as an upper bound) but have no theory, and the report says so."""
+    summary = _inspect(COMPOSED["3d-tensor"])
+    line = headline(summary)
+    theory = summary["theory"]
+    assert set(line["wire_ratio_by_axis"]) == {"data_parallel", "stage"}
+    assert all(r == pytest.approx(1.0, abs=0.02) for r in line["wire_ratio_by_axis"].values()), line
+    assert (
+        line["theoretical_wire_bytes_per_step"]
+        == theory["wire_bytes"] + theory["axes"]["stage"]["wire_bytes"]
+    )
+    assert set(line["unmodelled_wire_bytes_by_axis"]) == {"tensor"}
+    assert line["wire_bytes_per_step"] == pytest.approx(
+        sum(v["wire_bytes"] for v in summary["totals"]["by_axis"].values())
+    )
+    assert PIPELINED_TENSOR_NOTE in summary["notes"]
+
+
 @pytest.mark.parametrize(("preset", "bubble"), [("pp_1f1b", 3 / 11), ("pp_zb_h1", 3 / 27)])
 def test_stage_bytes_equal_activations_and_their_gradients_per_boundary(preset, bubble):
     """ZB-H1 sends what 1F1B sends (its W slots send nothing)."""
@@ -484,3 +506,27 @@ def test_checkpoints_move_between_interleaved_and_contiguous_layer_layouts(tmp_p
     for i in (1, 2):
         (moved, a), (back, b) = contiguous.step(moved, batch(i)), chunked.step(back, batch(i))
         assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_zb_h1", "fsdp_pp", "3d"])
+def test_demo_runs_every_pipeline_preset_with_verify(preset, capsys):
+    """``torsh-jax demo --plan P --verify``: the run equals its single-device twin, and the stage
+    bytes equal theory."""
+    argv = [
+        "demo",
+        "--plan",
+        preset,
+        "--devices",
+        "8",
+        "--steps",
+        "2",
+        "--verify",
+        "--json",
+        "--d-model",
+        "32",
+    ]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["max_rel_err"] <= 1e-5, summary
+    assert summary["wire_ratio_by_axis"]["stage"] == pytest.approx(1.0, abs=0.02), summary

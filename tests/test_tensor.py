@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from torsh_jax import load_plan, tensor
 from torsh_jax.demo.model import LMConfig
 from torsh_jax.plan import plan_from_dict
+from torsh_jax.runtime.inspect import headline
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.step import make_train_step
 from torsh_jax.runtime.verify import record_gradients
@@ -190,6 +191,12 @@ def test_data_parallel_bytes_equal_theory_for_one_tensor_shard(tp_reports):
         assert report["shard_param_count"] < report["param_count"]
         assert report["theory"]["wire_ratio"] == pytest.approx(1.0, abs=1e-3), name
         assert report["theory"]["other_axes_wire_bytes"]["tensor"] > 0, name
+        line = headline(report)  # the demo's summary: every axis measured, each against its theory
+        assert set(line["wire_ratio_by_axis"]) == {"data_parallel", "tensor"}, name
+        assert line["unmodelled_wire_bytes_by_axis"] == {}, name
+        assert line["theoretical_wire_bytes_per_step"] == pytest.approx(
+            line["wire_bytes_per_step"], rel=0.02
+        ), name
 
 
 @pytest.mark.parametrize("name", ["tp", "tp_sp", "zero3_sp_accum"])

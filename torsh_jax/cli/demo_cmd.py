@@ -65,6 +65,9 @@ def _summary_rows(summary: dict) -> dict[str, str]:
         "final loss": "trained nothing (--steps 0)" if loss is None else f"{loss:.4f}",
         "wire bytes / step (measured)": format_bytes(summary["wire_bytes_per_step"]),
         "wire bytes / step (theory)": format_bytes(summary["theoretical_wire_bytes_per_step"]),
+        "measured / theory": _ratios(
+            summary.get("wire_ratio_by_axis") or {}, summary.get("unmodelled_wire_bytes_by_axis")
+        ),
         "memory / device": format_bytes(summary["memory_per_device_bytes"]),
         "compiles": str(summary["compiles"]),
     }
@@ -75,6 +78,13 @@ def _summary_rows(summary: dict) -> dict[str, str]:
     if summary.get("checkpoint_steps"):
         rows["checkpoints kept"] = ", ".join(map(str, summary["checkpoint_steps"]))
     return rows
+
+
+def _ratios(by_axis: dict, unmodelled: dict | None) -> str:
+    """``data parallel 1.00, stage 1.00; tensor not modelled``: measured / theory wire bytes per axis."""
+    shown = [f"{name.replace('_', ' ')} {ratio:.2f}" for name, ratio in by_axis.items() if ratio is not None]
+    text = ", ".join(shown) or "-"
+    return text + (f"; {', '.join(unmodelled)} not modelled" if unmodelled else "")
 
 
 def _print_summary(summary: dict) -> None:

@@ -55,8 +55,15 @@ def run(args: argparse.Namespace) -> int:
     train.prepare(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))  # no state is created
     batch = synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=0)
     summary = inspect_step(train, train.abstract_state(), batch)
-    print(json_text(summary) if args.json else render_text(summary) + _pipeline_text(summary))
+    print(
+        json_text(summary) if args.json else render_text(summary) + _pipeline_text(summary) + _notes(summary)
+    )
     return 0
+
+
+def _notes(summary: dict) -> str:
+    """What the step changed or what the report cannot say, one ``note:`` line each."""
+    return "".join(f"note: {note}\n" for note in summary.get("notes", []))
 
 
 def _pipeline_text(summary: dict) -> str:

@@ -66,10 +66,19 @@ def _layer_fraction(train: TrainStep) -> float:
     return sum(jax.tree.leaves(counts[train.loss.layers_key])) / sum(jax.tree.leaves(counts))
 
 
+#: Why a pipelined step has no tensor-axis theory.
+PIPELINED_TENSOR_NOTE = (
+    "tensor: the collectives run inside the pipeline's per-tick branches (a device runs one per tick) and "
+    "the compiled program's count takes every branch as run, so theory.other_axes_wire_bytes['tensor'] "
+    "is an upper bound and no theory is compared"
+)
+
+
 def tensor_theory(train: TrainStep, batch: Any) -> Theory | None:
-    """The tensor axis's theory for a layered model built from the tensor blocks (else ``None``)."""
+    """The tensor axis's theory for a layered model built from the tensor blocks (else ``None``; also
+    under a pipeline, see :data:`PIPELINED_TENSOR_NOTE`)."""
     roles, model, plan = train.layout.roles, train.loss, train.plan
-    if roles.tensor_axis is None or not isinstance(model, LayeredModel) or not has_tensor_blocks(model):
+    if not _megatron_tensor(train) or roles.stage_axis is not None:
         return None
     compute = jnp.dtype(plan.precision.compute_dtype)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute), train.layout.abstract.params)
@@ -93,6 +102,16 @@ def tensor_theory(train: TrainStep, batch: Any) -> Theory | None:
         replicated_grad_bytes=replicated,
         recomputed=model.remat or zero3_regathers,
         micro_steps=plan.batch.accumulation_steps,
+    )
+
+
+def _megatron_tensor(train: TrainStep) -> bool:
+    """Whether the step has a tensor axis over a layered model built from the tensor blocks."""
+    model = train.loss
+    return (
+        train.layout.roles.tensor_axis is not None
+        and isinstance(model, LayeredModel)
+        and has_tensor_blocks(model)
     )
 
 
@@ -188,6 +207,8 @@ def inspect_step(train: TrainStep, state: TrainState, batch: Any) -> dict:
     summary["roles"] = train.layout.roles.describe()
     summary["state_bytes_per_device"] = _state_bytes(train)
     summary["notes"] = list(train.notes)
+    if _megatron_tensor(train) and train.layout.roles.stage_axis is not None:
+        summary["notes"].append(PIPELINED_TENSOR_NOTE)
     return summary
 
 
@@ -198,13 +219,34 @@ def _state_bytes(train: TrainStep) -> dict[str, int]:
 
 
 def headline(summary: dict) -> dict:
-    """The few numbers a training log shows: wire bytes (measured and theory) and memory."""
+    """The few numbers a training log shows: wire bytes (measured over every axis, and the theory of
+    every axis it models), measured / theory per modelled axis, and memory.
+
+    ``wire_ratio`` is the data-parallel axes' ratio; ``wire_ratio_by_axis`` adds ``tensor`` and
+    ``stage`` where the plan has them and a theory models them; ``unmodelled_wire_bytes_by_axis``
+    holds the measured bytes of the axes no theory models (``wire_bytes_per_step`` counts them).
+    """
     theory = summary.get("theory") or {}
     memory = summary.get("memory") or {}
+    modelled = _modelled_axes(theory)
     return {
         "wire_bytes_per_step": summary["totals"]["wire_bytes"],
-        "theoretical_wire_bytes_per_step": theory.get("wire_bytes"),
+        "theoretical_wire_bytes_per_step": sum(s["wire_bytes"] for s in modelled.values())
+        if theory
+        else None,
         "wire_ratio": theory.get("wire_ratio"),
+        "wire_ratio_by_axis": {name: section.get("wire_ratio") for name, section in modelled.items()},
+        "unmodelled_wire_bytes_by_axis": {
+            axes: n for axes, n in (theory.get("other_axes_wire_bytes") or {}).items() if axes not in modelled
+        },
         "payload_bytes_per_step": summary["totals"]["payload_bytes"],
         "memory_per_device_bytes": memory.get("peak_estimate_bytes"),
     }
+
+
+def _modelled_axes(theory: dict) -> dict[str, dict]:
+    """The theory's sections by axis: ``data_parallel`` (the data axes), then ``tensor``, ``stage``."""
+    if not theory:
+        return {}
+    sections = {"data_parallel": theory, **theory.get("axes", {})}
+    return {name: section for name, section in sections.items() if section.get("wire_bytes") is not None}
