@@ -19,6 +19,7 @@ from torsh_jax import load_plan
 from torsh_jax.checkpoint import Checkpointer, list_checkpoints, restore, show_checkpoint
 from torsh_jax.demo.model import LMConfig, init_params, layered_model, synthetic_tokens
 from torsh_jax.errors import CheckpointError, CheckpointUnreadableError
+from torsh_jax.plan.spec import LossScaleSpec
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.step import make_train_step
 from torsh_jax.tensor import tensor_axis
@@ -197,3 +198,36 @@ def test_a_flipped_bit_in_array_data_is_caught_by_its_checksum_and_resume_falls_
     restored = restore(tmp_path, train, fallback=True)
     assert restored.step == 0 and "step 1 skipped" in restored.notes[0]
     assert all(np.array_equal(a, b) for a, b in zip(_host(restored.state.params), _host(state.params)))
+
+
+def _step_for(plan, devices: int = 2):
+    return make_train_step(
+        layered_model(TINY), OPTIMIZER, plan, build_mesh(plan, require_devices(8)[:devices])
+    )
+
+
+def test_loss_scale_state_comes_back_and_is_dropped_or_started_with_a_note(tmp_path):
+    """Dynamic loss scaling: its state restores as saved; a plan without scaling drops it, and a
+    checkpoint saved without it starts the scale afresh, each with a note."""
+    ddp = load_plan("ddp")
+    scaled = dataclasses.replace(
+        ddp, precision=dataclasses.replace(ddp.precision, loss_scale=LossScaleSpec(mode="dynamic"))
+    )
+    train = _step_for(scaled)
+    state, _ = _run(train, train.init(init_params(TINY, jax.random.key(0))), range(2))
+    with Checkpointer(tmp_path / "scaled") as saver:
+        saver.save(state, plan=train.plan)
+    restored = restore(tmp_path / "scaled", _step_for(scaled))
+    assert not restored.notes and _same(restored.state.loss_scale, state.loss_scale)
+    dropped = restore(tmp_path / "scaled", _step_for(ddp))
+    assert dropped.state.loss_scale is None
+    assert any("loss-scale state dropped" in note for note in dropped.notes), dropped.notes
+
+    plain = _step_for(ddp)
+    with Checkpointer(tmp_path / "plain") as saver:
+        saver.save(plain.init(init_params(TINY, jax.random.key(0))), plan=plain.plan)
+    fresh_target = _step_for(scaled)
+    started = restore(tmp_path / "plain", fresh_target)
+    assert any("initial scale" in note for note in started.notes), started.notes
+    initial = fresh_target.init(init_params(TINY, jax.random.key(0))).loss_scale
+    assert _same(started.state.loss_scale, initial)

@@ -153,13 +153,14 @@ def _compression(plan: ParallelPlan) -> Any:
     return plan_to_dict(plan).get("compression")
 
 
-def _feedback_args(manager, step, meta, saved_plan, train_step, layout, shardings, notes):
-    """``(restore args or None, fresh feedback or None)`` for the target's feedback."""
+def _feedback_args(manager, step, meta, saved_plan, train_step, layout, abstract, notes):
+    """``(restore args or None, fresh feedback or None)`` for the target's feedback (``abstract``:
+    the target state's :meth:`~torsh_jax.runtime.layout.StateLayout.abstract_state`)."""
     import orbax.checkpoint as ocp
 
-    if layout.abstract.feedback is None:
+    if abstract.feedback is None:
         return None, None
-    target = nonempty_leaves(layout.abstract_state().feedback)
+    target = nonempty_leaves(abstract.feedback)
     same = (
         FEEDBACK in meta.get("items", [])
         and meta.get("mesh") == {k: int(v) for k, v in layout.mesh.shape.items()}
@@ -171,22 +172,26 @@ def _feedback_args(manager, step, meta, saved_plan, train_step, layout, sharding
     saved_on = f"mesh {meta.get('mesh')} with {_compression(saved_plan)}"
     restored_on = f"{dict(layout.mesh.shape)} with {_compression(train_step.plan)}"
     notes.append(f"compression feedback restarts from zero: saved on {saved_on}, restored onto {restored_on}")
-    return None, jax.jit(layout.init_feedback, out_shardings=shardings.feedback)()
+    return None, jax.jit(layout.init_feedback, out_shardings=_shardings(abstract.feedback))()
 
 
-def _loss_scale_args(meta, train_step, layout, shardings, notes):
+def _shardings(abstract: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: x.sharding, abstract)
+
+
+def _loss_scale_args(meta, train_step, abstract, notes):
     import orbax.checkpoint as ocp
 
     from torsh_jax.runtime.update import scaler_for
 
-    if layout.abstract.loss_scale is None:
+    if abstract.loss_scale is None:
         if LOSS_SCALE in meta.get("items", []):
             notes.append("loss-scale state dropped: the new plan does not scale the loss")
         return None, None
     if LOSS_SCALE in meta.get("items", []):
-        return ocp.args.StandardRestore(layout.abstract_state().loss_scale), None
+        return ocp.args.StandardRestore(abstract.loss_scale), None
     notes.append("loss scaling starts from its initial scale: the checkpoint was saved without it")
-    return None, jax.jit(scaler_for(train_step.plan).init, out_shardings=shardings.loss_scale)()
+    return None, jax.jit(scaler_for(train_step.plan).init, out_shardings=_shardings(abstract.loss_scale))()
 
 
 def _restore_step(manager, root: Path, step: int, train_step) -> Restored:
@@ -196,7 +201,6 @@ def _restore_step(manager, root: Path, step: int, train_step) -> Restored:
     saved_plan = plan_from_toml(meta["plan"], source=f"{root / str(step)} (meta)")
     chunks = saved_chunks(saved_plan, meta.get("mesh") or {})
     layout = _prepared(train_step, manager, step, chunks)
-    shardings = layout.shardings()
     abstract = layout.abstract_state()
     target = {"step": abstract.step, "params": abstract.params, "opt_state": abstract.opt_state}
     on_disk = saved_arrays(manager, step, STATE)
@@ -208,9 +212,9 @@ def _restore_step(manager, root: Path, step: int, train_step) -> Restored:
     notes: list[str] = []
     args = {STATE: ocp.args.StandardRestore(read)}
     fb_args, fresh_feedback = _feedback_args(
-        manager, step, meta, saved_plan, train_step, layout, shardings, notes
+        manager, step, meta, saved_plan, train_step, layout, abstract, notes
     )
-    ls_args, fresh_scale = _loss_scale_args(meta, train_step, layout, shardings, notes)
+    ls_args, fresh_scale = _loss_scale_args(meta, train_step, abstract, notes)
     args.update({k: v for k, v in ((FEEDBACK, fb_args), (LOSS_SCALE, ls_args)) if v is not None})
     out = _read(manager, step, args)
     _verify(meta, out, step, root)
@@ -220,15 +224,14 @@ def _restore_step(manager, root: Path, step: int, train_step) -> Restored:
         params=read_state["params"],
         opt_state=read_state["opt_state"],
         loss_scale=out[LOSS_SCALE] if ls_args is not None else fresh_scale,
-        feedback=_feedback_tree(out[FEEDBACK], layout) if fb_args is not None else fresh_feedback,
+        feedback=_feedback_tree(out[FEEDBACK], abstract.feedback) if fb_args is not None else fresh_feedback,
     )
     _check_step(state, step, meta, root)
     return Restored(state, step, saved_plan, meta.get("data_position"), _rng(meta.get("rng")), notes)
 
 
-def _feedback_tree(saved: dict, layout) -> PyTree:
+def _feedback_tree(saved: dict, target: PyTree) -> PyTree:
     """The feedback tree from its saved non-empty leaves (zero-size leaves are made again)."""
-    target = layout.abstract_state().feedback
 
     def one(path, leaf):
         key = path_str(path)
