@@ -53,6 +53,20 @@ def mlp_params(cfg: LMConfig, key: jax.Array) -> dict:
     }
 
 
+def needs_tensor_blocks(plan: ParallelPlan) -> bool:
+    """Whether ``plan`` has a tensor axis (the demo model's tensor blocks, not the MLP)."""
+    return (plan.mesh.tensor.ici, plan.mesh.tensor.dcn) != (1, 1)
+
+
+def model_for(plan: ParallelPlan, cfg: LMConfig):
+    """``(model, init)``: :func:`mlp_model` (a third of the demo model's compile time, for tests of
+    what runs around the layers) unless ``plan`` has a tensor axis, which needs the demo model's
+    tensor blocks."""
+    if needs_tensor_blocks(plan):
+        return layered_model(cfg), init_params
+    return mlp_model(cfg), mlp_params
+
+
 def twin_report(
     plan: ParallelPlan, *, devices=None, steps: int = 5, cfg: LMConfig = SMALL, optimizer=None, mlp=False
 ):

@@ -8,9 +8,9 @@ import jax
 import optax
 import pytest
 from conftest import require_devices
-from helpers import SMALL, mlp_model, mlp_params
+from helpers import SMALL, model_for
 
-from torsh_jax.demo.model import init_params, layered_model, synthetic_tokens
+from torsh_jax.demo.model import synthetic_tokens
 from torsh_jax.plan import load_plan
 from torsh_jax.plan.presets import names
 from torsh_jax.runtime.inspect import inspect_step
@@ -45,9 +45,7 @@ def test_layout_of_every_preset_equals_what_the_step_holds(preset):
     plan = load_plan(preset)
     mesh = build_mesh(plan)
     cfg = SMALL if plan.mesh.stage.ici * plan.mesh.stage.dcn == 1 else PIPELINED  # layers split over stages
-    # the residual MLP (a third of the compile time) unless a tensor axis needs the demo's tensor blocks
-    tensor = plan.mesh.tensor.ici * plan.mesh.tensor.dcn > 1
-    model, init = (layered_model(cfg), init_params) if tensor else (mlp_model(cfg), mlp_params)
+    model, init = model_for(plan, cfg)
     params = init(cfg, jax.random.key(0))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     optimizer = optax.adamw(1e-3)

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import mlp_model, mlp_params, twin_report
+from helpers import mlp_model, mlp_params, model_for, needs_tensor_blocks, twin_report
 
 from torsh_jax import NotSupportedYetError, PlanError, load_plan
 from torsh_jax.cli.main import main
@@ -161,19 +161,6 @@ def test_bad_schedules_name_the_key_and_the_fix(args, key, says):
 # ---------------------------------------------------------------- the executor against the twin
 
 
-def needs_tensor_blocks(plan) -> bool:
-    return (plan.mesh.tensor.ici, plan.mesh.tensor.dcn) != (1, 1)
-
-
-def model_for(plan, cfg=PIPE):
-    """``(model, init)``: the residual MLP (a third of the demo model's compile time; the schedules
-    run around the layers, whatever they are) unless ``plan`` has a tensor axis, which needs the
-    demo model's tensor blocks."""
-    if needs_tensor_blocks(plan):
-        return layered_model(cfg), init_params
-    return mlp_model(cfg), mlp_params
-
-
 def assert_twin(plan, *, cfg=PIPE, steps=5):
     mlp = not needs_tensor_blocks(plan)
     report, train = twin_report(plan, cfg=cfg, steps=steps, optimizer=momentum(), mlp=mlp)
@@ -183,7 +170,7 @@ def assert_twin(plan, *, cfg=PIPE, steps=5):
 
 
 def assert_slots_equal_the_table(train, plan):
-    state = train.init(model_for(plan)[1](PIPE, jax.random.key(0)))
+    state = train.init(model_for(plan, PIPE)[1](PIPE, jax.random.key(0)))
     _, metrics = train.step(state, synthetic_tokens(PIPE, batch_size=train.global_batch_size, seed=0))
     pipe = plan.pipeline
     table = build_schedule(pipe.schedule, stages=train.mesh.shape["stage"], microbatches=pipe.microbatches,
@@ -289,7 +276,7 @@ def test_a_pipeline_shorter_than_its_stages_translates_to_gpipe():
 def _inspect(plan):
     """The twin test's step for ``plan`` (same model and optimizer: the compilation cache has it),
     lowered for the state's shapes (none is created)."""
-    model, init = model_for(plan)
+    model, init = model_for(plan, PIPE)
     train = make_train_step(model, momentum(), plan, build_mesh(plan))
     train.prepare(jax.eval_shape(lambda: init(PIPE, jax.random.key(0))))
     batch = synthetic_tokens(PIPE, batch_size=train.global_batch_size, seed=0)
