@@ -29,6 +29,10 @@ resumes from its newest checkpoint (demo --resume) then finishes the job. With
 --min-processes M a restart drops the process that failed (its host is taken as
 lost) while more than M are left: the job continues on fewer devices, the plan is
 re-resolved for them and the global batch kept (demo --resume does this).
+Once a process exited 0, the others get --exit-grace seconds to exit; those still
+running are then named, stopped and the exit code is 124. Each process leads a
+process group of its own: what it leaves there is killed when it ends, and all
+groups are killed when the launcher dies, even by SIGKILL.
 """
 
 
@@ -66,6 +70,11 @@ def register(subparsers) -> None:
         "--grace-period", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping"
     )
     parser.add_argument(
+        "--exit-grace", type=float, default=None, metavar="SECONDS",
+        help="once a process exited 0, stop those still running after this many seconds, "
+        "naming them, and exit 124 [60]",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-restarts", type=count_type(0, 1000, fix="pass --max-restarts 1"), default=0,
         help="when a process fails, stop the others and start all again, up to this many times; "
         "TORSH_JAX_RESTART holds the attempt number and the script resumes itself [0]",
@@ -88,7 +97,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Start the processes described by ``args``; returns the job's exit code."""
-    from torsh_jax.distributed.launcher import launch
+    from torsh_jax.distributed.launcher import DEFAULT_EXIT_GRACE_S, launch
 
     return launch(
         [args.script, *args.script_args],
@@ -97,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         timeout_s=args.timeout,
         grace_period_s=args.grace_period,
+        exit_grace_s=DEFAULT_EXIT_GRACE_S if args.exit_grace is None else args.exit_grace,
         verbose_collectives=args.verbose_collectives,
         max_restarts=args.max_restarts,
         min_processes=args.min_processes,

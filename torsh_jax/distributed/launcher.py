@@ -8,7 +8,11 @@ are read line by line in threads and written whole, prefixed ``[rank i] ``
 log chatter is quieted unless ``verbose_collectives``. When one child fails or
 is killed, the others get SIGTERM, then SIGKILL after a grace period, and
 :func:`launch` returns the code of the child that ended first with a failure,
-naming its rank.
+naming its rank. A child still running ``exit_grace_s`` seconds after another
+one exited 0 is named and stopped the same way. Each child leads a process group
+of its own; what a child leaves in its group is killed when it ends, and every
+group is killed when the launcher dies, even by SIGKILL
+(:mod:`torsh_jax.distributed.reaper`).
 
 Example:
     >>> import pathlib, tempfile
@@ -38,6 +42,7 @@ from pathlib import Path
 from typing import TextIO
 
 from torsh_jax.distributed.env import LAUNCH_VARS
+from torsh_jax.distributed.reaper import Reaper, dying_with_parent
 from torsh_jax.errors import DistributedError
 
 __all__ = [
@@ -46,12 +51,16 @@ __all__ = [
     "child_environment",
     "is_collectives_chatter",
     "EXIT_TIMEOUT",
+    "DEFAULT_EXIT_GRACE_S",
     "RESTART_VAR",
     "QUIET_LOG_LEVELS",
 ]
 
-#: Exit code when the whole job exceeds ``timeout_s`` (as coreutils ``timeout``).
+#: Exit code when the whole job exceeds ``timeout_s`` (as coreutils ``timeout``), or a
+#: process is still running ``exit_grace_s`` after another one exited 0.
 EXIT_TIMEOUT = 124
+#: Seconds the other processes get to exit once one exited 0.
+DEFAULT_EXIT_GRACE_S = 60.0
 #: The attempt number a process of ``launch(..., max_restarts=R)`` belongs to (0 first).
 RESTART_VAR = "TORSH_JAX_RESTART"
 #: Child variables that quiet XLA/TSL (absl) and glog C++ logs to errors (unless already set).
@@ -77,6 +86,7 @@ def launch(
     port: int | None = None,
     timeout_s: float | None = None,
     grace_period_s: float = 5.0,
+    exit_grace_s: float = DEFAULT_EXIT_GRACE_S,
     output: TextIO | None = None,
     error_output: TextIO | None = None,
     environ: Mapping[str, str] | None = None,
@@ -94,6 +104,9 @@ def launch(
         port: coordinator port on 127.0.0.1; ``None`` picks a free one.
         timeout_s: stop everything and return 124 after this many seconds.
         grace_period_s: seconds between SIGTERM and SIGKILL when stopping.
+        exit_grace_s: once a process exited 0, the others must exit within this
+            many seconds; those still running are then named and stopped, and
+            :func:`launch` returns 124 (no restart: the job's work ended).
         output: where the children's prefixed stdout lines go (default ``sys.stdout``).
         error_output: where their prefixed stderr lines and the launcher's own
             ``[launch] `` lines go (default: ``output`` when given, else ``sys.stderr``).
@@ -115,12 +128,14 @@ def launch(
     Returns:
         0 when every process exits 0; otherwise the exit code of the process
         that failed first (``128 + signal`` for a killed process), 124 on
-        timeout, or ``128 + signal`` when the launcher itself got SIGINT/SIGTERM.
+        timeout or a process still running ``exit_grace_s`` after another one
+        finished, or ``128 + signal`` when the launcher itself got SIGINT/SIGTERM.
 
     Raises:
         DistributedError: bad arguments or a missing script.
     """
     _check_arguments(script_and_args, num_processes, devices_per_process, port, timeout_s)
+    _check_exit_grace(exit_grace_s)
     _check_restarts(max_restarts, min_processes, num_processes)
     fewest = num_processes if min_processes is None else min_processes
     base = os.environ if environ is None else environ
@@ -128,22 +143,39 @@ def launch(
     err = error_output if error_output is not None else (sys.stderr if output is None else output)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     count = num_processes
-    for attempt in range(max_restarts + 1):
-        chosen_port = port if port is not None else free_port()
-        layout = {"count": count, "port": chosen_port, "devices": devices_per_process}
-        envs = [
-            {**child_environment(base, rank=rank, verbose_collectives=verbose_collectives, **layout),
-             RESTART_VAR: str(attempt)}
-            for rank in range(count)
-        ]  # fmt: skip
-        supervisor = _Supervisor(out, err, grace_period_s, verbose_collectives=verbose_collectives)
-        code = supervisor.run(script_and_args, envs, timeout_s, deadline)
-        if code == 0 or supervisor.first_failure is None or attempt == max_restarts:
-            return code  # done, timed out, stopped by a signal, or out of restarts
-        count = max(fewest, count - 1)
-        lost = f"rank {supervisor.first_failure.rank} dropped, " if count < len(envs) else ""
-        supervisor._say(f"restarting on {count} process(es) ({lost}restart {attempt + 1} of {max_restarts})")
+    reaper = Reaper.start()  # before the first process: none may outlive the launcher
+    try:
+        for attempt in range(max_restarts + 1):
+            chosen_port = port if port is not None else free_port()
+            layout = {"count": count, "port": chosen_port, "devices": devices_per_process}
+            envs = [
+                {**child_environment(base, rank=rank, verbose_collectives=verbose_collectives, **layout),
+                 RESTART_VAR: str(attempt)}
+                for rank in range(count)
+            ]  # fmt: skip
+            supervisor = _Supervisor(
+                out, err, grace_period_s, reaper, exit_grace_s, verbose_collectives=verbose_collectives
+            )
+            code = supervisor.run(script_and_args, envs, timeout_s, deadline)
+            if code == 0 or supervisor.first_failure is None or attempt == max_restarts:
+                return code  # done, timed out, stopped by a signal, or out of restarts
+            count = max(fewest, count - 1)
+            lost = f"rank {supervisor.first_failure.rank} dropped, " if count < len(envs) else ""
+            supervisor._say(
+                f"restarting on {count} process(es) ({lost}restart {attempt + 1} of {max_restarts})"
+            )
+    finally:
+        reaper.close()
     return code
+
+
+def _check_exit_grace(exit_grace_s: float) -> None:
+    if isinstance(exit_grace_s, bool) or not isinstance(exit_grace_s, int | float) or not exit_grace_s > 0:
+        raise DistributedError(
+            f"must be > 0 seconds, got {exit_grace_s!r}",
+            key="exit_grace",
+            fix=f"pass --exit-grace as a positive number of seconds (default {DEFAULT_EXIT_GRACE_S:g})",
+        )
 
 
 def _check_restarts(max_restarts: int, min_processes: int | None, num_processes: int) -> None:
@@ -258,7 +290,7 @@ def is_collectives_chatter(line: str) -> bool:
 
 def _start_child(script_and_args: Sequence[str], rank: int, env: dict[str, str]) -> _Child:
     process = subprocess.Popen(
-        [sys.executable, *script_and_args],
+        dying_with_parent([sys.executable, *script_and_args]),  # Linux: SIGKILL when this thread ends
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -273,6 +305,8 @@ class _Supervisor:
     output: TextIO
     error_output: TextIO
     grace_period_s: float
+    reaper: Reaper
+    exit_grace_s: float = DEFAULT_EXIT_GRACE_S
     verbose_collectives: bool = False
     children: list[_Child] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -292,6 +326,8 @@ class _Supervisor:
         try:
             for rank, env in enumerate(envs):
                 self.children.append(_start_child(script_and_args, rank, env))
+                if not self.reaper.adopt(self.children[-1].process.pid, rank=rank):
+                    self._say(f"the reaper process is gone: rank {rank} would outlive a killed launcher")
                 self._start_threads(self.children[-1])
             code = self._watch(timeout_s, deadline)
         finally:
@@ -316,6 +352,9 @@ class _Supervisor:
             child.threads.append(thread)
 
     def _wait(self, child: _Child) -> None:
+        _wait_unreaped(child.process)
+        _signal_group(child.process, signal.SIGKILL)  # what the process left in its group
+        self.reaper.release(child.process.pid)
         child.process.wait()
         self.exits.put(child)  # in the order the processes ended
 
@@ -324,6 +363,7 @@ class _Supervisor:
         if deadline is None and timeout_s is not None:
             deadline = time.monotonic() + timeout_s
         running = len(self.children)
+        finished: tuple[_Child, float] | None = None  # the first process that exited 0, and when
         while running:
             if self.received_signal is not None:
                 self._say(f"got {signal.Signals(self.received_signal).name}; stopping all processes")
@@ -331,6 +371,9 @@ class _Supervisor:
             if deadline is not None and time.monotonic() > deadline:
                 self._say(f"timeout after {timeout_s} s; stopping all processes")
                 return EXIT_TIMEOUT
+            late = self._late(finished)
+            if late:
+                return self._report_late(late, finished[0])
             try:
                 ended = self.exits.get(timeout=_POLL_S)
             except queue.Empty:
@@ -340,7 +383,22 @@ class _Supervisor:
             if ended.process.returncode != 0:
                 return self._report_failure(ended)
             running -= 1
+            finished = finished or (ended, time.monotonic())
         return 0
+
+    def _late(self, finished: tuple[_Child, float] | None) -> list[int]:
+        """Ranks still running ``exit_grace_s`` after ``finished`` exited 0 (none before then)."""
+        if finished is None or time.monotonic() <= finished[1] + self.exit_grace_s:
+            return []
+        return [child.rank for child in self.children if child.process.poll() is None]
+
+    def _report_late(self, late: list[int], finished: _Child) -> int:
+        which = f"rank {late[0]}" if len(late) == 1 else f"ranks {', '.join(map(str, late))}"
+        self._say(
+            f"{which} still running {self.exit_grace_s:g} s after rank {finished.rank} exited 0; "
+            f"stopping {'it' if len(late) == 1 else 'them'} (--exit-grace)"
+        )
+        return EXIT_TIMEOUT
 
     def _report_failure(self, failed: _Child) -> int:
         self.first_failure = failed
@@ -403,6 +461,18 @@ class _Supervisor:
 def _how(child: _Child) -> str:
     code = child.process.returncode
     return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
+def _wait_unreaped(process: subprocess.Popen) -> None:
+    """Wait until ``process`` ends but leave it unreaped: its pid, the id of its process group,
+    cannot be reused meanwhile, so signalling the group reaches only what the process left there."""
+    if not hasattr(os, "waitid"):  # a platform without it: the group's remaining members hold its id
+        process.wait()
+        return
+    try:
+        os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:  # reaped already by a poll() from another thread
+        pass
 
 
 def _signal_group(process: subprocess.Popen, signum: int) -> None:
