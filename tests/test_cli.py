@@ -3,6 +3,7 @@ results on stdout, progress on stderr, strict JSON, quiet closed pipes, ``--vers
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -46,10 +47,15 @@ def _error_line(capsys, argv: list[str]) -> str:
     out, err = capsys.readouterr()
     assert code == 2, (out, err)
     assert out == ""
-    assert "Traceback" not in err
-    last = err.strip().splitlines()[-1]
-    assert "error:" in last and "Fix:" in last, err
-    return last
+    lines = err.splitlines()
+    assert err.endswith("\n") and [n for n, text in enumerate(lines) if "error:" in text] == [
+        len(lines) - 1
+    ], err
+    assert not any(text.startswith(("usage:", " ")) for text in lines), f"no usage block: {err!r}"
+    assert all(text.startswith("training (") for text in lines[:-1]), f"only progress before it: {err!r}"
+    line = lines[-1]
+    assert "Fix:" in line, err
+    return line
 
 
 def test_version_and_python_dash_m(tmp_path):
@@ -72,6 +78,16 @@ def test_version_and_python_dash_m(tmp_path):
         (["launch", "-n", "banana", "x.py"], "--num-processes"),
         (["launch", "-n", "0", "x.py"], "--num-processes"),
         (["translate", "x.json", "--world-size", "0"], "--world-size"),
+        (["demo", "--bogus"], "unrecognized arguments: --bogus"),
+        (["demo", "--seed", "1", "--stepz", "3"], "did you mean --steps?"),
+        (["checkpoint", "show", "d", "--stpe", "3"], "did you mean --step?"),
+        (["demx"], "did you mean 'demo'?"),
+        ([], "name one of demo, checkpoint"),
+        (["checkpoint"], "name one of list, show"),
+        (["translate"], "FILE"),
+        (["translate", "x.json", "--format", "xml"], "--format"),
+        (["inspect", "--plan"], "--plan: expected one argument"),
+        (["launch", "-n", "2", "--grace-period", "soon", "x.py"], "--grace-period"),
     ],
 )  # fmt: skip
 def test_bad_arguments_are_one_line_with_a_fix(capsys, argv, where):
@@ -169,9 +185,12 @@ def test_demo_zero_steps_compiles_reports_and_trains_nothing(capsys):
 
 
 def test_demo_progress_goes_to_stderr_as_whole_plain_lines(capsys):
-    assert main(["demo", "--plan", "ddp", "--devices", "2", "--steps", "2", *SMALL]) == 0
+    assert main(["demo", "--plan", "ddp", "--devices", "2", "--steps", "2", "--verify", *SMALL]) == 0
     out, err = capsys.readouterr()
-    assert "compiling the train step" in err
+    phases = ["initialising the parameters", "compiling the train step", "compiling the single-device twin"]
+    at = [err.find(phase) for phase in phases]
+    assert -1 not in at and at == sorted(at) and at[-1] < err.find("step 1/2"), err
+    assert " s so far)" in err, "a phase line says how long the run has taken"
     steps = [line for line in err.splitlines() if "step 2/2" in line]
     assert len(steps) == 1 and steps[0].endswith("/device"), err
     assert "\x1b" not in err, "no terminal control codes when stderr is not a terminal"
@@ -190,3 +209,26 @@ def test_inspect_text_uses_binary_units(capsys):
     out, err = capsys.readouterr()
     assert "KiB" in out and " kB" not in out and " MB" not in out
     assert "compiling" in err and "compiling" not in out
+
+
+def _live_progress(total: int):
+    from rich.console import Console
+
+    from torsh_jax.cli.output import Progress
+
+    console = Console(file=io.StringIO(), force_terminal=True, width=120, color_system=None)
+    return Progress("training (ddp)", total, live=True, console=console), console.file
+
+
+def test_live_progress_shows_phases_with_elapsed_time_and_starts_the_bar_at_the_first_step():
+    progress, screen = _live_progress(4)
+    with progress:
+        progress.phase("starting 2 devices")
+        progress.phase("compiling the train step")
+        before = screen.getvalue()
+        progress.step(1, "loss 5.0")
+        progress.step(2, "loss 4.0")
+    assert "compiling the train step" in before and "0:00:00" in before, before
+    assert "%" not in before and "-:--:--" not in before, "no bar at 0% while compiling"
+    after = screen.getvalue()[len(before) :]
+    assert "50%" in after and "loss 4.0" in after

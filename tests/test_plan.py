@@ -21,6 +21,7 @@ from torsh_jax.plan import (
     plan_to_json,
     plan_to_toml,
     presets,
+    save_plan,
 )
 from torsh_jax.plan.factor import factorisations
 
@@ -152,3 +153,56 @@ def test_presets_ship_in_the_wheel(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "torsh_jax/_presets/meshes/ddp.toml" in names
     assert "torsh_jax/_presets/compression/int8.toml" in names
+
+
+@pytest.mark.parametrize(
+    "text, shape",
+    [
+        ("[mesh]\nfsdp = -1\n", {"data": 1, "fsdp": 8}),
+        ("[mesh]\ntensor = 2\nstage = -1\n", {"data": 1, "tensor": 2, "stage": 4}),
+        ("[mesh]\nfsdp = 2\n", {"data": 4, "fsdp": 2}),
+        ("[mesh]\ndata = 2\nfsdp = -1\n", {"data": 2, "fsdp": 4}),
+    ],
+    ids=["fsdp-inferred", "stage-inferred", "data-inferred", "data-given"],
+)
+def test_data_left_out_takes_what_one_inferred_axis_leaves(tmp_path, text, shape):
+    path = tmp_path / "plan.toml"
+    path.write_text(text)
+    plan = load_plan(path)
+    resolved = plan.mesh.resolve(8).shape
+    assert {axis: resolved[axis] for axis in shape} == shape
+    assert load_plan(save_plan(plan, tmp_path / "again.toml")).mesh == plan.mesh
+
+
+def test_two_inferred_axes_written_out_are_still_refused():
+    with pytest.raises(PlanError, match="only one axis may be -1"):
+        plan_from_dict({"mesh": {"data": -1, "fsdp": -1}}).mesh.resolve(8)
+
+
+@pytest.mark.parametrize("value", ['"8"', "true", "8.0"], ids=["text", "bool", "float"])
+def test_axis_size_of_the_wrong_type_says_integer_or_table(tmp_path, value):
+    path = tmp_path / "plan.toml"
+    path.write_text(f"[mesh]\nfsdp = {value}\n")
+    with pytest.raises(PlanError) as err:
+        load_plan(path)
+    assert err.value.key == "mesh.fsdp"
+    assert "must be an integer or a table {ici = N, dcn = M}" in str(err.value)
+    assert "fsdp = 8 (no quotes)" in err.value.fix
+
+
+def test_a_plan_in_another_format_says_which_formats_are_read(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text("mesh:\n  fsdp: 8\n")
+    with pytest.raises(PlanError) as err:
+        load_plan(path, key="--plan")
+    assert err.value.key == "--plan"
+    assert ".toml or .json, not .yaml" in str(err.value) and "plan.toml" in err.value.fix
+
+
+def test_a_directory_is_not_a_plan_and_a_preset_name_still_wins(tmp_path, monkeypatch):
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(PlanError, match="is a directory, not a plan file"):
+        load_plan(tmp_path / "runs")
+    (tmp_path / "ddp").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert load_plan("ddp").name == "ddp"

@@ -469,3 +469,90 @@ def test_trainer_values_equal_to_the_config_are_no_conflict():
         translate_deepspeed(config, world_size=8, hf_trainer=trainer).plan.precision.compute_dtype
         == "float16"
     )
+
+
+#: The Hugging Face "auto" config of the transformers DeepSpeed docs (ZeRO-2), as users copy it.
+HF_AUTO = {
+    "fp16": {"enabled": "auto"},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    },
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+    },
+    "zero_optimization": {"stage": 2},
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}
+
+
+@pytest.mark.parametrize(
+    "warmup", [{}, {"warmup_steps": 0}, {"warmup_ratio": 0.0}], ids=["default", "steps", "ratio"]
+)
+def test_hf_auto_config_without_warmup_fills_one_step(warmup):
+    """transformers 5.24 fills ``max(1, get_warmup_steps())``, since DeepSpeed 0.19.3+ refuses 0."""
+    trainer = {"max_steps": 100, "per_device_train_batch_size": 2, **warmup}
+    plan = translate_deepspeed(HF_AUTO, world_size=8, hf_trainer=trainer).plan
+    assert plan.optimizer.schedule.params["warmup_num_steps"] == 1
+
+
+def test_hf_trainer_warmup_steps_below_one_is_a_fraction():
+    """transformers 5 ``get_warmup_steps``: ``warmup_steps`` < 1 is a fraction of the training steps."""
+    trainer = {"max_steps": 100, "warmup_steps": 0.05}
+    assert (
+        translate_deepspeed(HF_AUTO, world_size=8, hf_trainer=trainer).plan.optimizer.schedule.params[
+            "warmup_num_steps"
+        ]
+        == 5
+    )
+
+
+@pytest.mark.parametrize("scheduler", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"])
+def test_warmup_zero_written_in_the_config_is_refused_as_deepspeed_refuses_it(scheduler):
+    params = {"warmup_num_steps": 0, "total_num_steps": 100}
+    if scheduler == "WarmupLR":
+        params.pop("total_num_steps")
+    with pytest.raises(TranslationError) as info:
+        tr({"scheduler": {"type": scheduler, "params": params}})
+    assert info.value.key == "scheduler.params.warmup_num_steps"
+    assert "0.19.3" in str(info.value) and "warmup_num_steps to 1" in info.value.fix
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ('{"train_batch_size": 16, "train_batch_size": 32}', "train_batch_size"),
+        (
+            '{"zero_optimization": {"stage": 1, "stage": 3}, "train_batch_size": 16}',
+            "zero_optimization.stage",
+        ),
+        ("{train_batch_size: 16, x: [{a: 1, a: 1}]}", "x[0].a"),
+    ],
+    ids=["top", "nested", "hjson-list"],
+)
+def test_duplicate_keys_are_refused_as_deepspeed_refuses_them(tmp_path, text, key):
+    """DeepSpeed reads config files with ``object_pairs_hook=dict_raise_error_on_duplicate_keys``."""
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    with pytest.raises(TranslationError) as info:
+        translate_deepspeed(path, world_size=8)
+    assert info.value.key == key
+    assert "ds.json" in str(info.value) and "Duplicate keys" in str(info.value) and info.value.fix
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_2_and_3_with_a_pipeline_are_refused_as_deepspeed_refuses_them(stage):
+    config = {"zero_optimization": {"stage": stage}, "pipeline": {"stages": 2}}
+    with pytest.raises(TranslationError) as info:
+        tr(config, world_size=8)
+    assert info.value.key == "zero_optimization.stage"
+    assert "incompatible with pipeline parallelism" in str(info.value) and "0 or 1" in info.value.fix
+
+
+def test_zero_1_with_a_pipeline_translates():
+    plan = tr({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2}}, world_size=8).plan
+    assert (plan.zero.stage, plan.mesh.stage.ici) == (1, 2)

@@ -1,4 +1,8 @@
-"""Argument types shared by the commands: bounded counts with a ``Fix:`` in their errors.
+"""The argument parser and argument types of the commands: every error is one line with a ``Fix:``.
+
+:class:`OneLineParser` prints argparse's own errors (unknown option, missing
+argument, bad choice) as one line ending in ``Fix: ...``; the usage block is
+shown by ``--help`` only.
 
 Example:
     >>> steps = count_type(0, 1_000_000, fix="pass --steps 20")
@@ -13,9 +17,12 @@ Example:
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 from collections.abc import Callable
+from typing import NoReturn
 
-__all__ = ["count_type", "MAX_STEPS", "MAX_DEVICES"]
+__all__ = ["OneLineParser", "count_type", "MAX_STEPS", "MAX_DEVICES"]
 
 #: Most optimizer steps the demo runs in one call (hours of CPU time at the default size).
 MAX_STEPS = 1_000_000
@@ -40,3 +47,50 @@ def count_type(low: int, high: int, *, fix: str) -> Callable[[str], int]:
 
     parse.__name__ = "count"  # argparse names the type in its messages
     return parse
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line, ``PROG: error: WHAT. Fix: HOW``, exit code 2.
+
+    Example:
+        >>> parser = OneLineParser(prog="torsh-jax demo")
+        >>> _ = parser.add_argument("--steps", type=int)
+        >>> parser.fix_for("unrecognized arguments: --step 3")
+        'did you mean --steps?'
+    """
+
+    def error(self, message: str) -> NoReturn:
+        text = " ".join(message.split())
+        if "Fix:" not in text:
+            text = f"{text}. Fix: {self.fix_for(text)}"
+        self.exit(2, f"{self.prog}: error: {text}\n")
+
+    def fix_for(self, message: str) -> str:
+        """What to do about one of argparse's own error messages."""
+        helps = f"`{self.prog} --help` shows the usage"
+        if message.startswith("unrecognized arguments:"):
+            words = message.split(":", 1)[1].split()
+            options = [o for o in self._option_string_actions if o.startswith("--")]
+            close = difflib.get_close_matches(words[0].split("=")[0], options, n=1, cutoff=0.6)
+            return f"did you mean {close[0]}?" if close else f"remove {' '.join(words)}; {helps}"
+        if "invalid choice:" in message:
+            found = re.findall(r"'([^']*)'", message)
+            close = difflib.get_close_matches(found[0], found[1:], n=1, cutoff=0.6) if found else []
+            return f"did you mean {close[0]!r}?" if close else "use one of the choices listed"
+        if message.startswith("the following arguments are required:"):
+            missing = message.split(":", 1)[1].strip()
+            commands = self._subcommands()
+            if commands is not None and missing == (commands.metavar or commands.dest):
+                return f"name one of {', '.join(commands.choices)}"
+            return f"pass {missing}; {helps}"
+        kind = re.search(r"invalid (\w+) value", message)
+        if kind:
+            return f"write a {'number' if kind.group(1) == 'float' else f'valid {kind.group(1)}'}; {helps}"
+        if "expected" in message and "argument" in message:
+            return f"give the option a value; {helps}"
+        if "not allowed with" in message:
+            return "pass only one of the two"
+        return helps
+
+    def _subcommands(self) -> argparse._SubParsersAction | None:
+        return next((a for a in self._actions if isinstance(a, argparse._SubParsersAction)), None)

@@ -16,6 +16,7 @@ import importlib
 import os
 import sys
 
+from torsh_jax.cli.args import OneLineParser
 from torsh_jax.errors import TorshError
 
 __all__ = ["main", "build_parser", "COMMANDS"]
@@ -34,7 +35,7 @@ COMMANDS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="torsh-jax",
         description="Parallel training on JAX: run, inspect and translate parallel plans.",
     )
@@ -61,13 +62,30 @@ def _quiet_closed_stdout() -> int:
     return _SIGPIPE_EXIT
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; unknown arguments are reported by the (sub-)command they were given to."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _innermost(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub-)command ``args`` chose (``checkpoint show``, ``demo``)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and getattr(args, action.dest, None):
+            return _innermost(action.choices[getattr(args, action.dest)], args)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    """Run the command line; returns the exit code. Errors are one line ending in ``Fix: ...``."""
+    args = _parse(argv)
     try:
         return int(args.func(args) or 0)
     except TorshError as err:
-        print(f"torsh-jax {args.command}: error: {err}", file=sys.stderr)
+        print(f"torsh-jax {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         return _quiet_closed_stdout()

@@ -1,7 +1,7 @@
 """What the commands write: results on stdout (strict JSON, tables), progress on stderr.
 
-Progress is a live bar when stderr is a terminal and plain, whole lines
-otherwise (at most about :data:`PLAIN_LINES` of them per run), so a piped or
+Progress is live when stderr is a terminal (each set-up phase with its running
+time, then a bar from the first step) and plain, whole lines otherwise (at most about :data:`PLAIN_LINES` of them per run), so a piped or
 logged run shows the same information without control characters.
 
 Example:
@@ -14,7 +14,12 @@ from __future__ import annotations
 import json
 import math
 import sys
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress as Display
 
 __all__ = ["json_line", "json_text", "print_json", "Progress", "PLAIN_LINES"]
 
@@ -50,17 +55,27 @@ def print_json(record: dict) -> None:
 class Progress:
     """Phase messages and per-step progress on stderr.
 
+    Before the first step each phase (``compiling the train step``) shows with a
+    spinner and the time it has taken so far; a finished phase keeps its time. The
+    bar (percentage, time left) starts with the first step. Plain lines say how
+    long the run has taken when a phase starts.
+
     Args:
         title: what runs (``training (zero3)``).
         total: steps expected.
-        live: a live bar (default: stderr is a terminal).
+        live: a live display (default: stderr is a terminal).
+        console: the ``rich`` console to draw on (default: stderr).
     """
 
-    def __init__(self, title: str, total: int, *, live: bool | None = None):
+    def __init__(self, title: str, total: int, *, live: bool | None = None, console: Console | None = None):
         self.title = title
         self.total = total
         self.live = sys.stderr.isatty() if live is None else live
+        self._console = console
         self._every = max(total // PLAIN_LINES, 1)
+        self._started = time.perf_counter()
+        self._phases = None  # rich display of the phases, until the first step
+        self._phase_task = None
         self._bar = None
         self._task = None
 
@@ -68,31 +83,81 @@ class Progress:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._end_phases()
         if self._bar is not None:
             self._bar.stop()
 
     def phase(self, message: str) -> None:
         """Say what is happening before the first step (``compiling the train step``)."""
-        if self.live:
-            self._start_bar()
-            self._bar.update(self._task, description=f"{self.title}: {message}")
-        else:
-            print(f"{self.title}: {message}", file=sys.stderr, flush=True)
+        if not self.live:
+            elapsed = time.perf_counter() - self._started
+            when = f" ({elapsed:.1f} s so far)" if elapsed >= 0.1 else ""
+            print(f"{self.title}: {message}{when}", file=sys.stderr, flush=True)
+            return
+        if self._bar is not None:  # after the first step: the bar's text says it
+            self._bar.update(self._task, info=message)
+            return
+        self._finish_phase()
+        if self._phases is None:
+            self._phases = _rich_progress(self._console, phases=True)
+            self._phases.start()
+        self._phase_task = self._phases.add_task(f"{self.title}: {message}", total=None)
+        self._phases.refresh()
 
     def step(self, done: int, text: str) -> None:
         """Step ``done`` of ``total`` finished; ``text`` describes it."""
-        if self.live:
-            self._start_bar()
-            self._bar.update(self._task, completed=done, description=f"{self.title}: {text}")
+        if self.live and self._bar is None:
+            self._start_bar(done, text)
+        elif self.live:
+            self._bar.update(self._task, completed=done, info=text)
         elif done % self._every == 0 or done == self.total:
             print(f"{self.title}: step {done}/{self.total} {text}", file=sys.stderr, flush=True)
 
-    def _start_bar(self) -> None:
-        if self._bar is not None:
-            return
-        from rich.console import Console
-        from rich.progress import Progress as Bar
+    def _finish_phase(self) -> None:
+        """Stop the clock of the current phase (its line keeps the time it took)."""
+        if self._phase_task is not None:
+            self._phases.update(self._phase_task, total=1, completed=1)
+            self._phase_task = None
 
-        self._bar = Bar(console=Console(stderr=True), transient=False)
+    def _end_phases(self) -> None:
+        if self._phases is not None:
+            self._finish_phase()
+            self._phases.stop()
+            self._phases = None
+
+    def _start_bar(self, done: int, text: str) -> None:
+        self._end_phases()
+        self._bar = _rich_progress(self._console, phases=False)
+        self._task = self._bar.add_task(self.title, total=self.total, completed=done, info=text)
         self._bar.start()
-        self._task = self._bar.add_task(self.title, total=self.total)
+
+
+def _rich_progress(console: Console | None, *, phases: bool) -> Display:
+    """A ``rich`` display on ``console`` (stderr): spinner, text and elapsed time for
+    phases; title, bar, percentage, time left and the step's text (cut to the width) for steps."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        SpinnerColumn,
+        TaskProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from rich.progress import Progress as Display
+    from rich.table import Column
+
+    console = console or Console(stderr=True)
+    if not phases:
+        info = TextColumn(
+            "{task.fields[info]}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")
+        )
+        bar = (
+            TextColumn("{task.description}"),
+            BarColumn(bar_width=20),
+            TaskProgressColumn(),
+            TimeRemainingColumn(),
+        )
+        return Display(*bar, info, console=console, transient=False, expand=True)
+    columns = (SpinnerColumn(finished_text="✓"), TextColumn("{task.description}"), TimeElapsedColumn())
+    return Display(*columns, console=console, transient=False)

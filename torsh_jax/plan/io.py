@@ -28,7 +28,7 @@ import tomli_w
 
 from torsh_jax.errors import PlanError, PresetNotFoundError, TorshError
 from torsh_jax.plan import presets
-from torsh_jax.plan.spec import AxisSize, CompressorSpec, ParallelPlan
+from torsh_jax.plan.spec import AxisSize, CompressorSpec, MeshSpec, ParallelPlan
 
 __all__ = [
     "plan_from_dict",
@@ -131,8 +131,8 @@ def _convert_mapping(value: Any, path: str) -> dict:
 
 
 def _convert_dataclass(cls: Any, value: Any, path: str) -> Any:
-    if cls is AxisSize and isinstance(value, int) and not isinstance(value, bool):
-        value = {"ici": value}
+    if cls is AxisSize:
+        value = _axis_table(value, path)
     if cls is CompressorSpec and isinstance(value, str):
         return _compressor_preset(value, path)
     if not isinstance(value, dict):
@@ -165,6 +165,20 @@ def _convert_dataclass(cls: Any, value: Any, path: str) -> Any:
         if path and err.key and not err.key.startswith(path.split(".")[0]):
             raise PlanError(err.message, key=_join(path, err.key), fix=err.fix) from None
         raise
+
+
+def _axis_table(value: Any, path: str) -> dict:
+    """An axis size as a table: ``8`` is ``{ici = 8}``; anything but an integer or a table is refused."""
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {"ici": value}
+    example = value.strip() if isinstance(value, str) and value.strip().lstrip("-").isdigit() else "8"
+    raise PlanError(
+        f"must be an integer or a table {{ici = N, dcn = M}}, got {type(value).__name__} {value!r}",
+        key=path,
+        fix=f"write {path.rsplit('.', 1)[-1]} = {example} (no quotes), or {{ici = {example}, dcn = 1}}",
+    )
 
 
 def _compressor_preset(name: str, path: str) -> CompressorSpec:
@@ -206,6 +220,8 @@ def _non_default(obj: Any, reference: Any) -> dict:
 
 def _blank(value: Any) -> Any:
     """A default instance of ``value``'s type to diff against (itself if it has required fields)."""
+    if isinstance(value, MeshSpec):  # data's default depends on the other axes
+        return MeshSpec(data=dataclasses.replace(value, data=None).data)
     try:
         return type(value)()
     except TypeError:

@@ -14,11 +14,13 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from torsh_jax.errors import PresetNotFoundError
+from torsh_jax.errors import PlanError, PresetNotFoundError
 
 __all__ = ["find", "names", "preset_dirs"]
 
 _SUFFIXES = (".toml", ".json")
+#: What a file of each preset kind holds, for messages.
+_WHAT = {"meshes": "plan", "compression": "compressor"}
 
 
 def preset_dirs(kind: str) -> list[Path]:
@@ -45,6 +47,7 @@ def find(kind: str, name_or_path: str, *, key: str | None = None) -> Path:
 
     Raises:
         PresetNotFoundError: neither a file nor a known preset name.
+        PlanError: a directory, or a file in another format (``.yaml``).
     """
     path = Path(name_or_path).expanduser()
     if path.suffix in _SUFFIXES and path.is_file():
@@ -54,8 +57,26 @@ def find(kind: str, name_or_path: str, *, key: str | None = None) -> Path:
             candidate = folder / f"{name_or_path}{suffix}"
             if candidate.is_file():
                 return candidate
+    _refuse_other_files(path, kind, key=key or kind)
     raise PresetNotFoundError(
         f"no {kind} preset or file named {name_or_path!r}",
         key=key or kind,
         fix=f"use one of {names(kind)} or a path to a .toml/.json file",
     )
+
+
+def _refuse_other_files(path: Path, kind: str, *, key: str) -> None:
+    """A directory or a file in another format is not a preset: say what is read instead."""
+    what = _WHAT.get(kind, kind)
+    if path.is_dir():
+        raise PlanError(
+            f"{str(path)!r} is a directory, not a {what} file",
+            key=key,
+            fix=f"pass a .toml or .json file in it, or a preset name: one of {names(kind)}",
+        )
+    if path.suffix and path.is_file():
+        raise PlanError(
+            f"{what} files are read as .toml or .json, not {path.suffix}: {str(path)!r}",
+            key=key,
+            fix=f"write it as TOML in {path.with_suffix('.toml')} (as {kind}/*.toml are) or as JSON",
+        )

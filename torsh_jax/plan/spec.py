@@ -130,13 +130,23 @@ class ResolvedMesh:
 class MeshSpec:
     """Sizes of the four plan axes (see :class:`AxisSize`).
 
-    The default is pure data parallelism over every device.
+    The default is pure data parallelism over every device. ``data`` left out
+    (``None``) takes the devices the other axes leave (``ici = -1``), or 1 when
+    another axis already has ``ici = -1``: one inferred size per part.
+
+    >>> MeshSpec(fsdp=AxisSize(ici=-1)).data
+    AxisSize(ici=1, dcn=1)
     """
 
-    data: AxisSize = AxisSize(ici=-1)
+    data: AxisSize | None = None
     fsdp: AxisSize = AxisSize()
     tensor: AxisSize = AxisSize()
     stage: AxisSize = AxisSize()
+
+    def __post_init__(self):
+        if self.data is None:
+            inferred = any(getattr(self, a).ici == -1 for a in AXES if a != "data")
+            object.__setattr__(self, "data", AxisSize(ici=1 if inferred else -1))
 
     def resolve(self, num_devices: int, *, num_slices: int = 1) -> ResolvedMesh:
         """Fill ``-1`` sizes and check the product against the device count.
@@ -358,9 +368,17 @@ class PipelineSpec:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Tensor-parallel settings used when the ``tensor`` axis is larger than 1."""
+    """Tensor-parallel settings used when the ``tensor`` axis is larger than 1.
+
+    Args:
+        sequence_parallel: activations between blocks are split on the sequence dim.
+        allow_replicated: run a model none of whose parameters the rules split over ``tensor``
+            (no logical names, no matching ``param_dims``), each tensor device repeating the same
+            work; without it such a model is refused. Not for :mod:`torsh_jax.tensor` blocks.
+    """
 
     sequence_parallel: bool = False
+    allow_replicated: bool = False
 
 
 @dataclass(frozen=True)

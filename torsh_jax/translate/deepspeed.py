@@ -287,6 +287,7 @@ def _sections(ctx: Context, config: dict, neox: bool, world_size: int | None) ->
     if neox_result is not None:
         tensor, stages = max(tensor, neox_result.tensor), max(stages, neox_result.stages)
         precision = _neox_precision(precision, neox_result)
+    _check_zero_with_pipeline(ctx, zero.zero.stage, stages)
     optimizer, one_bit = _optimizer(ctx, config, neox_result)
     batch, pipeline = _pipelined(_batch(ctx, config, world_size, tensor, stages), stages)
     return ParallelPlan(
@@ -300,6 +301,18 @@ def _sections(ctx: Context, config: dict, neox: bool, world_size: int | None) ->
         pipeline=pipeline,
         optimizer=optimizer,
     )
+
+
+def _check_zero_with_pipeline(ctx: Context, zero_stage: int, stages: int) -> None:
+    """Refuse what DeepSpeed's ``PipelineEngine`` asserts against: ZeRO stage 2 or 3 with a pipeline."""
+    if zero_stage >= 2 and stages > 1:
+        ctx.fail(
+            "zero_optimization.stage",
+            f"ZeRO stage {zero_stage} with a {stages}-stage pipeline: DeepSpeed's pipeline engine "
+            'refuses it ("ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism")',
+            fix="set zero_optimization.stage to 0 or 1, or remove the pipeline; for ZeRO 2/3 with a "
+            "pipeline write a plan instead (see meshes/fsdp_pp.toml)",
+        )
 
 
 def _pipelined(batch: BatchSpec, stages: int) -> tuple[BatchSpec, PipelineSpec]:

@@ -229,6 +229,19 @@ def translate_optimizer(ctx: Context, value: Any) -> OptimizerResult:
     return OptimizerResult(name, 1e-3 if lr is None else lr, params_out, compression)
 
 
+def _warmup_steps(ctx: Context, key: str, value: Any) -> int | None:
+    """``warmup_num_steps`` >= 1: DeepSpeed 0.19.3 and later raise ``ValueError`` for 0 or less."""
+    steps = ctx.read_int(key, value)
+    if steps is not None and steps < 1:
+        ctx.fail(
+            key,
+            f'must be >= 1, got {value!r}; DeepSpeed refuses it ("warmup_num_steps must be a positive '
+            'integer", since 0.19.3; earlier releases warmed up over 2 steps)',
+            fix="set warmup_num_steps to 1: DeepSpeed warms up over at least 2 steps, as it did for 0",
+        )
+    return steps
+
+
 def _schedule_value(ctx: Context, key: str, name: str, value: Any) -> Any:
     if name == "warmup_type":
         return ctx.read_str(key, value, choices=("log", "linear"))
@@ -237,7 +250,9 @@ def _schedule_value(ctx: Context, key: str, name: str, value: Any) -> Any:
     if name in ("last_batch_iteration",):
         return ctx.read_int(key, value, minimum=-1)
     if name.endswith(("_steps", "_step_size", "_stair_count")) or name == "total_num_steps":
-        minimum = 1 if name in ("warmup_num_steps", "lr_range_test_step_size", "cycle_first_step_size") else 0
+        if name == "warmup_num_steps":
+            return _warmup_steps(ctx, key, value)
+        minimum = 1 if name in ("lr_range_test_step_size", "cycle_first_step_size") else 0
         if name.endswith("_stair_count") or name == "cycle_second_step_size":
             minimum = -1
         return ctx.read_int(key, value, minimum=minimum)

@@ -1,7 +1,9 @@
 """Reading DeepSpeed config files: JSON, with DeepSpeed's hjson leniency, and gpt-neox YAML.
 
 DeepSpeed reads its config with ``hjson``, so comments, unquoted keys and
-trailing commas are accepted; so are they here. ``.yml``/``.yaml`` files are
+trailing commas are accepted; so are they here. A key written twice in one
+object is refused, as DeepSpeed refuses it (``dict_raise_error_on_duplicate_keys``
+in ``deepspeed/runtime/config_utils.py``). ``.yml``/``.yaml`` files are
 gpt-neox configs, read as YAML.
 
 Example:
@@ -12,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,47 @@ def plain(value: Any) -> Any:
     return value
 
 
+class _Duplicated(dict):
+    """A parsed JSON object whose text wrote some keys more than once (the last value kept)."""
+
+    duplicates: tuple[str, ...] = ()
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict:
+    """``object_pairs_hook``: a plain dict, or a :class:`_Duplicated` naming the repeated keys."""
+    obj = dict(pairs)
+    if len(obj) == len(pairs):
+        return obj
+    marked = _Duplicated(obj)
+    marked.duplicates = tuple(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
+    return marked
+
+
+def _first_duplicate(data: Any) -> str | None:
+    """The key path of the first key written twice in one object, or None (no recursion)."""
+    stack = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, _Duplicated):
+            return f"{path}.{value.duplicates[0]}" if path else value.duplicates[0]
+        if isinstance(value, dict):
+            stack += [(f"{path}.{k}" if path else k, v) for k, v in reversed(value.items())]
+        elif isinstance(value, list):
+            stack += [(f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value)))]
+    return None
+
+
+def _refuse_duplicates(data: Any, source: str) -> None:
+    duplicate = _first_duplicate(data)
+    if duplicate:
+        raise TranslationError(
+            f"written more than once in one object of {source}; DeepSpeed refuses duplicate keys "
+            '("Duplicate keys in DeepSpeed config")',
+            key=duplicate,
+            fix="keep one entry for the key and delete the others",
+        )
+
+
 def _parse_yaml(text: str, source: str) -> Any:
     try:
         import yaml
@@ -48,7 +92,7 @@ def _parse_yaml(text: str, source: str) -> Any:
 
 def _parse_hjson(text: str, source: str) -> Any:
     try:
-        return plain(hjson.loads(text))
+        return hjson.loads(text, object_pairs_hook=_object)
     # hjson raises IndexError on some truncated input (an unterminated "/*")
     except (hjson.HjsonDecodeError, ValueError, RecursionError, IndexError) as err:
         raise TranslationError(
@@ -62,15 +106,17 @@ def parse_text(text: str, *, source: str = "<deepspeed>") -> dict:
     """Parse config text; JSON first, then hjson (or YAML for ``.yml``/``.yaml`` sources).
 
     Raises:
-        TranslationError: bad syntax, or the top level is not an object.
+        TranslationError: bad syntax, a key written twice in one object (JSON
+            and hjson), or the top level is not an object.
     """
     if source.endswith((".yml", ".yaml")):
         data = _parse_yaml(text, source)
     else:
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_object)
         except (json.JSONDecodeError, RecursionError):
             data = _parse_hjson(text, source)
+        _refuse_duplicates(data, source)
     if not isinstance(data, dict):
         raise TranslationError(
             f"the top level must be an object, got {type(data).__name__}",

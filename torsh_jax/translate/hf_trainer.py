@@ -63,8 +63,17 @@ def _step_values(a: dict[str, Any]) -> dict[str, Any]:
     steps = a["max_steps"]
     if steps is None or steps <= 0:
         return {}
-    warmup = a["warmup_steps"] if a["warmup_steps"] > 0 else math.ceil(steps * a["warmup_ratio"])
-    return {"scheduler.params.total_num_steps": steps, "scheduler.params.warmup_num_steps": warmup}
+    return {"scheduler.params.total_num_steps": steps, "scheduler.params.warmup_num_steps": _warmup(a, steps)}
+
+
+def _warmup(a: dict[str, Any], steps: int) -> int:
+    """``max(1, args.get_warmup_steps(steps))``: a ``warmup_steps`` below 1 is a fraction of the
+    steps (transformers 5; ``warmup_ratio`` before); at least 1, because DeepSpeed 0.19.3 and later
+    refuse 0 (transformers 5.24 ``integrations/deepspeed.py`` fills it so)."""
+    given = a["warmup_steps"]
+    if given >= 1:
+        return int(given)
+    return max(1, math.ceil(steps * (given if given > 0 else a["warmup_ratio"])))
 
 
 def _model_values(a: dict[str, Any]) -> dict[str, Any]:
