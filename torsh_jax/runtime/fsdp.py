@@ -231,8 +231,9 @@ def gathered_loss(
 
     A :class:`LayeredModel` gathers one layer at a time inside the layer scan
     (embed and head stay gathered through the backward pass, like FSDP's root
-    module); a plain loss gathers every leaf once, before use, and keeps it
-    through the backward pass (every leaf is alive at once anyway, so
+    module; a key both read, a tied embedding, is gathered once); a plain
+    loss gathers every leaf once, before use, and keeps it through the
+    backward pass (every leaf is alive at once anyway, so
     gathering again would only add bytes). ``specs``: per
     parameter, its split over the ``compiler`` axes (needed when there are any).
     """
@@ -248,8 +249,13 @@ def gathered_loss(
         embed_p, stacked_p, head_p = split_params(model, specs)
         one_layer = _layer_dims(stacked_d), _layer_specs(stacked_p)
         layer = _remat(lambda s, h: model.layer(gather(s, *one_layer), h), plan)
-        hidden = model.embed(gather(embed_s, embed_d, embed_p), batch)
+        embed = gather(embed_s, embed_d, embed_p)
+        hidden = model.embed(embed, batch)
         hidden = scan_layers(layer, stacked_s, hidden)
-        return model.head(gather(head_s, head_d, head_p), hidden, batch)
+        # a key the embedding read too (a tied table) is used as gathered there: one gather and one
+        # reduce-scatter of its summed gradient
+        own = [k for k in model.head_keys if k not in embed]
+        fresh = gather(*({k: tree[k] for k in own} for tree in (head_s, head_d, head_p)))
+        return model.head({k: embed[k] if k in embed else fresh[k] for k in model.head_keys}, hidden, batch)
 
     return layered

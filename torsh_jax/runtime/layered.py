@@ -19,12 +19,13 @@ Example:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 
-__all__ = ["LayeredModel", "layered_loss", "split_params", "scan_layers"]
+__all__ = ["LayeredModel", "layered_loss", "split_params", "join_params", "shared_keys", "scan_layers"]
 
 PyTree = Any
 
@@ -38,7 +39,9 @@ class LayeredModel(NamedTuple):
             of ``params[layers_key]`` along its leading dim.
         head: ``(head_params, hidden, batch) -> scalar loss``.
         embed_keys: top-level parameter keys passed to ``embed``.
-        head_keys: top-level parameter keys passed to ``head``.
+        head_keys: top-level parameter keys passed to ``head``; a key in both
+            (a tied embedding: ``head_keys=("head", "embed")``) is one
+            parameter read twice, its gradient the sum of both uses.
         layers_key: top-level key of the stacked layer parameters.
         remat: recompute each layer's activations in the backward pass.
         tensor_blocks: the functions are written with :mod:`torsh_jax.tensor`
@@ -61,6 +64,41 @@ def split_params(model: LayeredModel, params: dict) -> tuple[dict, PyTree, dict]
     embed = {k: params[k] for k in model.embed_keys}
     head = {k: params[k] for k in model.head_keys}
     return embed, params[model.layers_key], head
+
+
+def shared_keys(model: LayeredModel) -> dict[str, tuple[str, ...]]:
+    """Top-level keys read by more than one of embed / layers / head, with their readers.
+
+    Example:
+        >>> model = LayeredModel(embed=None, layer=None, head=None, head_keys=("head", "embed"))
+        >>> shared_keys(model)
+        {'embed': ('embed', 'head')}
+    """
+    readers: dict[str, tuple[str, ...]] = {}
+    parts = {"embed": model.embed_keys, "layers": (model.layers_key,), "head": model.head_keys}
+    for part, keys in parts.items():
+        for key in dict.fromkeys(keys):
+            readers[key] = (*readers.get(key, ()), part)
+    return {key: who for key, who in readers.items() if len(who) > 1}
+
+
+def join_params(model: LayeredModel, embed: dict, stacked: PyTree, head: dict) -> dict:
+    """Inverse of :func:`split_params` for gradients: one dict, the parts of a shared key summed.
+
+    A key read by embed and head (a tied embedding) gets both gradients added, as
+    differentiating :func:`layered_loss` would give.
+
+    Example:
+        >>> model = LayeredModel(embed=None, layer=None, head=None, head_keys=("head", "embed"))
+        >>> join_params(model, {"embed": 1.0}, 0.0, {"head": 2.0, "embed": 3.0})
+        {'embed': 4.0, 'layers': 0.0, 'head': 2.0}
+    """
+    parts = ({model.layers_key: stacked}, head)
+    joined = dict(embed)
+    for part in parts:
+        for key, value in part.items():
+            joined[key] = jax.tree.map(operator.add, joined[key], value) if key in joined else value
+    return joined
 
 
 def scan_layers(layer: Callable, stacked: PyTree, hidden: jax.Array, *, remat: bool = False) -> jax.Array:

@@ -21,7 +21,9 @@ it. The embedding and head weight gradients are made in ``B`` of the first and
 last stage.
 
 Embedding and head parameters are replicated over ``stage``; their gradients,
-made on the first and last stage, are summed over ``stage`` once per pass.
+made on the first and last stage, are summed over ``stage`` once per pass. A
+key both read (a tied embedding) gets the sum of its embedding and head
+gradients (:func:`~torsh_jax.runtime.layered.join_params`) before that sum.
 
 Inside ``shard_map`` over a mesh with a ``stage`` axis the step calls
 ``grads, loss, slots = pipeline_gradients(model, schedule)(params, batch, scale)``.
@@ -55,7 +57,7 @@ from torsh_jax.pipeline.slots import BRANCHES, Segment, SlotPlan, slot_plan, tic
 from torsh_jax.plan.roles import STAGE_AXIS, Roles
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.accumulate import split_micro_batches
-from torsh_jax.runtime.layered import LayeredModel, scan_layers, split_params
+from torsh_jax.runtime.layered import LayeredModel, join_params, scan_layers, shared_keys, split_params
 from torsh_jax.runtime.specs import path_str
 from torsh_jax.tensor.axis import has_tensor_blocks, vary_over, varying_axes
 
@@ -141,6 +143,7 @@ def require_layered(loss: Any, roles: Roles) -> None:
             key="loss_fn",
             fix="pass torsh_jax.LayeredModel(embed=..., layer=..., head=...), or set mesh.stage = 1",
         )
+    _require_whole_stage_keys(loss, roles)
     if roles.tensor_axis is not None and not has_tensor_blocks(loss):
         raise NotSupportedYetError(
             "a pipeline with a compiler-partitioned tensor axis (a model without torsh_jax.tensor blocks) "
@@ -149,6 +152,21 @@ def require_layered(loss: Any, roles: Roles) -> None:
             fix="build the layers from torsh_jax.tensor blocks (LayeredModel(tensor_blocks=True)), "
             "or set mesh.tensor = 1 with the pipeline",
         )
+
+
+def _require_whole_stage_keys(model: LayeredModel, roles: Roles) -> None:
+    """The stacked layers are split over ``stage``: embed and head (on one stage each) cannot read them."""
+    readers = shared_keys(model).get(model.layers_key)
+    if readers is None:
+        return
+    other = next(part for part in readers if part != "layers")
+    raise NotSupportedYetError(
+        f"{other} reads the stacked layers {model.layers_key!r}, which a pipeline over "
+        f"stage={roles.size(STAGE_AXIS)} splits over its stages (the {other} runs on one stage)",
+        key=f"loss_fn.{other}_keys",
+        fix=f"keep what the {other} reads outside the stacked layers (a top-level key of its own), "
+        "or set mesh.stage = 1",
+    )
 
 
 def stage_specs(compute: PyTree, params_like: PyTree, plan: ParallelPlan, roles: Roles, stacked_key: str):
@@ -401,7 +419,7 @@ def pipeline_gradients(
             carry = _segment(carry, segment, run_ticks)
         g_embed, g_chunks, g_head = carry.grads
         g_layers = g_chunks if schedule.virtual_stages > 1 else jax.tree.map(lambda x: x[0], g_chunks)
-        grads = {**g_embed, model.layers_key: g_layers, **g_head}
+        grads = join_params(model, g_embed, g_layers, g_head)  # a tied embedding: both parts summed
         return grads, carry.loss_sum / m, carry.counts[None]
 
     return run
