@@ -32,6 +32,8 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "torsh_jax.errors",
     "CheckpointUnreadableError": "torsh_jax.errors",
     "ParameterError": "torsh_jax.errors",
+    "DeviceMemoryError": "torsh_jax.errors",
+    "ArgumentError": "torsh_jax.errors",
     "PrecisionWarning": "torsh_jax.errors",
     # plans
     "ParallelPlan": "torsh_jax.plan",

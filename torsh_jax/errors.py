@@ -26,6 +26,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointUnreadableError",
     "ParameterError",
+    "DeviceMemoryError",
+    "ArgumentError",
     "PrecisionWarning",
 ]
 
@@ -95,6 +97,15 @@ class CheckpointUnreadableError(CheckpointError):
 
 class ParameterError(TorshError, TypeError):
     """A parameter tree holds something a train step cannot train (names the parameter path)."""
+
+
+class ArgumentError(TorshError, TypeError):
+    """A train step is called with what it cannot use: a state made by another plan's or optimizer's
+    step, a loss that does not return a scalar (names what was passed and what was expected)."""
+
+
+class DeviceMemoryError(TorshError, ValueError):
+    """A train step needs more memory per device than a device has (the figures, the limit, a fix)."""
 
 
 class PrecisionWarning(UserWarning):

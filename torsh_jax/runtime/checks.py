@@ -16,6 +16,11 @@
   corrupt the error feedback).
 * The plan's rules may not split a parameter over a batch axis (``data``,
   ``fsdp``): those split the batch, and ZeRO picks each parameter's ``fsdp`` dim.
+* ``tensor`` > 1 splits at least one parameter over ``tensor`` (else every
+  tensor device repeats the same work), unless ``tensor.allow_replicated``
+  says so for a model the compiler partitions.
+* The mesh is one the plan builds on its devices (axis names and sizes, for
+  any slice count the plan accepts): another mesh would run another strategy.
 
 Example:
     >>> import jax
@@ -28,15 +33,17 @@ Example:
 from __future__ import annotations
 
 import jax
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from torsh_jax.compress.collectives import WEIGHT_METHODS
-from torsh_jax.errors import NotSupportedYetError, PlanError, ShardingError
+from torsh_jax.errors import MeshError, NotSupportedYetError, PlanError, ShardingError, TorshError
 from torsh_jax.plan.roles import Roles
 from torsh_jax.plan.spec import ParallelPlan
+from torsh_jax.runtime.mesh import default_num_slices, mesh_shape_str, resolve_mesh
 from torsh_jax.runtime.specs import entry_axes
 
-__all__ = ["check_supported", "check_param_axes", "mesh_shape_text"]
+__all__ = ["check_supported", "check_param_axes", "check_mesh", "mesh_shape_text"]
 
 
 def mesh_shape_text(roles: Roles) -> str:
@@ -148,3 +155,73 @@ def check_param_axes(compute_specs, roles: Roles) -> None:
                 )
 
     jax.tree_util.tree_map_with_path(one, compute_specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def _plan_shapes(plan: ParallelPlan, num_devices: int) -> list[dict[str, int]]:
+    """Axis sizes ``plan`` builds on ``num_devices`` devices: its default slice count first, then
+    every other slice count it accepts (a ``-1`` cross-slice size fills any)."""
+    counts = [default_num_slices(plan)] + [n for n in range(1, num_devices + 1) if num_devices % n == 0]
+    shapes = []
+    for slices in dict.fromkeys(counts):
+        try:
+            shape = resolve_mesh(plan, num_devices, num_slices=slices).shape
+        except TorshError:
+            continue
+        if shape not in shapes:
+            shapes.append(shape)
+    return shapes
+
+
+def check_mesh(plan: ParallelPlan, mesh: Mesh) -> None:
+    """Raise :class:`MeshError` when ``mesh`` is not a mesh ``plan`` builds on its devices.
+
+    Axis order is free; names and sizes must be the plan's (a mesh built from another plan would
+    run another strategy: a ZeRO-3 plan on a ``data=4, tensor=2`` mesh trains as DDP).
+    """
+    given = {a: int(s) for a, s in mesh.shape.items()}
+    shapes = _plan_shapes(plan, mesh.size)
+    if not shapes:
+        resolve_mesh(plan, mesh.size)  # raises the plan's own error, with the factorisations that fit
+    if given in shapes:
+        return
+    builds = " or ".join(", ".join(f"{a}={s}" for a, s in shape.items()) for shape in shapes)
+    raise MeshError(
+        f"plan {plan.name!r} builds {builds} on {mesh.size} devices, but the mesh is {mesh_shape_str(mesh)} "
+        "(another mesh runs another strategy)",
+        key="mesh",
+        fix="build the mesh from the same plan: build_mesh(plan, devices)",
+    )
+
+
+def _tensor_split_paths(compute_specs, axis: str) -> tuple[list[str], list[str]]:
+    """``(paths split over axis, all paths)`` of a ``PartitionSpec`` pytree."""
+    leaves = jax.tree_util.tree_leaves_with_path(compute_specs, is_leaf=lambda x: isinstance(x, P))
+    key = lambda path: jax.tree_util.keystr(path, simple=True, separator="/")
+    split = [key(path) for path, spec in leaves if any(axis in entry_axes(e) for e in spec)]
+    return split, [key(path) for path, _ in leaves]
+
+
+def check_tensor_split(compute_specs, roles: Roles, plan: ParallelPlan, *, tensor_blocks: bool) -> None:
+    """Raise :class:`ShardingError` when ``tensor`` > 1 splits no parameter.
+
+    A model with no logical names (and no matching ``param_dims``) would run replicated over
+    ``tensor``: every tensor device repeating the same work. ``tensor.allow_replicated`` accepts
+    that for a model the compiler partitions; :mod:`torsh_jax.tensor` blocks always need their
+    weights split (on whole weights their sums over ``tensor`` would count each term ``tensor`` times).
+    """
+    axis = roles.tensor_axis
+    if axis is None:
+        return
+    split, paths = _tensor_split_paths(compute_specs, axis)
+    if split or (plan.tensor.allow_replicated and not tensor_blocks):
+        return
+    allow = "" if tensor_blocks else ", or set tensor.allow_replicated = true to run it replicated anyway"
+    raise ShardingError(
+        f"the plan's rules split none of the {len(paths)} parameters ({', '.join(paths[:3])}"
+        f"{', ...' if len(paths) > 3 else ''}) over {axis}={roles.size(axis)} "
+        f"(mesh {mesh_shape_text(roles)}): every {axis} device would repeat the same work",
+        key="param_dims",
+        fix="give the parameters logical names (flax with_logical_partitioning, nnx out_sharding) or "
+        "param_dims entries whose names the rules map to 'tensor' (mlp, heads, vocab), or set "
+        f"mesh.tensor = 1{allow}",
+    )

@@ -30,10 +30,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from torsh_jax.errors import ShardingError
+from torsh_jax.errors import ShardingError, TorshError
 from torsh_jax.plan.roles import compose
 from torsh_jax.plan.spec import ParallelPlan
-from torsh_jax.runtime.checks import check_supported
+from torsh_jax.runtime.call_checks import check_state, require_train_state, scalar_loss
+from torsh_jax.runtime.checks import check_mesh, check_supported, check_tensor_split
+from torsh_jax.runtime.fit import batch_key, check_compiled_fits, check_step_fits
 from torsh_jax.runtime.layered import LayeredModel
 from torsh_jax.runtime.layout import StateLayout
 from torsh_jax.runtime.mesh import mesh_shape_str
@@ -45,6 +47,7 @@ from torsh_jax.runtime.program import build_program
 from torsh_jax.runtime.specs import path_str
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.runtime.update import scaler_for
+from torsh_jax.tensor.axis import has_tensor_blocks
 
 __all__ = ["TrainStep", "make_train_step"]
 
@@ -77,7 +80,9 @@ class TrainStep:
 
     Attributes:
         init: ``params -> TrainState`` placed on the mesh.
-        step: ``(state, global_batch) -> (state, metrics)``; donates ``state``.
+        step: ``(state, global_batch) -> (state, metrics)``; donates ``state``. Raises
+            :class:`~torsh_jax.errors.ArgumentError` for a state another plan, optimizer or model
+            made, or a loss that returns no scalar (checked when traced, not per step).
         plan, mesh: what it was built for.
         batch_spec: ``PartitionSpec`` of every batch leaf's leading dim.
         global_batch_size: examples per optimizer step.
@@ -190,7 +195,12 @@ def make_train_step(
     Raises:
         NotSupportedYetError: the plan needs a strategy not built yet.
         ShardingError: a parameter or batch does not divide the mesh.
+        DeviceMemoryError: from ``init`` or a call of ``step`` with a new batch shape: the state or
+            the step cannot fit in a device's memory (:mod:`torsh_jax.runtime.fit`), before compiling
+            (a lower bound) or before running (the compiled program's figure).
+        MeshError: ``mesh`` is not one ``plan`` builds (names and sizes of its axes).
     """
+    check_mesh(plan, mesh)
     roles = compose(plan, mesh.shape)
     check_supported(plan, roles)
     require_layered(loss_fn, roles)
@@ -199,12 +209,14 @@ def make_train_step(
     built: dict[str, Any] = {"traces": 0}
 
     def build(params_like: PyTree, layout_plan: ParallelPlan) -> None:
-        program = build_program(loss_fn, optimizer, layout_plan, mesh, params_like)
+        program = build_program(scalar_loss(loss_fn), optimizer, layout_plan, mesh, params_like)
         layout = program.layout
+        check_tensor_split(layout.compute, roles, plan, tensor_blocks=has_tensor_blocks(loss_fn))
         device_shardings = layout.shardings(stored=False)
         shardings = layout.shardings()
 
         def traced(state, batch):
+            check_state(state, layout.abstract, shardings=False)  # once per trace: no per-step cost
             built["traces"] += 1
             return program.run(to_device_memory(state, device_shardings, plan), batch)
 
@@ -230,13 +242,29 @@ def make_train_step(
 
     def init(params: PyTree) -> TrainState:
         plain = ensure_built(params)
+        check_step_fits(train_step)  # the state alone, before it is made
         return built["init"](plain)
 
     def step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
+        require_train_state(state)
         if "jitted" not in built:  # a state stored by an equal step: its layers may be in chunks
             stacked = loss_fn.layers_key if isinstance(loss_fn, LayeredModel) else None
             ensure_built(unchunk_layers(state.params, stacked, layer_chunks(plan, roles)))
-        return built["jitted"](state, train_step.shard_batch(batch))
+        shape_key = batch_key(batch)
+        unchecked = shape_key not in built.setdefault("fitted", set())
+        if unchecked:  # a new batch shape: refuse what cannot fit before placing and compiling
+            check_step_fits(train_step, batch)
+        batch = train_step.shard_batch(batch)
+        try:
+            if unchecked:  # compile now and refuse before running when XLA's figure exceeds the limit
+                check_compiled_fits(train_step, built["jitted"].lower(state, batch).compile())
+                built["fitted"].add(shape_key)
+            return built["jitted"](state, batch)
+        except TorshError:
+            raise
+        except (TypeError, ValueError):  # jit refused the state before tracing: say which leaf and why
+            check_state(state, train_step.abstract_state())
+            raise
 
     train_step = TrainStep(
         init=init,
