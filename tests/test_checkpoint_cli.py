@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
+import jax
 import numpy as np
 import pytest
-from test_cli import SMALL, _error_line, _strict_json
+from test_cli import ENV, SMALL, _error_line, _strict_json
 
+from torsh_jax.checkpoint import list_checkpoints, restore
 from torsh_jax.cli.main import main
 
 DEMO = ["demo", "--plan", "zero3", "--devices", "4", "--json", *SMALL]
@@ -72,3 +76,84 @@ def test_bad_checkpoint_arguments_are_one_line_with_a_fix(capsys, argv, says):
 def test_a_missing_step_lists_the_complete_ones(capsys, tmp_path):
     _steps(capsys, [*DEMO, "--steps", "1", "--checkpoint-dir", str(tmp_path)])
     assert "complete steps: [1]" in _error_line(capsys, ["checkpoint", "show", str(tmp_path), "--step", "9"])
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "under /proc"])
+def test_a_checkpoint_dir_that_cannot_be_written_is_one_line_before_compiling(capsys, tmp_path, where):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    directories = {"a file": blocker, "under a file": blocker / "ckpt", "under /proc": "/proc/torsh-ckpt"}
+    directory = directories[where]
+    argv = [*DEMO, "--steps", "1", "--checkpoint-dir", str(directory)]
+    line = _error_line(capsys, argv)
+    assert f"{directory}:" in line and ("is a file" in line or "cannot be written" in line)
+
+
+def _in_private_mount(setup: str, command: str) -> subprocess.CompletedProcess:
+    """``setup`` (mount commands) then ``command`` in a private mount namespace (needs the right to
+    mount, e.g. root); skips where that is not possible."""
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True)
+    if probe.returncode:
+        pytest.skip(
+            "needs unshare -m and mount (root or CAP_SYS_ADMIN) for a real read-only or full file system"
+        )
+    script = f"set -e; {setup}; set +e; {command}"
+    return subprocess.run(
+        ["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, env=ENV, timeout=300
+    )
+
+
+TORSH = f"{sys.executable} -m torsh_jax"
+
+
+def test_a_read_only_checkpoint_dir_or_parent_is_one_line_before_compiling(tmp_path):
+    """Root writes through permission bits, so the directory is a read-only bind mount."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mount = f"mount --bind {ro} {ro}; mount -o remount,bind,ro {ro}"
+    demo = f"{TORSH} {' '.join(DEMO)} --steps 1 --checkpoint-dir"
+    done = _in_private_mount(mount, f"{demo} {ro}/ckpt; echo exit=$?; {demo} {ro}; echo exit=$?")
+    fix = "Fix: pass a directory this process can create and write to"
+    assert done.stdout.splitlines() == ["exit=2", "exit=2"], done
+    assert done.stderr.splitlines() == [
+        f"torsh-jax demo: error: {where}: cannot be written: Read-only file system. {fix}"
+        for where in (f"{ro}/ckpt", ro)
+    ]
+
+
+def test_a_full_disk_ends_the_run_in_one_line_keeping_the_last_complete_step(tmp_path):
+    """A 400 KiB file system holds one checkpoint of the smallest demo, not two: the second save
+    fails in the background. The run exits (orbax's waiting threads used to keep it alive),
+    non-zero, with one line; step 1 stays complete and the interrupted save is listed as such
+    (orbax 0.12.8 names it ``2.orbax-checkpoint-tmp``)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    demo = ["demo", "--plan", "ddp", "--devices", "1", "--json", *SMALL]
+    command = (
+        f"{TORSH} {' '.join(demo)} --steps 3 --save-every 1 --checkpoint-dir {disk}/ckpt 2>&1 >/dev/null; "
+        f"echo exit=$?; cp -a {disk}/ckpt {tmp_path}/kept"
+    )
+    done = _in_private_mount(f"mount -t tmpfs -o size=400k tmpfs {disk}", command)
+    assert done.stdout.splitlines()[1:] == ["exit=2"], done
+    error = done.stdout.splitlines()[0]
+    assert error.startswith(f"torsh-jax demo: error: {disk}/ckpt: saving step 2 failed (")
+    assert "No space left on device" in error and "the newest complete step is 1, left as it was" in error
+    listed = [(c["step"], c["status"]) for c in list_checkpoints(tmp_path / "kept")]
+    assert listed == [(1, "complete"), (2, "incomplete")]
+    assert restore(tmp_path / "kept", _ddp_step()).step == 1
+
+
+def _ddp_step():
+    """The train step of ``demo --plan ddp --devices 1 --layers 1 --d-model 16``."""
+    from torsh_jax.demo.model import layered_model
+    from torsh_jax.demo.run import DemoConfig, model_config
+    from torsh_jax.optim import build_optimizer
+    from torsh_jax.plan.io import load_plan
+    from torsh_jax.runtime.mesh import build_mesh
+    from torsh_jax.runtime.step import make_train_step
+
+    plan = load_plan("ddp")
+    cfg = model_config(DemoConfig(plan=plan, devices=1, layers=1, d_model=16))
+    return make_train_step(
+        layered_model(cfg), build_optimizer(plan.optimizer), plan, build_mesh(plan, jax.devices()[:1])
+    )

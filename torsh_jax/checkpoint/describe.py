@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torsh_jax.checkpoint.restore_state import arrays_by_path, read_meta, saved_metadata
-from torsh_jax.checkpoint.store import STATE, complete_steps, open_manager, require_dir, step_dirs
+from torsh_jax.checkpoint.restore_state import arrays_by_path, newest_meta, read_meta, saved_metadata
+from torsh_jax.checkpoint.store import STATE, complete_steps, open_manager, require_dir, root_cause, step_dirs
+from torsh_jax.errors import CheckpointUnreadableError
 
 __all__ = ["list_checkpoints", "show_checkpoint"]
 
@@ -25,17 +26,32 @@ def _dir_bytes(path: Path) -> int:
 
 
 def list_checkpoints(directory: str | Path) -> list[dict]:
-    """One entry per step directory: ``step``, ``complete``, ``path`` and ``bytes_on_disk``."""
+    """One entry per step directory: ``step``, ``status`` (``complete``, ``incomplete``: a save was
+    interrupted, ``damaged``: set aside after it could not be read), ``complete``, ``path`` and
+    ``bytes_on_disk``."""
     root = require_dir(directory)
     return [
-        {"step": d.step, "complete": d.complete, "path": str(d.path), "bytes_on_disk": _dir_bytes(d.path)}
+        {
+            "step": d.step,
+            "status": d.status,
+            "complete": d.complete,
+            "path": str(d.path),
+            "bytes_on_disk": _dir_bytes(d.path),
+        }
         for d in step_dirs(root)
     ]
 
 
 def _saved_params(manager, step: int) -> dict[str, dict]:
     """Per saved parameter path: shape, dtype and partition spec, from orbax's metadata."""
-    params = saved_metadata(manager, step, STATE).get("params", {})
+    try:
+        params = saved_metadata(manager, step, STATE).get("params", {})
+    except Exception as err:  # a missing or damaged metadata file
+        raise CheckpointUnreadableError(
+            f"step {step}: the saved array metadata cannot be read ({root_cause(err)})",
+            key=str(Path(manager.directory) / str(step) / STATE),
+            fix="show an earlier complete step (--step), or delete the damaged step directory",
+        ) from None
     out = {}
     for path, array in arrays_by_path(params).items():
         spec = getattr(getattr(array, "sharding", None), "partition_spec", None)
@@ -48,20 +64,23 @@ def _saved_params(manager, step: int) -> dict[str, dict]:
 
 
 def show_checkpoint(directory: str | Path, *, step: int | None = None) -> dict:
-    """The step (default: newest complete), its plan (TOML), mesh, items, bytes, data position, how
-    many arrays carry a checksum, and the saved parameter shapes and partition specs."""
+    """The step (default: the newest complete one whose ``meta`` reads; ``skipped`` names newer
+    ones that do not), its plan (TOML), mesh, items, bytes, data position, how many arrays carry a
+    checksum, and the saved parameter shapes and partition specs."""
     root = require_dir(directory)
     steps = complete_steps(root, step)
-    step = steps[-1] if step is None else step
     manager = open_manager(root, read_only=True)
     try:
-        meta = read_meta(manager, step)
+        step, meta, skipped = (
+            newest_meta(manager, steps) if step is None else (step, read_meta(manager, step), [])
+        )
         params = _saved_params(manager, step)
     finally:
         manager.close()
     return {
         "step": step,
         "complete": True,
+        "skipped": skipped,
         "path": str(root / str(step)),
         "plan": meta.get("plan"),
         "mesh": meta.get("mesh"),

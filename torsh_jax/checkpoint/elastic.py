@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from torsh_jax.checkpoint.restore_state import read_meta
+from torsh_jax.checkpoint.restore_state import newest_meta, read_meta
 from torsh_jax.checkpoint.store import complete_steps, open_manager, require_dir
 from torsh_jax.plan.elastic import global_batch_size, keep_global_batch
 from torsh_jax.plan.io import plan_from_toml
@@ -37,12 +37,13 @@ log = logging.getLogger(__name__)
 
 
 def saved_global_batch(directory: str | Path, *, step: int | None = None) -> int:
-    """The global batch of the run that saved ``step`` (default: the newest complete step)."""
+    """The global batch of the run that saved ``step`` (default: the newest complete step whose
+    ``meta`` reads, the step a restore with ``fallback`` starts from)."""
     root = require_dir(directory)
     steps = complete_steps(root, step)
     manager = open_manager(root, read_only=True)
     try:
-        meta = read_meta(manager, steps[-1] if step is None else step)
+        meta = newest_meta(manager, steps)[1] if step is None else read_meta(manager, step)
     finally:
         manager.close()
     saved_plan = plan_from_toml(meta["plan"], source=f"{root}: saved plan")

@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ import jax
 import numpy as np
 
 from torsh_jax.checkpoint.checksum import mismatched
+from torsh_jax.checkpoint.quiet import quiet_orbax
 from torsh_jax.checkpoint.relayer import read_targets, relayered, saved_chunks
 from torsh_jax.checkpoint.store import (
     FEEDBACK,
@@ -42,9 +44,11 @@ from torsh_jax.checkpoint.store import (
     META,
     STATE,
     complete_steps,
+    mark_damaged,
     nonempty_leaves,
     open_manager,
     require_dir,
+    root_cause,
 )
 from torsh_jax.errors import CheckpointError, CheckpointUnreadableError, TorshError
 from torsh_jax.plan.io import plan_from_toml, plan_to_dict
@@ -53,7 +57,15 @@ from torsh_jax.runtime.pipeline import unchunk_layers
 from torsh_jax.runtime.specs import path_str
 from torsh_jax.runtime.state import TrainState
 
-__all__ = ["Restored", "restore", "read_meta", "saved_metadata", "saved_arrays", "arrays_by_path"]
+__all__ = [
+    "Restored",
+    "restore",
+    "read_meta",
+    "newest_meta",
+    "saved_metadata",
+    "saved_arrays",
+    "arrays_by_path",
+]
 
 log = logging.getLogger(__name__)
 PyTree = Any
@@ -69,7 +81,9 @@ class Restored:
         plan: the plan it was saved under.
         data_position: what the loop passed as ``data_position`` when saving.
         rng: the loop's JAX key, or ``None``.
-        notes: what was not carried over (feedback reset, an unreadable newer step skipped).
+        notes: what was not carried over (an unreadable newer step skipped, first; feedback reset).
+        skipped: the newer steps that could not be read (with ``fallback``), newest first; each
+            was logged as a warning and has the first notes.
     """
 
     state: TrainState
@@ -78,6 +92,7 @@ class Restored:
     data_position: Any = None
     rng: Any = None
     notes: list[str] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
 
 
 def _is_array_meta(x: Any) -> bool:
@@ -95,10 +110,39 @@ def _by_path(tree: PyTree) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def read_meta(manager, step: int) -> dict:
-    """The ``meta`` item of ``step``."""
+    """The ``meta`` item of ``step``; :class:`CheckpointUnreadableError` when it cannot be read."""
     import orbax.checkpoint as ocp
 
-    return manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+    try:
+        meta = manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+    except Exception as err:  # a missing or damaged file: JSON, orbax
+        raise _unreadable_meta(manager, step, root_cause(err)) from None
+    if not isinstance(meta, dict):
+        raise _unreadable_meta(manager, step, f"not a JSON object but {type(meta).__name__}")
+    return meta
+
+
+def _unreadable_meta(manager, step: int, cause: str) -> CheckpointUnreadableError:
+    return CheckpointUnreadableError(
+        f"step {step}: its meta item cannot be read ({cause})",
+        key=str(Path(manager.directory) / str(step) / META),
+        fix="use an earlier complete step (demo --resume and checkpoint show fall back to one), "
+        "or delete the damaged step directory",
+    )
+
+
+def newest_meta(manager, steps: list[int]) -> tuple[int, dict, list[str]]:
+    """``(step, meta, notes)`` of the newest of ``steps`` whose ``meta`` reads; ``notes`` name the
+    newer steps skipped. Raises :class:`CheckpointUnreadableError` when none reads."""
+    notes: list[str] = []
+    for step in sorted(steps, reverse=True):
+        try:
+            return step, read_meta(manager, step), notes
+        except CheckpointUnreadableError as err:
+            if step == min(steps):
+                raise
+            notes.append(f"step {step} skipped: {err}")
+    raise AssertionError("unreachable")  # an empty list: callers pass complete_steps()
 
 
 def saved_metadata(manager, step: int, item: str) -> PyTree:
@@ -246,25 +290,19 @@ def _read(manager, step: int, args: dict) -> dict:
     return manager.restore(step, args=ocp.args.Composite(**args))
 
 
-def _root_cause(err: BaseException) -> str:
-    """The innermost error of a chain, on one line (tensorstore names the array and the file)."""
-    while (err.__cause__ or err.__context__) is not None:
-        err = err.__cause__ or err.__context__
-    return " ".join(f"{type(err).__name__}: {err}".split())[:500]
-
-
 def _restore_readable(manager, root: Path, step: int, train_step) -> Restored:
     """:func:`_restore_step`, with any failure to read the files as a :class:`CheckpointError`."""
     try:
         return _restore_step(manager, root, step, train_step)
-    except TorshError:
+    except (TorshError, MemoryError):
         raise
     except Exception as err:  # orbax, tensorstore, JSON: a damaged or missing file
-        raise CheckpointUnreadableError(
-            f"step {step} cannot be read ({_root_cause(err)})",
-            key=str(root / str(step)),
-            fix="restore an earlier complete step, or delete the damaged step directory",
-        ) from None
+        cause = root_cause(err)
+    raise CheckpointUnreadableError(
+        f"step {step} cannot be read ({cause})",
+        key=str(root / str(step)),
+        fix="restore an earlier complete step, or delete the damaged step directory",
+    )
 
 
 def _verify(meta: dict, read: dict, step: int, root: Path) -> None:
@@ -316,7 +354,10 @@ def restore(
             parameter shapes when ``init`` has not run).
         step: the step to restore; ``None``: the newest complete one.
         fallback: with ``step=None``, go back to the previous complete step
-            when the newest cannot be read (noted in :attr:`Restored.notes`).
+            when the newest cannot be read (noted in :attr:`Restored.notes`);
+            the unreadable step is set aside as ``DIR/<step>.damaged``
+            (:func:`~torsh_jax.checkpoint.store.mark_damaged`), so that
+            retention no longer counts it and the run can save that step again.
 
     Raises:
         CheckpointError: a missing directory, no complete step, a step that
@@ -326,9 +367,25 @@ def restore(
     root = require_dir(directory)
     steps = complete_steps(root, step)
     candidates = [step] if step is not None else steps[::-1]
+    with quiet_orbax():
+        restored = _restore_on_a_manager(root, train_step, candidates, fallback)
+        if isinstance(restored, CheckpointUnreadableError) or restored.skipped:
+            gc.collect()  # the reads a damaged step left pending, unreferenced once its manager closed
+    if isinstance(restored, CheckpointUnreadableError):
+        raise restored
+    return restored
+
+
+def _restore_on_a_manager(
+    root: Path, train_step, candidates: list[int], fallback: bool
+) -> Restored | CheckpointUnreadableError:
+    """The restored state, or the error of an unreadable step (returned without its traceback,
+    which would keep the pending reads of the step alive past :func:`quiet_orbax`)."""
     manager = open_manager(root, read_only=True)
     try:
         return _restore_newest(manager, root, train_step, candidates, fallback)
+    except CheckpointUnreadableError as err:
+        return err.with_traceback(None)
     finally:
         manager.close()
 
@@ -341,9 +398,13 @@ def _restore_newest(manager, root: Path, train_step, candidates: list[int], fall
         except CheckpointUnreadableError as err:
             if not (fallback and index + 1 < len(candidates)):
                 raise
-            skipped.append(f"step {candidate} skipped: {err}")
-            log.warning("checkpoint step %d cannot be read; trying step %d", candidate, candidates[index + 1])
+            aside = mark_damaged(root, candidate)
+            moved = f", set aside as {aside.name}" if aside else ""
+            skipped.append(f"step {candidate} skipped{moved}: {err}")
+            log.warning("checkpoint step %d skipped%s; trying step %d: %s", candidate, moved,
+                        candidates[index + 1], err)  # fmt: skip
             continue
         restored.notes[:0] = skipped
+        restored.skipped = candidates[: len(skipped)]
         return restored
     raise AssertionError("unreachable")  # every path above returns or raises

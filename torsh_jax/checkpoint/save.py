@@ -12,6 +12,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +21,19 @@ import jax
 import numpy as np
 
 from torsh_jax.checkpoint.checksum import checksums as array_checksums
+from torsh_jax.checkpoint.quiet import abandon_manager, quiet_orbax
 from torsh_jax.checkpoint.store import (
     FEEDBACK,
     FORMAT,
     LOSS_SCALE,
     META,
     STATE,
+    complete_steps,
     nonempty_leaves,
     open_manager,
+    require_writable_dir,
+    root_cause,
+    step_dirs,
 )
 from torsh_jax.errors import CheckpointError
 from torsh_jax.plan.io import plan_to_toml
@@ -74,6 +81,14 @@ class Checkpointer:
 
     Every process of a multi-process job calls :meth:`save`; each writes the
     shards it holds.
+
+    Raises:
+        CheckpointError: at construction, a directory that cannot be written
+            (a file in the way, a read-only parent); from :meth:`save`,
+            :meth:`wait` or :meth:`close`, a save that failed (disk full...):
+            one line naming the newest complete step, which is left as it was.
+            The failed save is abandoned (its background threads end) and the
+            checkpointer is closed.
     """
 
     def __init__(
@@ -89,11 +104,14 @@ class Checkpointer:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise CheckpointError(f"must be a positive integer or None, got {value!r}", key=name,
                                       fix=f"pass {name}=N with N >= 1, or None")  # fmt: skip
-        self.directory = Path(directory)
+        self.directory = require_writable_dir(directory)
         self.checksums = checksums
+        self._started: int | None = None  # the step of the newest save started
         self._manager = open_manager(
             directory, keep_last=keep_last, keep_every=keep_every, asynchronous=asynchronous
         )
+        self._quiet = contextlib.ExitStack()  # the noise of a save that fails
+        self._quiet.enter_context(quiet_orbax())
 
     def save(
         self, state: TrainState, *, plan: ParallelPlan, data_position: Any = None, rng: Any = None
@@ -127,28 +145,70 @@ class Checkpointer:
         }
         args = {name: ocp.args.StandardSave(tree) for name, tree in items.items()}
         args[META] = ocp.args.JsonSave(meta)
-        self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+        manager = self._open()
+        self.wait()  # orbax would wait too; here an earlier save's failure is named as its own
+        self._or_abandon(
+            lambda: manager.save(step, args=ocp.args.Composite(**args), force=True), f"step {step}"
+        )
+        self._started = step
         return step
 
     @property
     def steps(self) -> list[int]:
         """Complete steps, oldest first (a save in progress counts once finished)."""
+        if self._manager is None:
+            return [d.step for d in step_dirs(self.directory) if d.complete]
         return sorted(self._manager.all_steps())
 
     def wait(self) -> None:
         """Block until every started save is on disk."""
-        self._manager.wait_until_finished()
+        if self._manager is not None and self._started is not None:
+            self._or_abandon(self._manager.wait_until_finished, f"step {self._started}")
 
     def close(self) -> None:
-        """Wait, then release the manager."""
+        """Wait, then release the manager (a no-op once closed)."""
+        if self._manager is None:
+            return
         self.wait()
-        self._manager.close()
+        manager, self._manager = self._manager, None
+        manager.close()
+        self._quiet.close()
+
+    def _open(self):
+        if self._manager is None:
+            raise CheckpointError(
+                "is closed", key=str(self.directory), fix="make a new Checkpointer to save again"
+            )
+        return self._manager
+
+    def _or_abandon(self, action: Callable[[], Any], saving: str) -> Any:
+        """``action()``; when it raises (a save that failed, now or in the background), abandon the
+        manager and raise one :class:`CheckpointError` naming the newest complete step."""
+        try:
+            return action()
+        except Exception as err:  # orbax, the file system
+            cause = root_cause(err)
+        manager, self._manager = self._manager, None
+        abandon_manager(manager)
+        self._quiet.close()
+        raise CheckpointError(
+            f"saving {saving} failed ({cause}); {_newest_complete(self.directory)}",
+            key=str(self.directory),
+            fix="free space or make the directory writable, then resume from the newest complete step",
+        )
 
     def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _newest_complete(directory: Path) -> str:
+    try:
+        return f"the newest complete step is {complete_steps(directory)[-1]}, left as it was"
+    except CheckpointError:
+        return "no step is complete"
 
 
 def _mesh_shape(params: PyTree) -> dict[str, int] | None:

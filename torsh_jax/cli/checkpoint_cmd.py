@@ -19,7 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "checkpoint", help="list checkpoints, or show one (steps, plan, bytes, shardings)"
     )
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    listing = actions.add_parser("list", help="every step directory: step, complete, bytes on disk")
+    listing = actions.add_parser(
+        "list", help="every step directory: step, bytes on disk, complete/incomplete/damaged"
+    )
     listing.add_argument("directory", help="checkpoint directory (demo --checkpoint-dir)")
     listing.add_argument("--json", action="store_true", help="print a JSON array")
     listing.set_defaults(func=run_list)
@@ -29,6 +31,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                       default=None, help="step to show [newest complete]")  # fmt: skip
     show.add_argument("--json", action="store_true", help="print a JSON object")
     show.set_defaults(func=run_show)
+
+
+_STATUS_TEXT = {
+    "incomplete": "incomplete (a save was interrupted)",
+    "damaged": "damaged (could not be read; set aside, not restored or kept)",
+}
 
 
 def run_list(args: argparse.Namespace) -> int:
@@ -43,8 +51,8 @@ def run_list(args: argparse.Namespace) -> int:
     if not found:
         print(f"{args.directory}: no checkpoints")
     for entry in found:
-        state = "complete" if entry["complete"] else "incomplete (a save was interrupted)"
-        print(f"step {entry['step']:>8}  {format_bytes(entry['bytes_on_disk']):>11}  {state}")
+        status = _STATUS_TEXT.get(entry["status"], entry["status"])
+        print(f"step {entry['step']:>8}  {format_bytes(entry['bytes_on_disk']):>11}  {status}")
     return 0
 
 
@@ -57,6 +65,8 @@ def run_show(args: argparse.Namespace) -> int:
     if args.json:
         print(json_text(shown))
         return 0
+    for note in shown["skipped"]:
+        print(note)
     print(f"step {shown['step']} ({shown['path']})")
     print(f"mesh: {shown['mesh']}  items: {', '.join(shown['items'] or [])}")
     print(f"state: {format_bytes(shown['state_bytes'])}  on disk: {format_bytes(shown['bytes_on_disk'])}")

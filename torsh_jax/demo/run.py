@@ -26,6 +26,7 @@ from torsh_jax.optim import build_optimizer
 from torsh_jax.plan.io import load_plan
 from torsh_jax.plan.roles import compose
 from torsh_jax.plan.spec import ParallelPlan
+from torsh_jax.runtime.fit import batch_like, check_step_fits
 from torsh_jax.runtime.inspect import headline, inspect_step
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.pipeline import layer_chunks
@@ -48,7 +49,9 @@ class DemoConfig:
         verify: also run the single-device twin.
         seed: parameter and data seed.
         layers, d_model: model size; ``layers=None``: 4, rounded up to a
-            multiple of the plan's pipeline chunks (stages x virtual stages).
+            multiple of the plan's pipeline chunks (stages x virtual stages),
+            said in a phase message. Given layers are never changed: a count
+            the chunks do not divide is a ``PlanError`` before compiling.
         checkpoint_dir: save checkpoints here (every ``save_every`` steps and
             at the last step).
         save_every: steps between checkpoints (0: only the last step).
@@ -77,22 +80,39 @@ class DemoConfig:
 
 
 def model_config(config: DemoConfig, mesh_shape: dict | None = None) -> LMConfig:
-    """The demo model of ``config`` (for the plan's pipeline on ``mesh_shape`` when layers is ``None``)."""
+    """The demo model of ``config`` (for the plan's pipeline on ``mesh_shape``).
+
+    Raises:
+        PlanError: ``config.layers`` does not split into the pipeline's stages x
+            virtual stages (checked before anything compiles; never rounded).
+    """
     heads = max(config.d_model // 16, 1)
     return LMConfig(
         d_model=config.d_model,
         heads=heads,
         head_dim=config.d_model // heads,
         mlp=4 * config.d_model,
-        layers=config.layers or _default_layers(config.plan, mesh_shape or {}),
+        layers=_layers(config, mesh_shape or {}),
     )
 
 
-def _default_layers(plan: str | ParallelPlan, mesh_shape: dict) -> int:
-    """4, rounded up to a multiple of the layer chunks a pipeline splits the model into."""
-    plan = plan if isinstance(plan, ParallelPlan) else load_plan(plan)
-    chunks = mesh_shape.get("stage", 1) * layer_chunks(plan, compose(plan, mesh_shape))
-    return chunks * -(-4 // chunks)
+def _layers(config: DemoConfig, mesh_shape: dict) -> int:
+    """``config.layers`` if the pipeline's chunks divide it; ``None``: 4 rounded up to a multiple of them."""
+    plan = config.plan if isinstance(config.plan, ParallelPlan) else load_plan(config.plan)
+    stages = mesh_shape.get("stage", 1)
+    virtual = layer_chunks(plan, compose(plan, mesh_shape))
+    chunks = stages * virtual
+    if config.layers is None:
+        return chunks * -(-4 // chunks)
+    if config.layers % chunks:
+        raise PlanError(
+            f"{config.layers} layers do not split into the {stages} pipeline stages x {virtual} virtual "
+            f"stages of plan {plan.name!r} (mesh {mesh_shape})",
+            key="--layers",
+            fix=f"pass --layers {chunks * -(-config.layers // chunks)} (a multiple of {chunks}), or omit "
+            "--layers",
+        )
+    return config.layers
 
 
 def run_demo(
@@ -105,14 +125,21 @@ def run_demo(
     are in the summary) but nothing is trained: ``final_loss`` is ``None``.
     """
     plan = config.plan if isinstance(config.plan, ParallelPlan) else load_plan(config.plan)
+    _check_checkpoint_dir(config)
     phase(f"starting {config.devices or 'all'} devices")
     devices = select_devices(config.devices)
     plan = _plan_to_continue(config, plan, len(devices), phase)
     mesh = build_mesh(plan, devices)
     cfg = model_config(config, dict(mesh.shape))
+    if config.layers is None and cfg.layers != 4:
+        phase(f"{cfg.layers} layers: 4 rounded up to a multiple of the pipeline's stages x virtual stages "
+              "(--layers chooses)")  # fmt: skip
     optimizer = build_optimizer(plan.optimizer)
     tp = tensor_axis(plan)
     train = make_train_step(layered_model(cfg, tp=tp), optimizer, plan, mesh)
+    train.prepare(jax.eval_shape(lambda key: init_params(cfg, key), jax.random.key(config.seed)))
+    check_step_fits(train, batch_like(synthetic_tokens(cfg, batch_size=1, seed=0), train.global_batch_size))
+    phase("initialising the parameters")
     params = init_params(cfg, jax.random.key(config.seed))
     batch_of = lambda i: synthetic_tokens(
         cfg, batch_size=train.global_batch_size, seed=config.seed * 100003 + i
@@ -121,10 +148,11 @@ def run_demo(
     state = train.init(params)
     report = headline(inspect_step(train, state, batch_of(0)))
     state, first_step = _resumed(config, train, state, phase)
-    if config.verify:
-        phase("building the single-device twin")
     twin = make_reference_step(loss_fn(cfg, tp=tp), optimizer, plan) if config.verify else None
     twin_state = _twin_start(twin, params, state, resumed=first_step > 0)
+    if twin and first_step < config.steps:
+        phase("compiling the single-device twin")
+        twin[1].lower(twin_state, batch_of(first_step)).compile()  # now, not inside the first step
     saver = _saver(config)
     tokens = train.global_batch_size * cfg.seq_len
     max_rel_err, loss = 0.0, None
@@ -190,7 +218,7 @@ def _resumed(config: DemoConfig, train, state, phase: Callable[[str], None]):
         phase(f"no complete checkpoint in {config.checkpoint_dir}: starting at step 0")
         return state, 0
     restored = restore(config.checkpoint_dir, train, fallback=True)
-    for note in restored.notes:
+    for note in restored.notes[len(restored.skipped) :]:  # a skipped step was logged, in one line
         phase(note)
     phase(f"resuming at step {restored.step} from {config.checkpoint_dir}")
     return restored.state, restored.step
@@ -203,6 +231,14 @@ def _twin_start(twin, params, state, *, resumed: bool):
     if not resumed:
         return twin[0](params)
     return twin_state_of(state, like=twin[0](params))
+
+
+def _check_checkpoint_dir(config: DemoConfig) -> None:
+    """A checkpoint directory that cannot be written fails here, before anything compiles."""
+    from torsh_jax.checkpoint.store import require_writable_dir
+
+    if config.checkpoint_dir:
+        require_writable_dir(config.checkpoint_dir)
 
 
 def _saver(config: DemoConfig):
