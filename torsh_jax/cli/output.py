@@ -1,8 +1,9 @@
 """What the commands write: results on stdout (strict JSON, tables), progress on stderr.
 
 Progress is live when stderr is a terminal (each set-up phase with its running
-time, then a bar from the first step) and plain, whole lines otherwise (at most about :data:`PLAIN_LINES` of them per run), so a piped or
-logged run shows the same information without control characters.
+time, then a bar from the first step) and plain, whole lines otherwise (at most
+about :data:`PLAIN_LINES` of them per run), so a piped or logged run shows the
+same information without control characters.
 
 Example:
     >>> json_line({"loss": float("nan"), "step": 1})
