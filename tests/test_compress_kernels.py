@@ -104,7 +104,8 @@ def test_make_compressor_implementations_agree(method):
 
     reference = run("reference")
     _equal(reference, run("pallas_interpret"))
-    _equal(reference, run("pallas"))  # no kernel backend on CPU: the reference
+    _equal(reference, run("pallas"))  # on CPU: the kernels in the interpreter
+    _equal(reference, run("auto"))  # on CPU: the reference
 
 
 def test_rows_per_tile():

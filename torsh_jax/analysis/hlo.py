@@ -76,9 +76,12 @@ class Collective:
         executions: times it runs per program call (product of enclosing
             known trip counts; 1 outside loops or when unknown).
         op_name: jax's ``op_name`` metadata (e.g. ``jit(f)/shard_map/psum``).
-        widened_from: the narrower float type every operand was converted
+        widened_from: the narrower float type the operands were converted
             from just before the collective (``bf16`` when the CPU backend
-            runs a bf16 collective in f32), else ``None``.
+            runs a bf16 collective in f32; in a combined collective, the
+            operands that were widened), else ``None``.
+        unwidened_bytes: payload bytes with each widened operand counted in
+            its own type (``None``: no operand was widened).
     """
 
     kind: str
@@ -99,6 +102,7 @@ class Collective:
     executions: int
     op_name: str = ""
     widened_from: str | None = None
+    unwidened_bytes: int | None = None
 
     @property
     def unwidened_payload_bytes(self) -> int:
@@ -107,6 +111,8 @@ class Collective:
         Equal to :attr:`payload_bytes` unless the backend widened the data
         for the collective (the CPU backend runs bf16 collectives in f32).
         """
+        if self.unwidened_bytes is not None:
+            return self.unwidened_bytes
         if self.widened_from is None:
             return self.payload_bytes
         ratio = element_bits(self.widened_from) / element_bits(self.dtype)
@@ -191,26 +197,65 @@ def _groups_of(module: HloModuleText, kind: str, ins: Instruction):
     return groups or flat, pairs, flat
 
 
-def _convert_source(module: HloModuleText, computation: str, name: str) -> str | None:
-    """Element type ``name`` was converted from, when it is a (fused) widening convert."""
-    producer = module.instruction(computation, name)
-    if producer is not None and producer.opcode == "fusion":
-        callee = producer.attr("calls")
-        computation = callee.lstrip("%") if callee else ""
-        producer = module.root(computation)
-    if producer is None or producer.opcode != "convert" or not isinstance(producer.shape, ArrayShape):
+#: Ops whose result elements are elements of their first operand: a widening convert behind them
+#: still means the data is narrow (the bucket's transpose, reshape and concatenation into rows).
+_VALUE_PRESERVING = ("bitcast", "copy", "transpose", "reshape", "slice", "dynamic-slice")
+#: Instructions followed back from a collective's operand before giving up.
+_MAX_HOPS = 16
+
+
+def _narrow_source(module: HloModuleText, computation: str, name: str, callers: tuple = ()) -> str | None:
+    """Float type the value ``name`` was widened from (a ``convert`` to more bits), looking
+    through fusions, their parameters and value-preserving ops; ``None`` if not widened."""
+    ins = module.instruction(computation, name)
+    for _ in range(_MAX_HOPS):
+        if ins is None:
+            return None
+        if ins.opcode == "fusion":
+            callers, computation = (*callers, (computation, ins)), (ins.attr("calls") or "").lstrip("%")
+            ins = module.root(computation)
+        elif ins.opcode == "parameter" and callers and ins.operands and ins.operands[0].isdigit():
+            (computation, fusion), callers = callers[-1], callers[:-1]
+            operands = fusion.operands[int(ins.operands[0]) :][:1]
+            ins = module.instruction(computation, operands[0]) if operands else None
+        elif ins.opcode == "concatenate":
+            sources = {_narrow_source(module, computation, op, callers) for op in ins.operands}
+            return sources.pop() if len(sources) == 1 else None
+        elif ins.opcode in _VALUE_PRESERVING and ins.operands:
+            ins = module.instruction(computation, ins.operands[0])
+        else:
+            break
+    return _widening(module, computation, ins)
+
+
+def _widening(module: HloModuleText, computation: str, ins: Instruction | None) -> str | None:
+    if ins is None or ins.opcode != "convert" or not isinstance(ins.shape, ArrayShape):
         return None
-    source = _operand_shapes(module, computation, producer)
+    source = _operand_shapes(module, computation, ins)
     if len(source) != 1 or not isinstance(source[0], ArrayShape):
         return None
-    narrow, wide = element_bits(source[0].dtype), element_bits(producer.shape.dtype)
+    narrow, wide = element_bits(source[0].dtype), element_bits(ins.shape.dtype)
     is_float = source[0].dtype.startswith(("bf", "f"))
     return source[0].dtype if is_float and narrow and wide and narrow < wide else None
 
 
-def _widened_from(module: HloModuleText, computation: str, ins: Instruction) -> str | None:
-    sources = {_convert_source(module, computation, name) for name in ins.operands}
-    return sources.pop() if len(sources) == 1 else None
+def _widened(module: HloModuleText, computation: str, ins: Instruction) -> tuple[str | None, ...]:
+    """Per operand: the float type it was widened from just before the collective, or ``None``."""
+    return tuple(_narrow_source(module, computation, name) for name in ins.operands)
+
+
+def _unwidened_bytes(kind: str, operands: list[Shape], result: Shape, widened: tuple) -> int | None:
+    """Payload bytes with each widened operand counted in its own (narrow) type; ``None``: none widened."""
+    if not any(widened):
+        return None
+    payload = [result] if kind == "all-gather" else operands
+    parts = [a for s in payload for a in flat_arrays(s)]
+    if len(parts) != len(widened):
+        return None
+    return sum(
+        shape_bytes(a) * element_bits(n) // element_bits(a.dtype) if n else shape_bytes(a)
+        for a, n in zip(parts, widened, strict=True)
+    )
 
 
 def _op_name(ins: Instruction) -> str:
@@ -276,6 +321,8 @@ def _collect(module: HloModuleText, axis_sizes, positions) -> list[Collective]:
 def _collective(module, computation, ins, kind, run, axis_sizes, positions) -> Collective:
     operands = _operand_shapes(module, computation, ins)
     result = _result_shape(kind, ins)
+    widened = _widened(module, computation, ins)
+    narrow = {n for n in widened if n}
     groups, pairs, flat = _groups_of(module, kind, ins)
     axes = None
     if axis_sizes is not None:
@@ -299,7 +346,8 @@ def _collective(module, computation, ins, kind, run, axis_sizes, positions) -> C
         trip_count=run.trip_count,
         executions=run.count,
         op_name=_op_name(ins),
-        widened_from=_widened_from(module, computation, ins),
+        widened_from=narrow.pop() if len(narrow) == 1 else None,
+        unwidened_bytes=_unwidened_bytes(kind, operands, result, widened),
     )
 
 

@@ -30,7 +30,7 @@ from torsh_jax.analysis.memory import memory_report
 from torsh_jax.analysis.theory import Theory, ring_wire_bytes
 from torsh_jax.units import format_bytes
 
-__all__ = ["summarize", "render_text", "axis_key", "axis_theory_section"]
+__all__ = ["summarize", "render_text", "axis_key", "axis_theory_section", "widening_note"]
 
 
 def axis_key(axes: tuple[str, ...] | None) -> str:
@@ -133,6 +133,33 @@ def _theory_section(theory: Theory | None, totals: dict, found: list[Collective]
         kind: by_kind.get(kind, 0) / want for kind, want in theory.payload_bytes_by_kind.items() if want
     }
     return section
+
+
+def widening_note(rows: list[dict]) -> str | None:
+    """One line on the collectives the backend ran wider than their data (``summary["collectives"]``).
+
+    XLA's CPU compiler runs bf16 and f16 collectives in f32 (it converts
+    before and after them); the program as lowered asks for the 16-bit
+    dtype. Ratios use the data's own dtype.
+
+    Example:
+        >>> widening_note([{"kind": "reduce-scatter", "dtype": "f32", "widened_from": "bf16"}])[:56]
+        'the backend runs 1 bf16 collective (1 reduce-scatter) in'
+    """
+    widened = [r for r in rows if r.get("widened_from")]
+    if not widened:
+        return None
+    kinds: dict[str, int] = {}
+    for r in widened:
+        kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
+    narrow = "/".join(dict.fromkeys(r["widened_from"] for r in widened))
+    wide = "/".join(dict.fromkeys(r["dtype"] for r in widened))
+    counts = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+    plural = "s" if len(widened) > 1 else ""
+    return (
+        f"the backend runs {len(widened)} {narrow} collective{plural} ({counts}) in {wide}; "
+        f"wire_ratio counts the {narrow} data (as lowered), wire_ratio_as_compiled what this backend sends"
+    )
 
 
 def _sent_per_device(c: Collective, devices: int | None) -> float:

@@ -57,6 +57,8 @@ __all__ = [
     "MemoryTheory",
     "theoretical_memory_per_device",
     "DTYPE_BYTES",
+    "compressed_payload_bytes",
+    "compressed_reduction",
 ]
 
 #: Bytes per element of the plan dtypes.
@@ -467,6 +469,48 @@ def _uncompressed_theory(plan, param_count, num_devices, num_slices, layer_fract
     return hsdp(
         param_bytes, data_size=roles.size("data"), fsdp_size=roles.size("fsdp"), stage=stage, **gathers
     )
+
+
+#: Bits per element of the fixed-size compressed wire formats (:mod:`torsh_jax.compress`).
+_COMPRESSED_BITS = {"int8": 8, "int4": 4, "sign": 1, "fp16": 16, "bf16": 16}
+#: Methods that send one float32 scale per block.
+_SCALED = ("int8", "int4", "sign")
+
+
+def compressed_payload_bytes(method: str, elements: int, /, *, block_size: int = 256) -> int:
+    """Bytes of a compressed payload of ``elements`` values (a padded buffer: whole blocks).
+
+    Example:
+        >>> compressed_payload_bytes("int8", 4096), compressed_payload_bytes("bf16", 4096)
+        (4160, 8192)
+    """
+    if method not in _COMPRESSED_BITS:
+        raise PlanError(
+            f"{method!r} has no fixed-size wire format",
+            key="compression.method",
+            fix=f"use one of {sorted(_COMPRESSED_BITS)} (top-k and PowerSGD sizes depend on their settings)",
+        )
+    scales = 4 * (elements // block_size) if method in _SCALED else 0
+    return elements * _COMPRESSED_BITS[method] // 8 + scales
+
+
+def compressed_reduction(
+    method: str, elements: int, /, *, axis: str, axis_size: int, block_size: int = 256, scatter: bool = False
+) -> tuple[TheoryCollective, ...]:
+    """A compressed gradient reduction of ``elements`` per device over ``axis``: an all-to-all of
+    the payload (each device sums its slice), then, for an all-reduce (not ``scatter``), an
+    all-gather of the re-compressed sums. ``elements`` counts the padding: each parameter is
+    padded to whole blocks, each buffer to whole blocks per device
+    (:func:`torsh_jax.runtime.sync.compressed_lengths`).
+
+    Example:
+        >>> reduction = compressed_reduction("int8", 4096, axis="data", axis_size=8)
+        >>> [(c.kind, c.payload_bytes, c.wire_bytes) for c in reduction]
+        [('all-to-all', 4160, 3640.0), ('all-gather', 4160, 3640.0)]
+    """
+    payload = compressed_payload_bytes(method, elements, block_size=block_size)
+    kinds = ("all-to-all",) if scatter else ("all-to-all", "all-gather")
+    return tuple(TheoryCollective(kind, (axis,), payload, axis_size) for kind in kinds)
 
 
 @dataclass(frozen=True)

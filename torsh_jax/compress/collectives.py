@@ -162,7 +162,7 @@ def compressed_all_reduce(
     axis_size: int,
     key: jax.Array | None = None,
     mean: bool = True,
-    implementation: str = "reference",
+    implementation: str = "auto",
 ) -> tuple[jax.Array, FeedbackState]:
     """All-reduce ``x[n]`` (sum, or mean when ``mean``) over ``axis_name`` with compression.
 
@@ -175,7 +175,8 @@ def compressed_all_reduce(
         key: PRNG key for stochastic rounding (the same on every device;
             folded with the device index).
         mean: divide the sum by ``axis_size``.
-        implementation: ``reference``, ``pallas`` or ``pallas_interpret``.
+        implementation: ``auto``, ``reference``, ``pallas`` or ``pallas_interpret``
+            (:mod:`~torsh_jax.compress.factory`): who runs the blockwise methods.
 
     Returns:
         ``(reduced x[n], new feedback)``; ``reduced`` is identical on every device.
@@ -208,7 +209,7 @@ def compressed_reduce_scatter(
     axis_size: int,
     key: jax.Array | None = None,
     mean: bool = True,
-    implementation: str = "reference",
+    implementation: str = "auto",
 ) -> tuple[jax.Array, FeedbackState]:
     """Reduce ``x[n]`` over ``axis_name`` and return this device's shard ``[n / axis_size]``.
 
@@ -238,12 +239,19 @@ def compressed_reduce_scatter(
 
 
 def compressed_all_gather(
-    shard: jax.Array, /, *, spec: CompressorSpec, axis_name: str, axis_size: int
+    shard: jax.Array,
+    /,
+    *,
+    spec: CompressorSpec,
+    axis_name: str,
+    axis_size: int,
+    implementation: str = "auto",
 ) -> jax.Array:
     """All-gather ``shard[m]`` into ``[axis_size * m]`` with compressed payloads (ZeRO-3 weights).
 
     Nearest rounding, no feedback: every device decodes the same payloads,
-    so the gathered weights are identical everywhere.
+    so the gathered weights are identical everywhere. ``implementation`` as
+    in :func:`compressed_all_reduce`.
 
     Raises:
         CompressionError: a method other than int8, int4, fp16 or bf16, or a
@@ -256,7 +264,7 @@ def compressed_all_gather(
             fix=f"use one of {list(WEIGHT_METHODS)} for weights",
         )
     check_flat(shard, multiple=length_unit(spec), where="compression.weights (shard length)")
-    compressor = _compressor(dataclasses.replace(spec, rounding="nearest"), "reference")
+    compressor = _compressor(dataclasses.replace(spec, rounding="nearest"), implementation)
     payload, _ = compressor.compress(shard, ())
     gathered = jax.tree.map(lambda leaf: _all_gather_replicated(leaf, axis_name, tiled=True), payload)
     return compressor.decompress(gathered)

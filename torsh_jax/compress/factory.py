@@ -1,12 +1,17 @@
 """Build a :class:`~torsh_jax.compress.base.Compressor` from a ``CompressorSpec``.
 
-``implementation`` picks the code path:
+``implementation`` picks the code path of the blockwise methods (int8, int4,
+sign; the other methods have no kernels and always run their reference):
 
-* ``"reference"``: pure ``jnp`` (XLA-compiled); the CPU fast path;
-* ``"pallas"``: Pallas kernels on TPU (Mosaic) and GPU (Triton) for the
-  blockwise methods (int8, int4, sign); other methods and other backends
-  fall back to the reference;
-* ``"pallas_interpret"``: the same kernels in the Pallas interpreter (tests).
+* ``"auto"``: the Pallas kernels when the devices are TPUs or GPUs, the
+  ``jnp`` reference on CPU;
+* ``"reference"``: pure ``jnp`` (XLA-compiled);
+* ``"pallas"``: the Pallas kernels: Mosaic on TPU, Triton on GPU, the Pallas
+  interpreter on CPU;
+* ``"pallas_interpret"``: the kernels in the Pallas interpreter on any device.
+
+The devices are those of the mesh being traced (inside ``shard_map``), else
+the default backend's.
 
 Example:
     >>> import jax.numpy as jnp
@@ -30,10 +35,20 @@ from torsh_jax.compress.base import Compressor, check_flat, seed_from_key
 from torsh_jax.errors import CompressionError
 from torsh_jax.plan.spec import CompressorSpec
 
-__all__ = ["IMPLEMENTATIONS", "make_compressor", "padded_length", "length_unit", "needs_key"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "make_compressor",
+    "padded_length",
+    "length_unit",
+    "leaf_unit",
+    "needs_key",
+    "kernel_platform",
+]
 
 #: Values of ``implementation``.
-IMPLEMENTATIONS = ("reference", "pallas", "pallas_interpret")
+IMPLEMENTATIONS = ("auto", "reference", "pallas", "pallas_interpret")
+#: Kernel lowering of each device platform that has one.
+_KERNEL_PLATFORMS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
 #: Blocks per kernel row tile that :func:`padded_length` aligns large buffers to.
 _KERNEL_ROWS = 32
 
@@ -50,6 +65,20 @@ def _check_method(spec: CompressorSpec) -> None:
 def length_unit(spec: CompressorSpec) -> int:
     """Elements per scale block (per chunk for top-k)."""
     return spec.chunk_size if spec.method == "topk" else spec.block_size
+
+
+def leaf_unit(spec: CompressorSpec) -> int:
+    """Elements each parameter's part of a buffer is padded to, so that no scale block holds two
+    parameters: ``block_size`` for the blockwise quantisers (int8, int4, sign), else 1.
+
+    A block's scale comes from its largest value; a block shared by a large-gradient weight and
+    a small bias would quantise the bias in steps of the weight's size.
+
+    Example:
+        >>> leaf_unit(CompressorSpec(method="int8", block_size=256)), leaf_unit(CompressorSpec(method="topk"))
+        (256, 1)
+    """
+    return spec.block_size if spec.method in quantize.BLOCKWISE_METHODS else 1
 
 
 def padded_length(n: int, /, *, axis_size: int, spec: CompressorSpec) -> int:
@@ -83,18 +112,33 @@ def _seed(spec: CompressorSpec, key: jax.Array | None):
     return seed_from_key(key)
 
 
-def _kernel_platform(implementation: str) -> str | None:
+def _device_platform() -> str:
+    """Platform of the devices of the mesh being traced, else of the default backend."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return getattr(device, "platform", None) or jax.default_backend()
+
+
+def kernel_platform(implementation: str, device_platform: str) -> str | None:
+    """The kernel lowering ``implementation`` runs on ``device_platform`` (``None``: the reference).
+
+    Example:
+        >>> [kernel_platform(i, "cpu") for i in ("auto", "reference", "pallas")]
+        [None, None, 'interpret']
+        >>> [kernel_platform(i, "tpu") for i in ("auto", "reference", "pallas")]
+        ['tpu', None, 'tpu']
+    """
     if implementation == "pallas_interpret":
         return "interpret"
     if implementation == "pallas":
-        backend = jax.default_backend()
-        return {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(backend)
+        return _KERNEL_PLATFORMS.get(device_platform, "interpret")
+    if implementation == "auto":
+        return _KERNEL_PLATFORMS.get(device_platform)
     return None
 
 
 def _blockwise(spec: CompressorSpec, implementation: str) -> Compressor:
     options = {"method": spec.method, "block_size": spec.block_size}
-    platform = _kernel_platform(implementation)
+    platform = kernel_platform(implementation, _device_platform())
     if platform is None:
         encode, decode, fused = quantize.encode, quantize.decode, quantize.encode_with_feedback
     else:
@@ -158,12 +202,12 @@ def _powersgd(spec: CompressorSpec) -> Compressor:
     )
 
 
-def make_compressor(spec: CompressorSpec, /, *, implementation: str = "reference") -> Compressor:
+def make_compressor(spec: CompressorSpec, /, *, implementation: str = "auto") -> Compressor:
     """The compressor ``spec`` describes.
 
     Args:
         spec: the compressor settings.
-        implementation: ``reference``, ``pallas`` or ``pallas_interpret``.
+        implementation: ``auto``, ``reference``, ``pallas`` or ``pallas_interpret`` (module docstring).
 
     Raises:
         CompressionError: ``spec.method == "none"`` or an unknown implementation.

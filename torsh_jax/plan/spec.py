@@ -331,14 +331,19 @@ class AxisCompression:
         axis: plan axis (``data`` or ``fsdp``).
         gradients: compressor for gradient reductions over the axis.
         weights: compressor for ZeRO-3 parameter all-gathers over the axis.
+        implementation: what runs the blockwise compressors (int8, int4, sign): ``auto``
+            (the Pallas kernels on TPU and GPU devices, the ``jnp`` reference on CPU),
+            ``pallas`` (the kernels; on CPU in the Pallas interpreter) or ``reference``.
     """
 
     axis: str
     gradients: CompressorSpec | None = None
     weights: CompressorSpec | None = None
+    implementation: str = "auto"
 
     def __post_init__(self):
         _check_choice(self.axis, DATA_AXES, "compression.axis")
+        _check_choice(self.implementation, ("auto", "pallas", "reference"), "implementation")
 
 
 @dataclass(frozen=True)

@@ -67,10 +67,10 @@ def mark_varying(tree: PyTree, axes: tuple[str, ...]) -> PyTree:
     return jax.tree.map(lambda x: vary_over(x, axes), tree) if axes else tree
 
 
-def gradient_routes(roles: Roles) -> dict[str, AxisRoute]:
+def gradient_routes(roles: Roles, plan: ParallelPlan) -> dict[str, AxisRoute]:
     """The compressed gradient axes of a composition (size-1 axes send nothing and are absent)."""
     return {
-        axis: AxisRoute(axis, roles.size(axis), spec)
+        axis: AxisRoute(axis, roles.size(axis), spec, plan.compression_for(axis).implementation)
         for axis, spec in roles.gradient_compression.items()
         if axis in roles.batch_axes
     }
@@ -104,7 +104,7 @@ def gradient_sync(plan: ParallelPlan, roles: Roles) -> SyncSpec:
     stage's parameters once per step and reduce-scatters their gradients
     here, as ZeRO-2 does.
     """
-    routes = gradient_routes(roles)
+    routes = gradient_routes(roles, plan)
     factors = gradient_factors(plan, data_parallel_size=roles.batch_size)
     if roles.zero_stage == 3 and not gathers_once(plan, roles):
         deferred = {a: r for a, r in routes.items() if a != roles.shard_axis}
@@ -133,7 +133,7 @@ def backward_sync(plan: ParallelPlan, roles: Roles) -> SyncSpec:
     Reduce-scatters over ``fsdp`` (compressed when the plan says so) and sums
     over the replica axes that are not deferred to :func:`gradient_sync`.
     """
-    routes = gradient_routes(roles)
+    routes = gradient_routes(roles, plan)
     deferred = gradient_sync(plan, roles).axes
     pre, post = gradient_factors(plan, data_parallel_size=roles.batch_size)
     shard = roles.shard_axis

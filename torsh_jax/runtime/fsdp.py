@@ -111,13 +111,16 @@ def all_gather_params(shards: PyTree, dims: PyTree) -> PyTree:
     return jax.tree.map(one, shards, dims, is_leaf=lambda x: x is None)
 
 
-def _compressed_gather(shard: jax.Array, dim: int, spec: CompressorSpec) -> jax.Array:
+def _compressed_gather(shard: jax.Array, dim: int, spec: CompressorSpec, implementation: str) -> jax.Array:
     """All-gather ``shard`` along ``dim`` over ``fsdp`` with a compressed payload."""
     size = jax.lax.axis_size(FSDP)
     row = jnp.moveaxis(shard, dim, 0).reshape(-1).astype(jnp.float32)
     m, unit = row.shape[0], length_unit(spec)
     padded = jnp.pad(row, (0, -(-m // unit) * unit - m))
-    rows = compressed_all_gather(padded, spec=spec, axis_name=FSDP, axis_size=size).reshape(size, -1)
+    gathered = compressed_all_gather(
+        padded, spec=spec, axis_name=FSDP, axis_size=size, implementation=implementation
+    )
+    rows = gathered.reshape(size, -1)
     full = rows[:, :m].reshape(size * shard.shape[dim], *jnp.moveaxis(shard, dim, 0).shape[1:])
     return jnp.moveaxis(full, 0, dim)
 
@@ -140,6 +143,7 @@ def make_gather(
     (see :mod:`~torsh_jax.runtime.compiler_axes`).
     """
     precision = plan.precision
+    implementation = plan.compression_for(FSDP).implementation if weights is not None else "auto"
     sync = backward if dim is not None else backward._replace(scatter_axis=None)
     replicas = tuple(a for a in backward.axes if a != FSDP)
 
@@ -149,7 +153,8 @@ def make_gather(
             return vary_over(full, backward.axes)
         if weights is not None:  # the compressed gather is typed as replicated over fsdp
             return vary_over(
-                _compressed_gather(shard, dim, weights).astype(precision.compute_dtype), (*replicas, FSDP)
+                _compressed_gather(shard, dim, weights, implementation).astype(precision.compute_dtype),
+                (*replicas, FSDP),
             )
         return vary_over(jax.lax.all_gather(full, FSDP, axis=dim, tiled=True), replicas)
 

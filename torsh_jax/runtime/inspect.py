@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from torsh_jax.analysis import summarize
+from torsh_jax.analysis.report import widening_note
 from torsh_jax.analysis.theory import Theory, megatron_blocks, pipeline_stages, plan_theory
 from torsh_jax.runtime.layered import LayeredModel, split_params
 from torsh_jax.runtime.mesh import default_num_slices
@@ -209,6 +210,8 @@ def inspect_step(train: TrainStep, state: TrainState, batch: Any) -> dict:
     summary["notes"] = list(train.notes)
     if _megatron_tensor(train) and train.layout.roles.stage_axis is not None:
         summary["notes"].append(PIPELINED_TENSOR_NOTE)
+    widened = widening_note(summary["collectives"])
+    summary["notes"] += [widened] if widened else []
     return summary
 
 

@@ -3,6 +3,8 @@
 ``leaves -> buckets [k, m] -> x pre -> reduce-scatter over the scatter axis (k rows -> 1)
 -> psum over the plain axes -> compressed all-reduce over each compressed axis -> x post``
 
+A bucket pads each leaf to whole blocks of the blockwise compressors it
+passes through, so that no quantisation block holds two leaves.
 DDP all-reduces every bucket (no scatter axis); ZeRO-1/2 reduce-scatter the
 buckets of sharded leaves over ``fsdp`` (``k`` = its size, row i = device i's
 shard) and all-reduce those of replicated leaves; ZeRO-3's gather backward
@@ -37,7 +39,7 @@ from torsh_jax.compress import (
     init_feedback,
     needs_key,
 )
-from torsh_jax.compress.factory import length_unit
+from torsh_jax.compress.factory import leaf_unit, length_unit
 from torsh_jax.plan.spec import CompressorSpec
 from torsh_jax.runtime.buckets import as_rows, bucket_layout, from_row
 
@@ -50,6 +52,7 @@ __all__ = [
     "sync_leaf",
     "sync_feedback",
     "feedback_specs",
+    "compressed_lengths",
 ]
 
 PyTree = Any
@@ -58,11 +61,13 @@ _ROUNDING_SEED = 0x7A11
 
 
 class AxisRoute(NamedTuple):
-    """Gradient compression over one mesh axis of size ``size``."""
+    """Gradient compression over one mesh axis of size ``size``; ``implementation`` runs the
+    blockwise methods (``auto``, ``reference``, ``pallas``: :mod:`torsh_jax.compress.factory`)."""
 
     axis: str
     size: int
     spec: CompressorSpec
+    implementation: str = "auto"
 
     def init(self, length: int) -> FeedbackState:
         """Zero feedback of one device for a buffer of ``length`` (already padded)."""
@@ -134,7 +139,10 @@ class BucketPlan(NamedTuple):
 
     ``sharded``: the leaves have a shard dim; ``scattered``: they are reduce-scattered;
     ``split_over``: other mesh axes the leaves are split over (``tensor``), so
-    the bucket's values differ along them.
+    the bucket's values differ along them. ``segments``: per leaf, the elements
+    its part of a row takes, padded to whole quantisation blocks (see
+    :func:`~torsh_jax.compress.factory.leaf_unit`) so that no block holds two
+    leaves; ``row_length`` is their sum.
     """
 
     leaf_ids: tuple[int, ...]
@@ -144,6 +152,13 @@ class BucketPlan(NamedTuple):
     row_length: int
     padded_length: int
     split_over: tuple[str, ...] = ()
+    segments: tuple[int, ...] = ()
+
+
+def _routes_of(spec: SyncSpec, scattered: bool) -> list[AxisRoute]:
+    """The compressed routes a bucket passes through: its reduce-scatter's, then its all-reduces'."""
+    routes = [spec.routes[spec.scatter_axis]] if scattered and spec.scatter_axis in spec.routes else []
+    return routes + [spec.routes[axis] for axis in spec.reduce_axes(scattered)[1]]
 
 
 def _padded(spec: SyncSpec, m: int, scattered: bool) -> int:
@@ -154,6 +169,12 @@ def _padded(spec: SyncSpec, m: int, scattered: bool) -> int:
         route = spec.routes[axis]
         unit = math.lcm(unit, route.size * length_unit(route.spec))
     return m if unit == 1 else max(1, -(-m // unit)) * unit
+
+
+def _segments(sizes: Sequence[int], spec: SyncSpec, scattered: bool) -> tuple[int, ...]:
+    """Each leaf's row elements rounded up to whole blocks of every blockwise route of the bucket."""
+    unit = math.lcm(1, *(leaf_unit(r.spec) for r in _routes_of(spec, scattered)))
+    return tuple(-(-n // unit) * unit for n in sizes)
 
 
 def plan_buckets(
@@ -178,9 +199,12 @@ def plan_buckets(
             ids = [i for i, d in enumerate(dims) if (d is not None) == has_dim and split_over[i] == over]
             leaves_of = [leaves[i] for i in ids]
             for bucket in bucket_layout(leaves_of, bucket_bytes=spec.bucket_bytes, itemsize=spec.itemsize):
-                m = bucket.size // k
                 ids_of = tuple(ids[j] for j in bucket.leaf_ids)
-                out.append(BucketPlan(ids_of, has_dim, scattered, k, m, _padded(spec, m, scattered), over))
+                sizes = [math.prod(leaves[i].shape) // k for i in ids_of]
+                segments = _segments(sizes, spec, scattered)
+                m = sum(segments)
+                padded = _padded(spec, m, scattered)
+                out.append(BucketPlan(ids_of, has_dim, scattered, k, m, padded, over, segments))
     return out
 
 
@@ -201,7 +225,7 @@ def _scatter(rows: jax.Array, feedback: dict, spec: SyncSpec, key) -> jax.Array:
         return jax.lax.psum_scatter(rows, axis, scatter_dimension=0, tiled=True)[0]
     out, feedback[axis] = compressed_reduce_scatter(
         rows.reshape(-1), feedback[axis], spec=route.spec, axis_name=axis, axis_size=route.size,
-        key=_fold(key, 0), mean=False,
+        key=_fold(key, 0), mean=False, implementation=route.implementation,
     )  # fmt: skip
     return out
 
@@ -228,28 +252,31 @@ def _sync_bucket(rows, feedback: dict, bucket: BucketPlan, spec: SyncSpec, key) 
             axis_size=route.size,
             key=_fold(key, n),
             mean=False,
+            implementation=route.implementation,
         )
     return _scale(x[: bucket.row_length], spec.factors[1]).astype(dtype), feedback
 
 
 def _bucket_rows(leaves, dims, bucket: BucketPlan) -> jax.Array:
-    if bucket.scattered:
-        parts = [as_rows(leaves[i], dim=dims[i], size=bucket.rows) for i in bucket.leaf_ids]
-    else:
-        parts = [jnp.ravel(leaves[i])[None] for i in bucket.leaf_ids]
+    parts = []
+    for i, segment in zip(bucket.leaf_ids, bucket.segments, strict=True):
+        leaf = leaves[i]
+        rows = as_rows(leaf, dim=dims[i], size=bucket.rows) if bucket.scattered else jnp.ravel(leaf)[None]
+        pad = segment - rows.shape[1]
+        parts.append(jnp.pad(rows, ((0, 0), (0, pad))) if pad else rows)
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
 def _split_row(row: jax.Array, leaves, dims, bucket: BucketPlan, out: list) -> None:
     offset = 0
-    for i in bucket.leaf_ids:
+    for i, segment in zip(bucket.leaf_ids, bucket.segments, strict=True):
         n = int(np.prod(leaves[i].shape)) // bucket.rows
         part = row[offset : offset + n]
         if bucket.scattered:
             out[i] = from_row(part, leaves[i].shape, dim=dims[i], size=bucket.rows)
         else:
             out[i] = part.reshape(leaves[i].shape)
-        offset += n
+        offset += segment
 
 
 def sync_gradients(
@@ -358,3 +385,27 @@ def feedback_specs(
         shapes = {axis: jax.eval_shape(partial(spec.routes[axis].init, n)) for axis, n in lengths.items()}
         out.append({axis: jax.tree.map(lambda _, a=axes[axis]: P(a), s) for axis, s in shapes.items()})
     return tuple(out)
+
+
+def compressed_lengths(
+    leaves_like: Sequence[Any],
+    dims: Sequence[int | None],
+    spec: SyncSpec,
+    split_over: Sequence[tuple[str, ...]] | None = None,
+) -> dict[str, int]:
+    """Per compressed axis: elements one device compresses per synchronisation, over every bucket,
+    the per-leaf block padding and the bucket's tail padding included (the all-reduce's buffer; the
+    reduce-scatter's rows). The wire bytes theory of compressed gradients counts these.
+
+    Example:
+        >>> from torsh_jax.plan import CompressorSpec
+        >>> route = AxisRoute("data", 8, CompressorSpec(method="int8"))
+        >>> spec = SyncSpec(axes=("data",), routes={"data": route}, bucket_bytes=1 << 20)
+        >>> compressed_lengths([jnp.zeros((37, 53)), jnp.zeros(53)], [None, None], spec)
+        {'data': 4096}
+    """
+    out: dict[str, int] = {}
+    for bucket in plan_buckets(list(leaves_like), list(dims), spec, split_over):
+        for axis, length in _feedback_lengths(bucket, spec).items():
+            out[axis] = out.get(axis, 0) + length
+    return out

@@ -7,7 +7,10 @@ of the refs. ``platform`` picks the lowering:
 
 * ``"tpu"``: Mosaic (``pltpu.CompilerParams``);
 * ``"gpu"``: Triton (``pallas.triton.CompilerParams``); tiles are powers of two;
-* ``"interpret"``: the Pallas interpreter, for CPU tests.
+* ``"interpret"``: the Pallas TPU interpreter (``pltpu.InterpretParams``) on any
+  device, for CPU; unlike ``interpret=True`` it types the kernel's values as
+  varying over the ``shard_map`` axes its inputs vary over, so it runs inside a
+  train step's ``shard_map`` with its varying-axes checks on.
 
 Stochastic rounding hashes ``(seed, element index)`` inside the kernel
 (see :func:`~torsh_jax.compress.base.uniform_noise`), so no random array
@@ -59,11 +62,11 @@ def _values_dtype(method: str):
 
 
 def _call_options(platform: str) -> dict:
-    if platform == "interpret":
-        return {"interpret": True}
-    if platform == "tpu":
+    if platform in ("interpret", "tpu"):
         from jax.experimental.pallas import tpu as pltpu
 
+        if platform == "interpret":
+            return {"interpret": pltpu.InterpretParams()}
         return {"compiler_params": pltpu.CompilerParams(dimension_semantics=("parallel",))}
     if platform == "gpu":
         from jax.experimental.pallas import triton as pltriton
