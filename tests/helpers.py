@@ -14,7 +14,7 @@ from torsh_jax.runtime.layered import LayeredModel, layered_loss
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.step import make_train_step
 from torsh_jax.runtime.twin import make_reference_step
-from torsh_jax.runtime.verify import compare_with_twin, record_gradients
+from torsh_jax.runtime.verify import TwinReport, compare_with_twin, record_gradients
 from torsh_jax.tensor import tensor_axis
 
 SMALL = LMConfig(vocab=64, d_model=32, heads=2, head_dim=16, mlp=64, layers=2, seq_len=16)
@@ -70,14 +70,27 @@ def model_for(plan: ParallelPlan, cfg: LMConfig):
 def twin_report(
     plan: ParallelPlan, *, devices=None, steps: int = 5, cfg: LMConfig = SMALL, optimizer=None, mlp=False
 ):
-    """Run ``plan`` and its single-device twin for ``steps`` steps on the demo model (``mlp``:
-    on :func:`mlp_model`)."""
+    """Run ``plan``, its single-device twin and the twin in float64 (the reference of
+    :func:`assert_matches_twin`) for ``steps`` steps on the demo model (``mlp``: on
+    :func:`mlp_model`)."""
     optimizer = optimizer or recording_optimizer()
     mesh = build_mesh(plan, devices)
     tp = tensor_axis(plan)
     model = mlp_model(cfg) if mlp else layered_model(cfg, tp=tp)
     train = make_train_step(model, optimizer, plan, mesh)
-    twin = make_reference_step(layered_loss(model) if mlp else loss_fn(cfg, tp=tp), optimizer, plan)
+    twin_loss = layered_loss(model) if mlp else loss_fn(cfg, tp=tp)
+    twin = make_reference_step(twin_loss, optimizer, plan)
+    exact = make_reference_step(twin_loss, optimizer, plan, dtype="float64")
     params = (mlp_params if mlp else init_params)(cfg, jax.random.key(0))
     batches = [synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=i) for i in range(steps)]
-    return compare_with_twin(tuple(train), twin, params, batches), train
+    return compare_with_twin(tuple(train), twin, params, batches, exact=exact), train
+
+
+def assert_matches_twin(report: TwinReport, *, params: bool = False, **criterion) -> None:
+    """The parallel program is within round-off of the math: its losses and gradients (and parameters
+    with ``params``: for SGD or momentum, or lockstep) are no further from the float64 run than
+    ``ROUNDOFF_FACTOR`` x the float32 twin's own error + ``ROUNDOFF_FLOOR``
+    (:meth:`~torsh_jax.runtime.verify.TwinReport.roundoff_violations`)."""
+    quantities = ("loss", "grads", "params") if params else ("loss", "grads")
+    violations = report.roundoff_violations(quantities, **criterion)
+    assert not violations, f"not within round-off of the float64 run: {'; '.join(violations)}"

@@ -11,12 +11,12 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import mlp_model, mlp_params, model_for, needs_tensor_blocks, twin_report
+from helpers import assert_matches_twin, mlp_model, mlp_params, model_for, needs_tensor_blocks, twin_report
 
 from torsh_jax import NotSupportedYetError, PlanError, load_plan
 from torsh_jax.cli.main import main
 from torsh_jax.demo.model import LMConfig, init_params, layered_model, loss_fn, synthetic_tokens
-from torsh_jax.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, build_schedule
+from torsh_jax.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, build_pipeline_schedule
 from torsh_jax.pipeline.slots import slot_plan, tick_segments
 from torsh_jax.plan import plan_from_dict
 from torsh_jax.runtime.inspect import PIPELINED_TENSOR_NOTE, headline, inspect_step
@@ -59,14 +59,14 @@ def momentum():
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @pytest.mark.parametrize(("p", "m"), [(2, 2), (2, 4), (2, 3), (4, 4), (4, 8), (4, 5)])
 def test_bubble_of_gpipe_and_1f1b_is_p_minus_1_over_m_plus_p_minus_1(name, p, m):
-    table = build_schedule(name, stages=p, microbatches=m)
+    table = build_pipeline_schedule(name, stages=p, microbatches=m)
     assert table.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
     assert table.slots(FORWARD).tolist() == table.slots(BACKWARD).tolist() == [m] * p
 
 
 @pytest.mark.parametrize(("p", "m", "v"), [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (4, 8, 3)])
 def test_bubble_of_interleaved_is_p_minus_1_over_vm_plus_p_minus_1(p, m, v):
-    table = build_schedule("interleaved", stages=p, microbatches=m, virtual_stages=v)
+    table = build_pipeline_schedule("interleaved", stages=p, microbatches=m, virtual_stages=v)
     assert table.bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
     assert table.slots(FORWARD).tolist() == [v * m] * p
 
@@ -75,7 +75,7 @@ def test_bubble_of_interleaved_is_p_minus_1_over_vm_plus_p_minus_1(p, m, v):
 def test_zb_h1_idles_p_minus_1_slots_per_stage_and_holds_at_most_p_activations(p, m):
     """ZB-H1: B and W slots each, (p - 1) / (3 m + p - 1) idle (1F1B's bubble counted in the same
     slots is three times as many idle slots), never more than p activations held on any stage."""
-    table = build_schedule("zb_h1", stages=p, microbatches=m)
+    table = build_pipeline_schedule("zb_h1", stages=p, microbatches=m)
     assert table.bubble == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12) == table.theory_bubble
     assert table.slots(FORWARD).tolist() == table.slots(BACKWARD).tolist() == table.slots(WEIGHT).tolist()
     assert table.slots(WEIGHT).tolist() == [m] * p
@@ -84,12 +84,12 @@ def test_zb_h1_idles_p_minus_1_slots_per_stage_and_holds_at_most_p_activations(p
 
 
 def test_zb_h1_grid_shows_weight_slots_and_its_steady_state_scans_in_blocks_of_3():
-    table = build_schedule("zb_h1", stages=2, microbatches=3)
+    table = build_pipeline_schedule("zb_h1", stages=2, microbatches=3)
     assert table.render().splitlines() == [
         "stage 0 | F0 F1 .  B0 W0 F2 B1 W1 B2 W2",
         "stage 1 | .  F0 B0 F1 B1 W0 F2 B2 W1 W2",
     ]
-    plan = slot_plan(build_schedule("zb_h1", stages=4, microbatches=32))
+    plan = slot_plan(build_pipeline_schedule("zb_h1", stages=4, microbatches=32))
     assert plan.weight_slots == 4  # the last stage runs 4 Bs before its first W
     assert sum(s.period for s in tick_segments(plan, periods=(1, 2, 3, 8))) == 18
 
@@ -97,17 +97,17 @@ def test_zb_h1_grid_shows_weight_slots_and_its_steady_state_scans_in_blocks_of_3
 def test_an_uneven_interleaved_count_still_makes_a_valid_table():
     """Megatron's interleaved order needs m divisible by p for the formula; m = 5 on 4 stages runs
     every slot once (validated) with a larger bubble."""
-    table = build_schedule("interleaved", stages=4, microbatches=5, virtual_stages=2)
+    table = build_pipeline_schedule("interleaved", stages=4, microbatches=5, virtual_stages=2)
     assert table.slots(FORWARD).tolist() == [10] * 4
     assert table.bubble > table.theory_bubble
 
 
 def test_1f1b_holds_at_most_p_activations_while_gpipe_holds_m():
     for m in (16, 32):
-        assert build_schedule("1f1b", stages=4, microbatches=m).in_flight.tolist() == [4, 3, 2, 1]
-        assert build_schedule("gpipe", stages=4, microbatches=m).in_flight.tolist() == [m] * 4
-    flat = [slot_plan(build_schedule("1f1b", stages=4, microbatches=m)).activation_slots for m in (16, 32)]
-    grows = [slot_plan(build_schedule("gpipe", stages=4, microbatches=m)).activation_slots for m in (16, 32)]
+        assert build_pipeline_schedule("1f1b", stages=4, microbatches=m).in_flight.tolist() == [4, 3, 2, 1]
+        assert build_pipeline_schedule("gpipe", stages=4, microbatches=m).in_flight.tolist() == [m] * 4
+    flat = [slot_plan(build_pipeline_schedule("1f1b", stages=4, microbatches=m)).activation_slots for m in (16, 32)]
+    grows = [slot_plan(build_pipeline_schedule("gpipe", stages=4, microbatches=m)).activation_slots for m in (16, 32)]
     assert flat == [4, 4] and grows == [16, 32]
 
 
@@ -118,7 +118,7 @@ def test_1f1b_holds_at_most_p_activations_while_gpipe_holds_m():
 def test_the_executor_scans_repeated_ticks_so_its_code_stops_growing_with_m(name, p, m, v, code_ticks):
     """Segments cover every tick once, in order; a scanned block repeats its senders (the static
     ppermute pairs); 1F1B's steady state is one scanned block of 2 ticks, whatever m."""
-    plan = slot_plan(build_schedule(name, stages=p, microbatches=m, virtual_stages=v))
+    plan = slot_plan(build_pipeline_schedule(name, stages=p, microbatches=m, virtual_stages=v))
     segments = tick_segments(plan, periods=(1, 2, 2 * p * v))
     covered = [t for s in segments for t in range(s.start, s.start + s.period * s.repeats)]
     assert covered == list(range(plan.branch.shape[0]))
@@ -132,12 +132,12 @@ def test_the_executor_scans_repeated_ticks_so_its_code_stops_growing_with_m(name
 
 
 def test_grid_and_json():
-    table = build_schedule("1f1b", stages=2, microbatches=3)
+    table = build_pipeline_schedule("1f1b", stages=2, microbatches=3)
     grid = ["stage 0 | F0 F1 .  B0 F2 B1 .  B2", "stage 1 | .  F0 B0 F1 B1 F2 B2 ."]
     assert table.render().splitlines() == grid
     data = table.to_json()
     assert data["grid"][1][:3] == [".", "F0", "B0"] and data["ticks"] == 8 and data["in_flight"] == [2, 1]
-    interleaved = build_schedule("interleaved", stages=2, microbatches=2, virtual_stages=2)
+    interleaved = build_pipeline_schedule("interleaved", stages=2, microbatches=2, virtual_stages=2)
     assert interleaved.render().splitlines()[0].startswith("stage 0 | F0.0 F1.0 F0.1 F1.1")
 
 
@@ -154,7 +154,7 @@ def test_grid_and_json():
 def test_bad_schedules_name_the_key_and_the_fix(args, key, says):
     name, p, m, v = args
     with pytest.raises(PlanError) as info:
-        build_schedule(name, stages=p, microbatches=m, virtual_stages=v)
+        build_pipeline_schedule(name, stages=p, microbatches=m, virtual_stages=v)
     assert info.value.key == key and says in info.value.message and info.value.fix
 
 
@@ -164,8 +164,7 @@ def test_bad_schedules_name_the_key_and_the_fix(args, key, says):
 def assert_twin(plan, *, cfg=PIPE, steps=5):
     mlp = not needs_tensor_blocks(plan)
     report, train = twin_report(plan, cfg=cfg, steps=steps, optimizer=momentum(), mlp=mlp)
-    assert report.max_loss_rel_err <= RTOL, report.losses
-    assert report.max_grad_rel_err <= RTOL and report.max_param_rel_err <= RTOL, report
+    assert_matches_twin(report, params=True)
     return train
 
 
@@ -173,7 +172,7 @@ def assert_slots_equal_the_table(train, plan):
     state = train.init(model_for(plan, PIPE)[1](PIPE, jax.random.key(0)))
     _, metrics = train.step(state, synthetic_tokens(PIPE, batch_size=train.global_batch_size, seed=0))
     pipe = plan.pipeline
-    table = build_schedule(pipe.schedule, stages=train.mesh.shape["stage"], microbatches=pipe.microbatches,
+    table = build_pipeline_schedule(pipe.schedule, stages=train.mesh.shape["stage"], microbatches=pipe.microbatches,
                            virtual_stages=pipe.virtual_stages)  # fmt: skip
     passes = plan.batch.accumulation_steps
     want = np.stack([table.slots(FORWARD), table.slots(BACKWARD), table.slots(WEIGHT)], axis=1) * passes
@@ -412,6 +411,32 @@ def test_layers_that_do_not_divide_into_stages_times_chunks_name_the_parameter()
     with pytest.raises(PlanError, match="4 stacked layers do not split into 4 stages x 2 virtual") as info:
         _build(plan)
     assert info.value.key.startswith("layers/") and "divisible by 8" in info.value.fix
+
+
+def test_demo_layers_are_never_changed_and_a_count_the_chunks_do_not_divide_is_refused_before_compiling(
+    capsys, monkeypatch
+):
+    """``demo --plan pp_interleaved --layers 4`` (4 stages x 2 chunks): one line naming the numbers and
+    the fix, before parameters are made or a step is built; given counts are kept, the default is 4
+    rounded up to the chunks."""
+    from torsh_jax.demo import run as demo_run
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("compiling")
+
+    monkeypatch.setattr(demo_run, "init_params", must_not_run)
+    monkeypatch.setattr(demo_run, "make_train_step", must_not_run)
+    assert main(["demo", "--plan", "pp_interleaved", "--layers", "4", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("torsh-jax demo: error: --layers: 4 layers do not split into the 4 pipeline stages")
+    assert "x 2 virtual stages" in err and "Fix: pass --layers 8 (a multiple of 8)" in err
+    mesh = {"data": 2, "stage": 4, "fsdp": 1, "tensor": 1}
+    config = lambda n: demo_run.DemoConfig(plan="pp_interleaved", layers=n)
+    assert [demo_run.model_config(config(n), mesh).layers for n in (8, 16, None)] == [8, 16, 8]
+    said = []
+    with pytest.raises(AssertionError, match="compiling"):
+        demo_run.run_demo(config(None), emit=print, phase=said.append)
+    assert any(m.startswith("8 layers: 4 rounded up to a multiple of the pipeline's stages") for m in said)
 
 
 def test_a_micro_batch_that_does_not_split_into_the_microbatches():

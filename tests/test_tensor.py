@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import require_devices
-from helpers import SMALL, twin_report
+from helpers import SMALL, assert_matches_twin, twin_report
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -139,8 +139,7 @@ def test_every_data_parallel_mode_composes_with_tensor_and_equals_its_twin(plan)
     optimizer = momentum if plan.mesh.tensor.ici == 4 else None
     report, train = twin_report(plan, steps=5, cfg=HEADS4, optimizer=optimizer)
     assert train.layout.roles.tensor_axis == "tensor"
-    assert report.max_loss_rel_err <= 1e-5, report
-    assert report.max_grad_rel_err <= 1e-5, report
+    assert_matches_twin(report)
     assert report.losses[-1] < report.losses[0]
 
 
@@ -264,7 +263,7 @@ def test_a_tensor_block_on_an_axis_the_mesh_lacks_is_refused():
     from torsh_jax.errors import ShardingError
 
     require_devices(8)
-    plan = load_plan("tp")
+    plan = load_plan("tp").replace(param_dims=((r"^w$", ("embed", "vocab")),))  # w split over tensor
     wrong = TensorAxis(name="model")
 
     @tensor.uses_tensor_blocks
