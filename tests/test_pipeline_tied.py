@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from helpers import mlp_params
+from helpers import assert_matches_twin, mlp_params
 from test_pipeline import PIPE, momentum, pipeline_plan, zero_pipeline
 
 from torsh_jax import LayeredModel, NotSupportedYetError, load_plan
@@ -25,7 +25,6 @@ from torsh_jax.runtime.verify import compare_with_twin
 from torsh_jax.tensor import TensorAxis, tensor_axis
 
 TIED_KEYS = ("head", "embed")  # the head reads its bias and the token table
-RTOL = 1e-5
 
 
 def tied_mlp() -> LayeredModel:
@@ -86,8 +85,9 @@ def tied_twin_report(plan, *, model: LayeredModel | None = None, steps: int = 3)
     optimizer = momentum()
     train = make_train_step(model, optimizer, plan, mesh)
     twin = make_reference_step(layered_loss(model), optimizer, plan)
+    exact = make_reference_step(layered_loss(model), optimizer, plan, dtype="float64")
     batches = [synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=i) for i in range(steps)]
-    return compare_with_twin(tuple(train), twin, params(cfg, jax.random.key(0)), batches)
+    return compare_with_twin(tuple(train), twin, params(cfg, jax.random.key(0)), batches, exact=exact)
 
 
 def cheaper(preset: str, **pipeline) -> object:
@@ -117,8 +117,7 @@ def test_a_tied_embedding_gets_the_sum_of_its_embed_and_head_gradients(name):
     """Losses, gradients and parameters within the twin criterion over 3 steps: the table's gradient
     is the sum of its lookup's and the head's (the head's alone was 68-75 % off)."""
     report = tied_twin_report(TIED[name])
-    assert report.max_loss_rel_err <= RTOL, report.losses
-    assert report.max_grad_rel_err <= RTOL and report.max_param_rel_err <= RTOL, report
+    assert_matches_twin(report, params=True)
 
 
 def head_reading_layers() -> LayeredModel:
@@ -136,8 +135,7 @@ def test_a_head_reading_the_stacked_layers_equals_the_twin_under_zero3():
     """Without a pipeline the stacked layers are one parameter read twice: ZeRO-3 gathers them one
     layer at a time for the scan and whole for the head, and their gradient is the sum."""
     report = tied_twin_report(load_plan("zero3"), model=head_reading_layers())
-    assert report.max_loss_rel_err <= RTOL, report.losses
-    assert report.max_grad_rel_err <= RTOL and report.max_param_rel_err <= RTOL, report
+    assert_matches_twin(report, params=True)
 
 
 def test_a_head_reading_the_stacked_layers_is_refused_under_a_pipeline():
