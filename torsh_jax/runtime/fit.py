@@ -55,7 +55,7 @@ import os
 import re
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 
@@ -70,7 +70,20 @@ from torsh_jax.units import format_bytes
 if TYPE_CHECKING:  # pragma: no cover
     from jax.sharding import Mesh
 
-    from torsh_jax.runtime.step import TrainStep
+    from torsh_jax.plan.spec import ParallelPlan
+    from torsh_jax.runtime.layout import StateLayout
+
+
+class TrainStep(Protocol):
+    """What a fit check reads of a :class:`torsh_jax.runtime.step.TrainStep`."""
+
+    plan: ParallelPlan
+    mesh: Mesh
+    loss: Any
+
+    @property
+    def layout(self) -> StateLayout: ...
+
 
 __all__ = [
     "LIMIT_VAR",
