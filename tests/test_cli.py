@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -195,6 +196,7 @@ def test_demo_progress_goes_to_stderr_as_whole_plain_lines(capsys):
     assert len(steps) == 1 and steps[0].endswith("/device"), err
     assert "\x1b" not in err, "no terminal control codes when stderr is not a terminal"
     assert "compiling" not in out and "final loss" in out and "KiB" in out
+    assert re.search(r"within round-off of float64\s+│\s+yes \(loss \S+ <= \S+\)", out), out
 
 
 def test_plan_errors_come_before_any_progress(capsys):

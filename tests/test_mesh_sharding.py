@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from conftest import require_devices
-from helpers import SMALL
+from helpers import SMALL, assert_matches_twin
 from jax.sharding import PartitionSpec as P
 
 from torsh_jax.demo.model import init_params, loss_fn, synthetic_tokens
@@ -122,11 +122,12 @@ def test_flax_metadata_drives_zero3_of_unboxed_params():
         return jnp.mean((model.apply({"params": p}, batch["x"]) - batch["y"]) ** 2)
 
     from torsh_jax.runtime.twin import make_reference_step
-    from torsh_jax.runtime.verify import compare_with_twin
+    from torsh_jax.runtime.verify import compare_with_twin, record_gradients
 
-    optimizer = optax.sgd(0.1)
+    optimizer = optax.chain(record_gradients(), optax.sgd(0.1))
     train = make_train_step(loss, optimizer, plan, mesh)
     x = jax.random.normal(jax.random.key(1), (train.global_batch_size, 16))
     batches = [{"x": x, "y": jnp.sin(x)}] * 3
-    report = compare_with_twin(tuple(train), make_reference_step(loss, optimizer, plan), params, batches)
-    assert report.max_loss_rel_err <= 1e-5
+    twin, exact = (make_reference_step(loss, optimizer, plan, dtype=d) for d in (None, "float64"))
+    report = compare_with_twin(tuple(train), twin, params, batches, exact=exact)
+    assert_matches_twin(report, params=True)

@@ -12,7 +12,7 @@ import optax
 import pytest
 from conftest import require_devices
 from flax import nnx
-from helpers import recording_optimizer
+from helpers import assert_matches_twin, recording_optimizer
 
 from torsh_jax.errors import ParameterError, PrecisionWarning, ShardingError
 from torsh_jax.plan import load_plan
@@ -31,6 +31,13 @@ def _tiny_loss(params: dict, batch: jax.Array) -> jax.Array:
 
 def _tiny_batches(n: int, size: int) -> list[jax.Array]:
     return [jax.random.normal(jax.random.key(i), (size, 8)) for i in range(n)]
+
+
+def _twin_report(train, loss, params, batches):
+    """``train`` (built with :func:`recording_optimizer`) against its twin and the twin in float64."""
+    twin = make_reference_step(loss, recording_optimizer(), train.plan)
+    exact = make_reference_step(loss, recording_optimizer(), train.plan, dtype="float64")
+    return compare_with_twin(tuple(train), twin, params, batches, exact=exact)
 
 
 def test_hsdp_int8_with_a_replicated_leaf_stays_close_to_the_twin():
@@ -78,12 +85,10 @@ def test_stacked_leaf_divisible_only_on_the_layer_dim_stays_replicated(preset):
         "layers": {"w": jax.random.normal(next(keys), (8, 16, 16)) * 0.3, "ln": jnp.zeros((8, 53))},
         "head": {"w": jax.random.normal(next(keys), (16, 8)) * 0.3},
     }
-    twin = make_reference_step(_norm_loss, recording_optimizer(), plan)
-    report = compare_with_twin(tuple(train), twin, params, _tiny_batches(3, train.global_batch_size))
+    report = _twin_report(train, _norm_loss, params, _tiny_batches(3, train.global_batch_size))
     assert train.layout.dims["layers"]["ln"] is None
     assert train.layout.dims["layers"]["w"] in (1, 2)
-    assert report.max_loss_rel_err <= 1e-5, report
-    assert report.max_grad_rel_err <= 1e-5, report
+    assert_matches_twin(report)
 
 
 class _Boxed(nn.Module):
@@ -108,9 +113,8 @@ def test_boxed_linen_parameters_train_and_keep_their_logical_names():
     boxed = _Boxed().init(jax.random.key(0), jnp.ones((1, 16)))
     assert isinstance(boxed["params"]["Dense_0"]["kernel"], nn.LogicallyPartitioned)
     train = make_train_step(_boxed_loss, recording_optimizer(), plan, build_mesh(plan))
-    twin = make_reference_step(_boxed_loss, recording_optimizer(), plan)
-    report = compare_with_twin(tuple(train), twin, boxed, _tiny_batches(3, train.global_batch_size))
-    assert report.max_loss_rel_err <= 1e-5 and report.max_grad_rel_err <= 1e-5, report
+    report = _twin_report(train, _boxed_loss, boxed, _tiny_batches(3, train.global_batch_size))
+    assert_matches_twin(report)
     assert train.layout.dims["params"]["Dense_0"]["kernel"] == 1
 
 
@@ -134,9 +138,8 @@ def test_nnx_state_is_accepted_and_returned_as_a_plain_dict():
 
     plan = load_plan("ddp")
     train = make_train_step(loss, recording_optimizer(), plan, build_mesh(plan))
-    twin = make_reference_step(loss, recording_optimizer(), plan)
-    report = compare_with_twin(tuple(train), twin, state, _tiny_batches(3, train.global_batch_size))
-    assert report.max_loss_rel_err <= 1e-5 and report.max_grad_rel_err <= 1e-5, report
+    report = _twin_report(train, loss, state, _tiny_batches(3, train.global_batch_size))
+    assert_matches_twin(report)
     assert set(train.init(state).params) == {"kernel", "bias"}
 
 

@@ -32,7 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--steps", type=count_type(0, MAX_STEPS, fix="pass --steps 20"), default=20,
         help="optimizer steps; 0 compiles and reports without training [20]",
     )  # fmt: skip
-    parser.add_argument("--verify", action="store_true", help="also run the single-device twin and compare")
+    parser.add_argument("--verify", action="store_true",
+                        help="also run the single-device twin in float32 and float64; compare")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="one JSON object per step, then a summary object")
     parser.add_argument("--seed", type=count_type(0, 2**31 - 1, fix="pass --seed 0"), default=0,
                         help="parameter and data seed [0]")  # fmt: skip
@@ -73,11 +74,22 @@ def _summary_rows(summary: dict) -> dict[str, str]:
     }
     if summary.get("max_rel_err") is not None:
         rows["max relative loss diff vs 1 device"] = f"{summary['max_rel_err']:.2e}"
+    if summary.get("within_roundoff") is not None:
+        rows["within round-off of float64"] = _roundoff_text(summary)
     if summary.get("resumed_from_step") is not None:
         rows["resumed from step"] = str(summary["resumed_from_step"])
     if summary.get("checkpoint_steps"):
         rows["checkpoints kept"] = ", ".join(map(str, summary["checkpoint_steps"]))
     return rows
+
+
+def _roundoff_text(summary: dict) -> str:
+    """``yes (loss 1.2e-07 <= 1.1e-06)``: the twin criterion on the losses (error against float64,
+    bound)."""
+    verdict = "yes" if summary["within_roundoff"] else "no"
+    relation = "<=" if summary["within_roundoff"] else ">"
+    error, bound = summary["parallel_vs_float64"], summary["roundoff_bound"]
+    return f"{verdict} (loss {error:.1e} {relation} {bound:.1e})"
 
 
 def _ratios(by_axis: dict, unmodelled: dict | None) -> str:

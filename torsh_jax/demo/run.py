@@ -2,8 +2,9 @@
 
 Prints a progress bar (or one JSON object per step) with loss, tokens/s,
 per-device memory and bytes on the wire, and a final summary. With
-``verify`` it also runs the single-device twin on the same batches and
-reports the largest relative loss difference.
+``verify`` it also runs the single-device twin and the twin in float64 on the
+same batches and reports the largest relative loss difference from the twin and
+whether the run is within round-off of float64 (:mod:`torsh_jax.demo.verify`).
 
 Example:
     >>> summary = run_demo(DemoConfig(plan="ddp", devices=1, steps=2, layers=1), emit=lambda r: None)
@@ -21,6 +22,7 @@ import jax
 
 from torsh_jax.demo.devices import select_devices
 from torsh_jax.demo.model import LMConfig, init_params, layered_model, loss_fn, param_count, synthetic_tokens
+from torsh_jax.demo.verify import DemoTwins
 from torsh_jax.errors import PlanError
 from torsh_jax.optim import build_optimizer
 from torsh_jax.plan.io import load_plan
@@ -31,8 +33,6 @@ from torsh_jax.runtime.inspect import headline, inspect_step
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.pipeline import layer_chunks
 from torsh_jax.runtime.step import make_train_step
-from torsh_jax.runtime.twin import make_reference_step
-from torsh_jax.runtime.verify import twin_state_of
 from torsh_jax.tensor.axis import tensor_axis
 
 __all__ = ["DemoConfig", "run_demo"]
@@ -46,7 +46,7 @@ class DemoConfig:
         plan: preset name, plan file, or a loaded plan.
         devices: devices to use (simulated on CPU); ``None`` = all.
         steps: optimizer steps.
-        verify: also run the single-device twin.
+        verify: also run the single-device twin and the twin in float64.
         seed: parameter and data seed.
         layers, d_model: model size; ``layers=None``: 4, rounded up to a
             multiple of the plan's pipeline chunks (stages x virtual stages),
@@ -148,14 +148,13 @@ def run_demo(
     state = train.init(params)
     report = headline(inspect_step(train, state, batch_of(0)))
     state, first_step = _resumed(config, train, state, phase)
-    twin = make_reference_step(loss_fn(cfg, tp=tp), optimizer, plan) if config.verify else None
-    twin_state = _twin_start(twin, params, state, resumed=first_step > 0)
-    if twin and first_step < config.steps:
-        phase("compiling the single-device twin")
-        twin[1].lower(twin_state, batch_of(first_step)).compile()  # now, not inside the first step
+    twins = _twins(config, loss_fn(cfg, tp=tp), optimizer, plan, params, state, resumed=first_step > 0)
+    if twins and first_step < config.steps:
+        phase("compiling the single-device twin and its float64 run")
+        twins.compile(batch_of(first_step))
     saver = _saver(config)
     tokens = train.global_batch_size * cfg.seq_len
-    max_rel_err, loss = 0.0, None
+    loss = None
     for i in range(first_step, config.steps):
         batch = batch_of(i)
         start = time.perf_counter()
@@ -163,11 +162,8 @@ def run_demo(
         loss = float(metrics["loss"])
         elapsed = time.perf_counter() - start
         record = {"step": i + 1, "loss": loss, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed}
-        if twin:
-            twin_state, twin_metrics = twin[1](twin_state, batch)
-            twin_loss = float(twin_metrics["loss"])
-            record["twin_loss"] = twin_loss
-            max_rel_err = max(max_rel_err, abs(loss - twin_loss) / abs(twin_loss))
+        if twins:
+            record["twin_loss"] = twins.step(batch, loss=loss)
         emit({**record, **report})
         if saver and _due(config, i + 1):
             saver.save(state, plan=plan, data_position={"next_step": i + 1, "seed": config.seed})
@@ -187,8 +183,8 @@ def run_demo(
         "checkpoint_steps": saver.steps if saver else None,
         **report,
     }
-    if twin:
-        summary["max_rel_err"] = max_rel_err if config.steps else None
+    if twins:
+        summary.update(twins.summary())
     return summary
 
 
@@ -224,13 +220,14 @@ def _resumed(config: DemoConfig, train, state, phase: Callable[[str], None]):
     return restored.state, restored.step
 
 
-def _twin_start(twin, params, state, *, resumed: bool):
-    """The twin's first state: from the parameters, or (resuming) from the restored state on one device."""
-    if not twin:
+def _twins(config: DemoConfig, loss, optimizer, plan, params, state, *, resumed: bool) -> DemoTwins | None:
+    """With ``verify``: the twin and its float64 run, started from the parameters, or (resuming) from
+    the restored state on one device."""
+    if not config.verify:
         return None
-    if not resumed:
-        return twin[0](params)
-    return twin_state_of(state, like=twin[0](params))
+    twins = DemoTwins(loss, optimizer, plan)
+    twins.start(params, state if resumed else None)
+    return twins
 
 
 def _check_checkpoint_dir(config: DemoConfig) -> None:

@@ -52,6 +52,8 @@ __all__ = [
     "TwinReport",
     "compare_with_twin",
     "twin_state_of",
+    "float64_batch",
+    "with_float64",
 ]
 
 PyTree = Any
@@ -163,11 +165,18 @@ class TwinReport:
         out = []
         for quantity in quantities:
             parallel, twin = self.parallel_error.worst(quantity), self.twin_error.worst(quantity)
-            bound = factor * twin + floor
+            bound = self.roundoff_bound(quantity, factor=factor, floor=floor)
             if not parallel <= bound:
                 bound_text = f"{factor:g} x twin error {twin:.3g} + {floor:.2g}"
                 out.append(f"{quantity}: parallel error {parallel:.3g} > {bound_text}")
         return out
+
+    def roundoff_bound(
+        self, quantity: str, *, factor: float = ROUNDOFF_FACTOR, floor: float = ROUNDOFF_FLOOR
+    ) -> float:
+        """The largest error against the float64 run the parallel program may have in ``quantity``:
+        ``factor`` x the twin's own (worst step) + ``floor``."""
+        return factor * self.twin_error.worst(quantity) + floor
 
     def within_roundoff(self, quantities: Sequence[str] = ("loss", "grads"), **criterion) -> bool:
         """Whether the parallel program is within round-off of the math (:meth:`roundoff_violations`)."""
@@ -195,17 +204,17 @@ def compare_with_twin(
     """
     (p_init, p_step), (t_init, t_step) = parallel, twin
     p_state, t_state = p_init(params), t_init(params)
-    x_state = None if exact is None else _exact_call(exact[0], params)
+    x_state = None if exact is None else with_float64(exact[0], params)
     report = TwinReport()
     for batch in batches:
         if lockstep:
             t_state = twin_state_of(p_state, like=t_state)
-            x_state = None if exact is None else _exact_call(twin_state_of, p_state, like=x_state)
+            x_state = None if exact is None else with_float64(twin_state_of, p_state, like=x_state)
         p_state, p_metrics = p_step(p_state, batch)
         t_state, t_metrics = t_step(t_state, batch)
         _add_twin_step(report, p_state, t_state, float(p_metrics["loss"]), float(t_metrics["loss"]))
         if exact is not None:
-            x_state, x_metrics = _exact_call(exact[1], x_state, _float64(batch))
+            x_state, x_metrics = with_float64(exact[1], x_state, float64_batch(batch))
             _add_exact_step(report, p_state, t_state, x_state, float(x_metrics["loss"]), p_metrics, t_metrics)
     return report
 
@@ -243,15 +252,29 @@ def _recorded_or_none(state) -> PyTree | None:
         return None
 
 
-def _float64(batch: PyTree) -> PyTree:
-    """``batch`` with its floating leaves in float64 (host arrays: no float64 mode needed)."""
+def float64_batch(batch: PyTree) -> PyTree:
+    """``batch`` with its floating leaves in float64 (host arrays: no float64 mode needed).
+
+    Example:
+        >>> float64_batch({"x": jnp.ones(2), "ids": jnp.arange(2)})["x"].dtype
+        dtype('float64')
+    """
     as_float64 = lambda x: np.asarray(x, np.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x
     return jax.tree.map(as_float64, batch)
 
 
-def _exact_call(fn: Callable, *args, **kwargs):
-    """``fn(*args, **kwargs)`` with float64 enabled (``jax.enable_x64``)."""
-    with jax.enable_x64(True):
+def with_float64(fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with float64 enabled (``jax.enable_x64``): how the float64 run
+    (``make_reference_step(..., dtype="float64")``) is initialised and stepped. Under standard
+    dtype promotion: a model that computes some values in at least float32 on purpose (flax's
+    normalisation statistics) promotes them to float64, which strict promotion refuses; the
+    float32 programs under test keep the caller's mode.
+
+    Example:
+        >>> with_float64(lambda: (jnp.ones(1, jnp.float64) + jnp.ones(1, jnp.float32)).dtype)
+        dtype('float64')
+    """
+    with jax.enable_x64(True), jax.numpy_dtype_promotion("standard"):
         return fn(*args, **kwargs)
 
 
