@@ -103,6 +103,64 @@ __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports("torsh_jax", _EXPORTS, globals())
 
 
-if TYPE_CHECKING:  # pragma: no cover
-    from torsh_jax.errors import *  # noqa: F403
-    from torsh_jax.plan import *  # noqa: F403
+if TYPE_CHECKING:  # pragma: no cover - what a type checker sees; at run time __getattr__ loads lazily
+    from torsh_jax.analysis import collectives, memory_report, render_text, summarize
+    from torsh_jax.compress import make_compressor
+    from torsh_jax.distributed import ProcessEnv, detect_environment, global_batch_from_local, initialize
+    from torsh_jax.errors import (
+        ArgumentError,
+        CheckpointError,
+        CheckpointUnreadableError,
+        CompressionError,
+        DeviceMemoryError,
+        DistributedError,
+        MeshError,
+        NotSupportedYetError,
+        ParameterError,
+        PlanError,
+        PrecisionWarning,
+        PresetNotFoundError,
+        ShardingError,
+        TorshError,
+        TranslationError,
+    )
+    from torsh_jax.optim import build_optimizer, build_schedule, loss_scaler
+    from torsh_jax.plan import (
+        AxisCompression,
+        AxisSize,
+        BatchSpec,
+        CommunicationSpec,
+        CompressorSpec,
+        LossScaleSpec,
+        MeshSpec,
+        OptimizerSpec,
+        ParallelPlan,
+        PipelineSpec,
+        PrecisionSpec,
+        ScheduleSpec,
+        TensorSpec,
+        ZeroSpec,
+        load_compressor,
+        load_plan,
+        plan_from_dict,
+        plan_from_toml,
+        plan_to_dict,
+        plan_to_toml,
+        save_plan,
+    )
+    from torsh_jax.plan.roles import Roles, compose
+    from torsh_jax.runtime.inspect import inspect_step
+    from torsh_jax.runtime.layered import LayeredModel
+    from torsh_jax.runtime.layout import StateLayout, state_layout
+    from torsh_jax.runtime.mesh import build_mesh
+    from torsh_jax.runtime.specs import param_specs
+    from torsh_jax.runtime.state import TrainState
+    from torsh_jax.runtime.step import TrainStep, make_train_step
+    from torsh_jax.runtime.twin import make_reference_step
+    from torsh_jax.runtime.verify import compare_with_twin, record_gradients
+    from torsh_jax.translate.deepspeed import translate_deepspeed
+    from torsh_jax.translate.detect import translate_file
+    from torsh_jax.translate.environment import translate_environment
+    from torsh_jax.translate.horovod import translate_horovod
+    from torsh_jax.translate.result import TranslationResult
+    from torsh_jax.translate.torch_fsdp import translate_torch_fsdp

@@ -42,6 +42,7 @@ import math
 from dataclasses import dataclass, replace
 
 from torsh_jax.errors import PlanError
+from torsh_jax.plan.compressors import METHODS
 from torsh_jax.plan.roles import compose
 
 __all__ = [
@@ -471,12 +472,6 @@ def _uncompressed_theory(plan, param_count, num_devices, num_slices, layer_fract
     )
 
 
-#: Bits per element of the fixed-size compressed wire formats (:mod:`torsh_jax.compress`).
-_COMPRESSED_BITS = {"int8": 8, "int4": 4, "sign": 1, "fp16": 16, "bf16": 16}
-#: Methods that send one float32 scale per block.
-_SCALED = ("int8", "int4", "sign")
-
-
 def compressed_payload_bytes(method: str, elements: int, /, *, block_size: int = 256) -> int:
     """Bytes of a compressed payload of ``elements`` values (a padded buffer: whole blocks).
 
@@ -484,14 +479,15 @@ def compressed_payload_bytes(method: str, elements: int, /, *, block_size: int =
         >>> compressed_payload_bytes("int8", 4096), compressed_payload_bytes("bf16", 4096)
         (4160, 8192)
     """
-    if method not in _COMPRESSED_BITS:
+    size = METHODS[method].payload_bytes(elements, block_size=block_size) if method in METHODS else None
+    if size is None:
+        fixed = sorted(name for name, m in METHODS.items() if m.bits is not None)
         raise PlanError(
             f"{method!r} has no fixed-size wire format",
             key="compression.method",
-            fix=f"use one of {sorted(_COMPRESSED_BITS)} (top-k and PowerSGD sizes depend on their settings)",
+            fix=f"use one of {fixed} (top-k and PowerSGD sizes depend on their settings)",
         )
-    scales = 4 * (elements // block_size) if method in _SCALED else 0
-    return elements * _COMPRESSED_BITS[method] // 8 + scales
+    return size
 
 
 def compressed_reduction(

@@ -26,10 +26,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from torsh_jax.runtime.specs import path_str
+from torsh_jax.typing import PyTree
 
 __all__ = ["checksums", "mismatched"]
-
-PyTree = Any
 
 
 def _words(x: jax.Array) -> jax.Array:

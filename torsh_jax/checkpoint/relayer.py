@@ -25,10 +25,9 @@ from torsh_jax.plan.roles import compose
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.pipeline import layer_chunks
 from torsh_jax.runtime.specs import entry_axes, path_str
+from torsh_jax.typing import PyTree
 
 __all__ = ["saved_chunks", "logical_shape", "read_targets", "relayered"]
-
-PyTree = Any
 
 
 def saved_chunks(plan: ParallelPlan, mesh_shape: dict) -> int:

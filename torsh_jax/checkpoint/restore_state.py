@@ -56,6 +56,7 @@ from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.pipeline import unchunk_layers
 from torsh_jax.runtime.specs import path_str
 from torsh_jax.runtime.state import TrainState
+from torsh_jax.typing import PyTree
 
 __all__ = [
     "Restored",
@@ -68,7 +69,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-PyTree = Any
 
 
 @dataclass

@@ -39,10 +39,9 @@ from torsh_jax.errors import CheckpointError
 from torsh_jax.plan.io import plan_to_toml
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.state import TrainState
+from torsh_jax.typing import PyTree
 
 __all__ = ["Checkpointer", "scalar", "rng_to_json"]
-
-PyTree = Any
 
 
 def scalar(value: Any) -> int:

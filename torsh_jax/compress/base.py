@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from torsh_jax.errors import CompressionError
+from torsh_jax.typing import PyTree
 
 __all__ = [
     "Compressor",
@@ -47,7 +48,6 @@ __all__ = [
     "vary_like",
 ]
 
-PyTree = Any
 Payload = Any
 
 

@@ -35,6 +35,7 @@ from torsh_jax.compress.base import Compressor, check_flat
 from torsh_jax.compress.factory import length_unit, make_compressor
 from torsh_jax.compress.feedback import FeedbackState, init_feedback
 from torsh_jax.errors import CompressionError
+from torsh_jax.plan.compressors import METHODS, WEIGHT_METHODS
 from torsh_jax.plan.spec import CompressorSpec
 
 __all__ = [
@@ -43,9 +44,6 @@ __all__ = [
     "compressed_all_gather",
     "init_feedback",
 ]
-
-#: Methods usable for weight all-gathers (lossy but unbiased enough for parameters).
-WEIGHT_METHODS = ("int8", "int4", "fp16", "bf16")
 
 try:  # Varying -> invariant all-gather: the reduced buffer is typed as replicated.
     from jax._src.lax.parallel import all_gather_invariant as _all_gather_replicated
@@ -186,9 +184,10 @@ def compressed_all_reduce(
     options = {"axis_name": axis_name, "axis_size": axis_size, "mean": mean}
 
     def compressed(x, feedback):
-        if spec.method == "powersgd":
+        reduction = METHODS[spec.method].all_reduce
+        if reduction == "low_rank":
             return _powersgd_all_reduce(spec, x, feedback, **options)
-        if spec.method == "topk":
+        if reduction == "sparse_gather":
             return _gather_sparse(compressor, spec, x, feedback, **options)
         return _two_phase_all_reduce(compressor, spec, x, feedback, key=key, **options)
 
@@ -224,7 +223,7 @@ def compressed_reduce_scatter(
     options = {"axis_name": axis_name, "axis_size": axis_size, "mean": mean}
 
     def compressed(x, feedback):
-        if spec.method == "powersgd":
+        if METHODS[spec.method].all_reduce == "low_rank":
             full, feedback = _powersgd_all_reduce(spec, x, feedback, **options)
             index = jax.lax.axis_index(axis_name)
             return full.reshape(axis_size, -1)[index], feedback
@@ -254,7 +253,7 @@ def compressed_all_gather(
     in :func:`compressed_all_reduce`.
 
     Raises:
-        CompressionError: a method other than int8, int4, fp16 or bf16, or a
+        CompressionError: a method not in :data:`~torsh_jax.plan.compressors.WEIGHT_METHODS`, or a
             shard length that is not a multiple of ``block_size``.
     """
     if spec.method not in WEIGHT_METHODS:

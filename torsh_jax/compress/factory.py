@@ -33,6 +33,7 @@ import jax
 from torsh_jax.compress import cast, powersgd, quantize, topk
 from torsh_jax.compress.base import Compressor, check_flat, seed_from_key
 from torsh_jax.errors import CompressionError
+from torsh_jax.plan.compressors import METHODS
 from torsh_jax.plan.spec import CompressorSpec
 
 __all__ = [
@@ -62,9 +63,15 @@ def _check_method(spec: CompressorSpec) -> None:
         )
 
 
+def _is(spec: CompressorSpec, **facts: object) -> bool:
+    """Whether ``spec``'s method is registered with these facts (``none`` has none)."""
+    method = METHODS.get(spec.method)
+    return method is not None and all(getattr(method, name) == value for name, value in facts.items())
+
+
 def length_unit(spec: CompressorSpec) -> int:
     """Elements per scale block (per chunk for top-k)."""
-    return spec.chunk_size if spec.method == "topk" else spec.block_size
+    return spec.chunk_size if _is(spec, family="topk") else spec.block_size
 
 
 def leaf_unit(spec: CompressorSpec) -> int:
@@ -78,7 +85,7 @@ def leaf_unit(spec: CompressorSpec) -> int:
         >>> leaf_unit(CompressorSpec(method="int8", block_size=256)), leaf_unit(CompressorSpec(method="topk"))
         (256, 1)
     """
-    return spec.block_size if spec.method in quantize.BLOCKWISE_METHODS else 1
+    return spec.block_size if _is(spec, blockwise=True) else 1
 
 
 def padded_length(n: int, /, *, axis_size: int, spec: CompressorSpec) -> int:
@@ -90,14 +97,14 @@ def padded_length(n: int, /, *, axis_size: int, spec: CompressorSpec) -> int:
     into kernel row tiles of 32 blocks.
     """
     unit = axis_size * length_unit(spec)
-    if spec.method in quantize.BLOCKWISE_METHODS and n > _KERNEL_ROWS * unit:
+    if _is(spec, blockwise=True) and n > _KERNEL_ROWS * unit:
         unit *= _KERNEL_ROWS
     return max(1, -(-n // unit)) * unit
 
 
 def needs_key(spec: CompressorSpec) -> bool:
     """True when compression draws random numbers (stochastic int8/int4)."""
-    return spec.rounding == "stochastic" and spec.method in ("int8", "int4")
+    return spec.rounding == "stochastic" and _is(spec, stochastic=True)
 
 
 def _seed(spec: CompressorSpec, key: jax.Array | None):
@@ -159,7 +166,7 @@ def _blockwise(spec: CompressorSpec, implementation: str) -> Compressor:
     return Compressor(lambda length: (), compress, lambda p: decode(p, **options), compress_with_feedback)
 
 
-def _cast(spec: CompressorSpec) -> Compressor:
+def _cast(spec: CompressorSpec, implementation: str) -> Compressor:
     def compress(x, state, /, *, key=None):
         check_flat(x, multiple=1, where="compression.method")
         return cast.encode(x, method=spec.method), state
@@ -172,7 +179,7 @@ def _cast(spec: CompressorSpec) -> Compressor:
     )
 
 
-def _topk(spec: CompressorSpec) -> Compressor:
+def _topk(spec: CompressorSpec, implementation: str) -> Compressor:
     options = {
         "chunk_size": spec.chunk_size,
         "k": topk.kept_per_chunk(chunk_size=spec.chunk_size, fraction=spec.topk_fraction),
@@ -192,7 +199,7 @@ def _topk(spec: CompressorSpec) -> Compressor:
     return Compressor(lambda length: (), compress, decompress, compress_with_feedback)
 
 
-def _powersgd(spec: CompressorSpec) -> Compressor:
+def _powersgd(spec: CompressorSpec, implementation: str) -> Compressor:
     def compress(x, q, /, *, key=None):
         check_flat(x, multiple=1, where="compression.method")
         return powersgd.encode(x, q)
@@ -200,6 +207,11 @@ def _powersgd(spec: CompressorSpec) -> Compressor:
     return Compressor(
         lambda length: powersgd.initial_q(length, rank=spec.rank), compress, powersgd.decode, None
     )
+
+
+#: :attr:`~torsh_jax.plan.compressors.Method.family` -> ``(spec, implementation) -> Compressor``
+#: (only the blockwise family has kernels; the others run their reference on every device).
+_FAMILIES = {"blockwise": _blockwise, "cast": _cast, "topk": _topk, "powersgd": _powersgd}
 
 
 def make_compressor(spec: CompressorSpec, /, *, implementation: str = "auto") -> Compressor:
@@ -219,10 +231,4 @@ def make_compressor(spec: CompressorSpec, /, *, implementation: str = "auto") ->
             key="implementation",
             fix=f"use one of {list(IMPLEMENTATIONS)}",
         )
-    if spec.method in quantize.BLOCKWISE_METHODS:
-        return _blockwise(spec, implementation)
-    if spec.method in cast.CAST_METHODS:
-        return _cast(spec)
-    if spec.method == "topk":
-        return _topk(spec)
-    return _powersgd(spec)
+    return _FAMILIES[METHODS[spec.method].family](spec, implementation)

@@ -35,12 +35,10 @@ import jax.numpy as jnp
 from torsh_jax.compress import powersgd
 from torsh_jax.compress.factory import length_unit
 from torsh_jax.errors import CompressionError
+from torsh_jax.plan.compressors import METHODS
 from torsh_jax.plan.spec import CompressorSpec
 
 __all__ = ["FeedbackState", "init_feedback", "two_phase"]
-
-#: Methods whose all-reduce re-compresses the reduced shard (and so has a server residual).
-_TWO_PHASE = ("fp16", "bf16", "int8", "int4", "sign")
 
 
 class FeedbackState(NamedTuple):
@@ -54,7 +52,8 @@ class FeedbackState(NamedTuple):
 
 def two_phase(spec: CompressorSpec) -> bool:
     """True when the all-reduce quantises twice (before the all-to-all and before the all-gather)."""
-    return spec.method in _TWO_PHASE
+    method = METHODS.get(spec.method)
+    return method is not None and method.all_reduce == "two_phase"
 
 
 def _empty(*shape: int) -> jax.Array:
@@ -82,5 +81,9 @@ def init_feedback(spec: CompressorSpec, /, *, length: int, axis_size: int) -> Fe
     feedback = spec.error_feedback
     worker = _empty(length) if feedback else _empty(0)
     server = _empty(length // axis_size) if feedback and two_phase(spec) else _empty(0)
-    warm = powersgd.initial_q(length, rank=spec.rank) if spec.method == "powersgd" else _empty(0, 0)
+    warm = (
+        powersgd.initial_q(length, rank=spec.rank)
+        if METHODS[spec.method].all_reduce == "low_rank"
+        else _empty(0, 0)
+    )
     return FeedbackState(worker, server, warm, jnp.zeros((1,), jnp.int32))

@@ -17,17 +17,15 @@ Example (one process, so its local data is the whole batch):
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from torsh_jax.errors import ShardingError
+from torsh_jax.typing import PyTree
 
 __all__ = ["PyTree", "global_batch_from_local", "local_batch_slice", "local_shard_counts"]
-
-PyTree = Any
 
 
 def global_batch_from_local(local_batch: PyTree, /, *, mesh: Mesh, spec: PartitionSpec) -> PyTree:

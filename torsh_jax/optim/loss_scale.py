@@ -29,17 +29,16 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from torsh_jax.plan.spec import LossScaleSpec
+from torsh_jax.typing import PyTree
 
 __all__ = ["LossScaleState", "LossScaler", "loss_scaler", "all_finite", "skip_if_nonfinite"]
-
-PyTree = Any
 
 
 class LossScaleState(NamedTuple):

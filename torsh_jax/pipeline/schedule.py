@@ -29,7 +29,7 @@ fraction is ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B and
 ``(p - 1) / (v m + p - 1)`` for interleaved when ``m`` is a multiple of ``p``.
 
 Example:
-    >>> table = build_schedule("1f1b", stages=2, microbatches=2)
+    >>> table = build_pipeline_schedule("1f1b", stages=2, microbatches=2)
     >>> print(table.render())
     stage 0 | F0 F1 .  B0 .  B1
     stage 1 | .  F0 B0 F1 B1 .
@@ -39,16 +39,26 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 
 import numpy as np
 
 from torsh_jax.errors import PlanError
 
-__all__ = ["SCHEDULES", "Schedule", "build_schedule", "render_grid", "IDLE", "FORWARD", "BACKWARD", "WEIGHT"]
+__all__ = [
+    "PIPELINE_SCHEDULES",
+    "ScheduleKind",
+    "Schedule",
+    "build_pipeline_schedule",
+    "render_grid",
+    "IDLE",
+    "FORWARD",
+    "BACKWARD",
+    "WEIGHT",
+]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
 #: Slot kinds in :attr:`Schedule.table` ``[..., 0]``. ``BACKWARD`` makes the input and, unless the
 #: schedule has ``WEIGHT`` slots, the weight gradients.
 IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
@@ -61,7 +71,7 @@ class Schedule:
     """A validated schedule.
 
     Attributes:
-        name: ``gpipe``, ``1f1b``, ``interleaved`` or ``zb_h1``.
+        name: a key of :data:`PIPELINE_SCHEDULES` (``gpipe``, ``1f1b``, ``interleaved``, ``zb_h1``).
         stages: pipeline stages ``p``.
         microbatches: micro-batches ``m`` per pipeline pass.
         virtual_stages: chunks ``v`` per stage.
@@ -143,39 +153,64 @@ def render_grid(cells: list[list[str]]) -> str:
     )
 
 
-def build_schedule(name: str, *, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """The table of schedule ``name``; validated before it is returned.
+@dataclass(frozen=True)
+class ScheduleKind:
+    """How one named schedule builds its table.
+
+    Attributes:
+        table: ``(stages, microbatches, virtual_stages) -> int32 [ticks, stages, 3]``.
+        virtual_stages: whether it runs more than one chunk per stage.
+        microbatch_per_stage: whether it needs at least as many micro-batches as stages.
+    """
+
+    table: Callable[[int, int, int], np.ndarray]
+    virtual_stages: bool = False
+    microbatch_per_stage: bool = True
+
+
+def build_pipeline_schedule(
+    name: str, *, stages: int, microbatches: int, virtual_stages: int = 1
+) -> Schedule:
+    """The table of pipeline schedule ``name`` (a key of :data:`PIPELINE_SCHEDULES`), validated.
 
     Raises:
-        PlanError: an unknown schedule, ``virtual_stages`` > 1 with another
-            schedule than ``interleaved``, or fewer micro-batches than stages
-            for ``1f1b``, ``interleaved`` or ``zb_h1``.
+        PlanError: an unknown schedule, ``virtual_stages`` > 1 with a schedule
+            that has one chunk per stage, or fewer micro-batches than stages
+            for a schedule that needs one per stage (all but ``gpipe``).
     """
-    _check(name, stages, microbatches, virtual_stages)
-    if name == "zb_h1":
-        table = _run_orders([_zb_h1_order(stages, microbatches, s) for s in range(stages)])
-    else:
-        table = _simulate(name, stages, microbatches, virtual_stages)
-    schedule = Schedule(name, stages, microbatches, virtual_stages, table)
+    kind = _check(name, stages, microbatches, virtual_stages)
+    schedule = Schedule(
+        name, stages, microbatches, virtual_stages, kind.table(stages, microbatches, virtual_stages)
+    )
     validate(schedule)
     return schedule
 
 
-def _check(name: str, p: int, m: int, v: int) -> None:
-    if name not in SCHEDULES:
-        raise PlanError(f"unknown schedule {name!r}", key="pipeline.schedule", fix=f"use one of {SCHEDULES}")
-    if v > 1 and name != "interleaved":
+def _check(name: str, p: int, m: int, v: int) -> ScheduleKind:
+    kind = PIPELINE_SCHEDULES.get(name)
+    if kind is None:
+        raise PlanError(
+            f"unknown schedule {name!r}",
+            key="pipeline.schedule",
+            fix=f"use one of {tuple(PIPELINE_SCHEDULES)}",
+        )
+    if v > 1 and not kind.virtual_stages:
         raise PlanError(
             f"virtual_stages = {v} needs the interleaved schedule, not {name!r}",
             key="pipeline.virtual_stages",
             fix='set pipeline.schedule = "interleaved", or virtual_stages = 1',
         )
-    if name != "gpipe" and m < p:
+    if kind.microbatch_per_stage and m < p:
         raise PlanError(
             f"{name} needs at least as many micro-batches as stages: {m} < {p}",
             key="pipeline.microbatches",
             fix=f"set pipeline.microbatches >= {p} (2 x stages or more keeps the bubble small)",
         )
+    return kind
+
+
+def _zb_h1_table(p: int, m: int, v: int) -> np.ndarray:
+    return _run_orders([_zb_h1_order(p, m, s) for s in range(p)])
 
 
 def _zb_h1_order(p: int, m: int, stage: int) -> list[tuple[int, int]]:
@@ -222,10 +257,13 @@ def _run_orders(orders: list[list[tuple[int, int]]]) -> np.ndarray:
     return np.asarray(rows, dtype=np.int32)
 
 
-def _orders(name: str, p: int, m: int, v: int, stage: int) -> tuple[list, list]:
-    """The forward and backward ``(micro-batch, virtual stage)`` order of ``stage``."""
-    if name != "interleaved":
-        return [(i, stage) for i in range(m)], [(i, stage) for i in range(m)]
+def _in_order(p: int, m: int, v: int, stage: int) -> tuple[list, list]:
+    """Forwards and backwards of ``stage`` in micro-batch order (one chunk per stage)."""
+    return [(i, stage) for i in range(m)], [(i, stage) for i in range(m)]
+
+
+def _megatron_order(p: int, m: int, v: int, stage: int) -> tuple[list, list]:
+    """Megatron-LM's interleaved order: groups of ``p`` micro-batches, chunk by chunk."""
     forward, backward = [], []
     for first in range(0, m, p):
         group = range(first, min(first + p, m))
@@ -234,20 +272,30 @@ def _orders(name: str, p: int, m: int, v: int, stage: int) -> tuple[list, list]:
     return forward, backward
 
 
-def _cap(name: str, p: int, m: int, v: int, stage: int) -> int:
-    if name == "gpipe":
-        return m
-    if name == "1f1b":
-        return p - stage
-    return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+def _all_forwards_first(pending: bool, f_ready: bool, b_ready: bool) -> int:
+    """GPipe: no backward while a forward is pending."""
+    if pending:
+        return FORWARD if f_ready else IDLE
+    return BACKWARD if b_ready else IDLE
 
 
-def _simulate(name: str, p: int, m: int, v: int) -> np.ndarray:
+def _backward_first(pending: bool, f_ready: bool, b_ready: bool) -> int:
+    return BACKWARD if b_ready else FORWARD if f_ready else IDLE
+
+
+def _forward_first(pending: bool, f_ready: bool, b_ready: bool) -> int:
+    return FORWARD if f_ready else BACKWARD if b_ready else IDLE
+
+
+def _simulate(p: int, m: int, v: int, *, order, cap, pick) -> np.ndarray:
+    """Each stage runs the forwards and backwards of ``order(p, m, v, stage)``, at most
+    ``cap(p, m, v, stage)`` forwards ahead of its backwards, ``pick``-ing between a ready forward
+    and a ready backward."""
     last = p * v - 1
     forward_at: dict[tuple[int, int], int] = {}
     backward_at: dict[tuple[int, int], int] = {}
-    orders = [_orders(name, p, m, v, s) for s in range(p)]
-    caps = [_cap(name, p, m, v, s) for s in range(p)]
+    orders = [order(p, m, v, s) for s in range(p)]
+    caps = [cap(p, m, v, s) for s in range(p)]
     done_f, done_b = [0] * p, [0] * p
     rows = []
     while any(done_b[s] < m * v for s in range(p)):
@@ -260,13 +308,8 @@ def _simulate(name: str, p: int, m: int, v: int) -> np.ndarray:
             f_ready = f_ready and done_f[s] - done_b[s] < caps[s]
             b_ready = b is not None and forward_at.get(b, _NOT_YET) < tick
             b_ready = b_ready and (b[1] == last or backward_at.get((b[0], b[1] + 1), _NOT_YET) < tick)
-            forward_first = name == "interleaved" or (name == "gpipe" and f is not None)
-            if f_ready and (forward_first or not b_ready):
-                row.append((FORWARD, *f))
-            elif b_ready and not (name == "gpipe" and f is not None):
-                row.append((BACKWARD, *b))
-            else:
-                row.append((IDLE, -1, -1))
+            kind = pick(f is not None, f_ready, b_ready)
+            row.append((kind, *(f if kind == FORWARD else b)) if kind != IDLE else (IDLE, -1, -1))
         for s, (kind, micro, virtual) in enumerate(row):
             if kind == FORWARD:
                 forward_at[(micro, virtual)] = tick
@@ -276,8 +319,30 @@ def _simulate(name: str, p: int, m: int, v: int) -> np.ndarray:
                 done_b[s] += 1
         rows.append(row)
         if tick > 4 * (m * v + p) + 8:
-            raise AssertionError(f"schedule {name} p={p} m={m} v={v} does not finish")  # a bug, not input
+            raise AssertionError(f"schedule p={p} m={m} v={v} does not finish")  # a bug, not input
     return np.asarray(rows, dtype=np.int32)
+
+
+#: Pipeline schedule name -> how it builds its table. A new schedule is one entry here.
+PIPELINE_SCHEDULES: dict[str, ScheduleKind] = {
+    "gpipe": ScheduleKind(
+        partial(_simulate, order=_in_order, cap=lambda p, m, v, s: m, pick=_all_forwards_first),
+        microbatch_per_stage=False,
+    ),
+    "1f1b": ScheduleKind(
+        partial(_simulate, order=_in_order, cap=lambda p, m, v, s: p - s, pick=_backward_first)
+    ),
+    "interleaved": ScheduleKind(
+        partial(
+            _simulate,
+            order=_megatron_order,
+            cap=lambda p, m, v, s: min(2 * (p - s - 1) + (v - 1) * p + 1, m * v),
+            pick=_forward_first,
+        ),
+        virtual_stages=True,
+    ),
+    "zb_h1": ScheduleKind(_zb_h1_table),
+}
 
 
 def validate(schedule: Schedule) -> None:

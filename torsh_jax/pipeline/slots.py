@@ -18,11 +18,12 @@ period is 2). The senders fix the ``ppermute`` pairs, which must be static;
 everything else is read from the tables at the scanned tick.
 
 Example:
-    >>> from torsh_jax.pipeline.schedule import build_schedule
-    >>> plan = slot_plan(build_schedule("1f1b", stages=2, microbatches=4))
+    >>> from torsh_jax.pipeline.schedule import build_pipeline_schedule
+    >>> plan = slot_plan(build_pipeline_schedule("1f1b", stages=2, microbatches=4))
     >>> plan.activation_slots, plan.gradient_slots
     (2, 1)
-    >>> [tuple(s) for s in tick_segments(slot_plan(build_schedule("1f1b", stages=2, microbatches=16)))]
+    >>> table = build_pipeline_schedule("1f1b", stages=2, microbatches=16)
+    >>> [tuple(s) for s in tick_segments(slot_plan(table))]
     [(0, 1, 1), (1, 1, 1), (2, 1, 1), (3, 2, 14), (31, 1, 1), (32, 1, 1), (33, 1, 1)]
 """
 

@@ -8,8 +8,9 @@ A plan's axes compose into a train step by role:
 * **tensor** (``tensor``): split weights (heads, MLP features, vocabulary)
   and the work on them; the model's :mod:`torsh_jax.tensor` blocks place its
   collectives, with sequence parallelism when ``tensor.sequence_parallel``;
-* **pipeline** (``stage``): not built yet; a mesh that needs it is refused
-  with :class:`~torsh_jax.errors.NotSupportedYetError`.
+* **pipeline** (``stage``): run a schedule table over a ``LayeredModel``'s
+  stacked layers split into stages, and own micro-batching
+  (:mod:`torsh_jax.runtime.pipeline`).
 
 :func:`compose` reads only the plan and the mesh shape (no JAX), so the
 runtime, the support checks, ``inspect`` and the communication theory all
@@ -59,7 +60,6 @@ class Roles:
         tensor_axis: the axis weights are split over (``tensor``), or ``None``.
         sequence_parallel: activations split on the sequence over ``tensor_axis``.
         stage_axis: the axis pipeline stages run over (``stage``), or ``None``.
-        unsupported: ``(axis, size)`` of the axes whose role is not built yet.
     """
 
     mesh_shape: Mapping[str, int]
@@ -71,7 +71,6 @@ class Roles:
     tensor_axis: str | None = None
     sequence_parallel: bool = False
     stage_axis: str | None = None
-    unsupported: tuple[tuple[str, int], ...] = ()
 
     @property
     def kind(self) -> str:

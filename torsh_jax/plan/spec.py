@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from torsh_jax.errors import PlanError
+from torsh_jax.plan.compressors import method_names
 from torsh_jax.plan.factor import resolve_sizes
 
 __all__ = [
@@ -284,7 +285,8 @@ class CommunicationSpec:
         _check(self.gradient_predivide_factor > 0, "communication.gradient_predivide_factor", "must be > 0")
 
 
-COMPRESSION_METHODS = ("none", "fp16", "bf16", "int8", "int4", "sign", "topk", "powersgd")
+#: ``none`` and the methods of the compressor registry (:mod:`torsh_jax.plan.compressors`, no JAX).
+COMPRESSION_METHODS = method_names()
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["local_gradients", "accumulate", "split_micro_batches"]
+from torsh_jax.typing import PyTree
 
-PyTree = Any
+__all__ = ["local_gradients", "accumulate", "split_micro_batches"]
 
 
 def split_micro_batches(batch: PyTree, steps: int) -> PyTree:

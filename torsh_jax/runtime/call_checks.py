@@ -32,10 +32,9 @@ from torsh_jax.runtime.layered import LayeredModel
 from torsh_jax.runtime.mesh import mesh_shape_str
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.tensor.axis import has_tensor_blocks
+from torsh_jax.typing import PyTree
 
 __all__ = ["check_state", "require_train_state", "scalar_loss"]
-
-PyTree = Any
 
 _ANOTHER = {
     "step": "not a train step's state",

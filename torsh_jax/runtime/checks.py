@@ -51,16 +51,6 @@ def mesh_shape_text(roles: Roles) -> str:
     return ", ".join(f"{a}={s}" for a, s in roles.mesh_shape.items())
 
 
-def _check_roles(roles: Roles) -> None:
-    for axis, size in roles.unsupported:
-        raise NotSupportedYetError(
-            f"the {axis} axis has size {size} (mesh {mesh_shape_text(roles)}); pipeline-parallel train "
-            "steps are not supported yet",
-            key=f"mesh.{axis}",
-            fix=f"set mesh.{axis} = 1 and use data/fsdp/tensor axes",
-        )
-
-
 def _section_index(plan: ParallelPlan, axis: str) -> int:
     return next(i for i, c in enumerate(plan.compression) if c.axis == axis)
 
@@ -125,7 +115,6 @@ def _check_pipeline(plan: ParallelPlan, roles: Roles) -> None:
 
 def check_supported(plan: ParallelPlan, roles: Roles) -> None:
     """Raise :class:`NotSupportedYetError` for what this version cannot run on this composition."""
-    _check_roles(roles)
     _check_pipeline(plan, roles)
     _check_weights(plan, roles)
     if roles.gradient_compression and plan.precision.loss_scale.mode != "none":

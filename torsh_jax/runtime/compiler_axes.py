@@ -30,10 +30,10 @@ from jax.sharding import PartitionSpec as P
 from torsh_jax.plan.roles import Roles
 from torsh_jax.runtime.specs import entry_axes
 from torsh_jax.tensor.axis import has_tensor_blocks
+from torsh_jax.typing import PyTree
 
 __all__ = ["compiler_axes", "without_axes", "only_axes", "tree_without", "tree_only", "manual_over"]
 
-PyTree = Any
 _is_spec = lambda x: isinstance(x, P)
 
 

@@ -16,8 +16,6 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -26,6 +24,7 @@ from torsh_jax.plan.roles import Roles
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.sync import AxisRoute, SyncSpec
 from torsh_jax.tensor.axis import vary_over
+from torsh_jax.typing import PyTree
 
 __all__ = [
     "gradient_factors",
@@ -35,8 +34,6 @@ __all__ = [
     "backward_sync",
     "batch_specs",
 ]
-
-PyTree = Any
 
 
 def gradient_factors(plan: ParallelPlan, *, data_parallel_size: int) -> tuple[float, float]:

@@ -65,6 +65,7 @@ from torsh_jax.runtime.layered import LayeredModel, split_params
 from torsh_jax.runtime.mesh import mesh_shape_str
 from torsh_jax.runtime.precision import cast_tree
 from torsh_jax.tensor.axis import has_tensor_blocks
+from torsh_jax.typing import PyTree
 from torsh_jax.units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -96,8 +97,6 @@ __all__ = [
     "batch_key",
     "batch_like",
 ]
-
-PyTree = Any
 
 #: Environment variable overriding the per-device memory limit (bytes, or e.g. ``512MiB``).
 LIMIT_VAR = "TORSH_JAX_DEVICE_MEMORY"

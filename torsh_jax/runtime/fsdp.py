@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,10 +40,10 @@ from torsh_jax.runtime.layered import LayeredModel, scan_layers, split_params
 from torsh_jax.runtime.specs import logical_dims, param_specs, path_str
 from torsh_jax.runtime.sync import SyncSpec, sync_leaf
 from torsh_jax.tensor.axis import vary_over
+from torsh_jax.typing import PyTree
 
 __all__ = ["shard_dims", "sharded_specs", "all_gather_params", "gathered_loss", "GATHERED"]
 
-PyTree = Any
 FSDP = SHARD_AXIS
 #: Name given to gathered parameters, for remat policies.
 GATHERED = "torsh_gathered_param"

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 
-__all__ = ["LayeredModel", "layered_loss", "split_params", "join_params", "shared_keys", "scan_layers"]
+from torsh_jax.typing import PyTree
 
-PyTree = Any
+__all__ = ["LayeredModel", "layered_loss", "split_params", "join_params", "shared_keys", "scan_layers"]
 
 
 class LayeredModel(NamedTuple):

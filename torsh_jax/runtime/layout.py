@@ -46,10 +46,10 @@ from torsh_jax.runtime.specs import entry_axes, param_specs
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.runtime.sync import SyncSpec, feedback_specs, sync_feedback
 from torsh_jax.runtime.update import scaler_for
+from torsh_jax.typing import PyTree
 
 __all__ = ["StateLayout", "state_layout", "opt_state_specs"]
 
-PyTree = Any
 _is_spec = lambda x: isinstance(x, P)
 
 

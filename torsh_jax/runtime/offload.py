@@ -15,19 +15,17 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 from jax.sharding import Mesh
 
 from torsh_jax.errors import NotSupportedYetError
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.mesh import mesh_shape_str
+from torsh_jax.typing import PyTree
 
 __all__ = ["HOST", "offloaded_parts", "check_offload", "to_device_memory"]
 
 HOST = "pinned_host"
-PyTree = Any
 
 
 def offloaded_parts(plan: ParallelPlan) -> tuple[str, ...]:

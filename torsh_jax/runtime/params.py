@@ -23,7 +23,7 @@ Example:
 from __future__ import annotations
 
 import warnings
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +31,9 @@ import jax.numpy as jnp
 from torsh_jax.errors import ParameterError, PrecisionWarning
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.specs import is_boxed, param_dims_from_metadata, path_str
+from torsh_jax.typing import PyTree
 
 __all__ = ["ParamIntake", "take_params", "unbox"]
-
-PyTree = Any
 
 
 class ParamIntake(NamedTuple):

@@ -25,7 +25,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import optax
@@ -44,10 +44,10 @@ from torsh_jax.runtime.precision import cast_tree
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.runtime.sync import sync_gradients
 from torsh_jax.runtime.update import guarded_update, scaler_for
+from torsh_jax.typing import PyTree
 
 __all__ = ["Program", "build_program", "gradient_program"]
 
-PyTree = Any
 LossOrModel = Callable[[PyTree, PyTree], jax.Array] | LayeredModel
 
 

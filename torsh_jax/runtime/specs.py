@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from torsh_jax.errors import ShardingError
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.mesh import mesh_shape_str
+from torsh_jax.typing import PyTree
 
 __all__ = [
     "path_str",
@@ -40,20 +41,16 @@ __all__ = [
     "param_dims_from_metadata",
 ]
 
-PyTree = object
-
 
 def path_str(path: Sequence) -> str:
-    """``layers/wq`` for a pytree key path."""
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
+    """A pytree key path as the ``/``-separated name that plan keys, errors, ``inspect`` and
+    checkpoints show: ``jax.tree_util.keystr`` in its simple form.
+
+    Example:
+        >>> path_str(jax.tree_util.tree_flatten_with_path({"layers": {"wq": 0}})[0][0][0])
+        'layers/wq'
+    """
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def _metadata_names(leaf: object) -> tuple[str | None, ...] | None:

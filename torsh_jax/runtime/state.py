@@ -9,13 +9,13 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 
-__all__ = ["TrainState"]
+from torsh_jax.typing import PyTree
 
-PyTree = Any
+__all__ = ["TrainState"]
 
 
 class TrainState(NamedTuple):

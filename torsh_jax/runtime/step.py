@@ -48,10 +48,9 @@ from torsh_jax.runtime.specs import path_str
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.runtime.update import scaler_for
 from torsh_jax.tensor.axis import has_tensor_blocks
+from torsh_jax.typing import PyTree
 
 __all__ = ["TrainStep", "make_train_step"]
-
-PyTree = Any
 
 
 def _validate_batch(batch: PyTree, *, global_batch: int, plan: ParallelPlan, mesh: Mesh) -> None:

@@ -42,6 +42,7 @@ from torsh_jax.compress import (
 from torsh_jax.compress.factory import leaf_unit, length_unit
 from torsh_jax.plan.spec import CompressorSpec
 from torsh_jax.runtime.buckets import as_rows, bucket_layout, from_row
+from torsh_jax.typing import PyTree
 
 __all__ = [
     "AxisRoute",
@@ -55,7 +56,6 @@ __all__ = [
     "compressed_lengths",
 ]
 
-PyTree = Any
 #: Seed of the stochastic-rounding keys (folded with the step, bucket and axis).
 _ROUNDING_SEED = 0x7A11
 

@@ -17,7 +17,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +25,9 @@ import optax
 
 from torsh_jax.optim.loss_scale import LossScaler, loss_scaler
 from torsh_jax.plan.spec import ParallelPlan
+from torsh_jax.typing import PyTree
 
 __all__ = ["apply_optimizer", "scaler_for", "Update", "guarded_update"]
-
-PyTree = Any
 
 
 def apply_optimizer(

@@ -1,0 +1,199 @@
+"""One executor for every schedule table, run per device inside the step's ``shard_map``.
+
+The table is static, so the executor unrolls it tick by tick. At each tick
+every stage runs one branch (``lax.switch`` on its row of the table): the
+forward or backward of one chunk for one micro-batch, or nothing. Then the
+stages that produced an activation (a gradient) send it to the next (previous)
+stage with one ``ppermute`` whose pairs are exactly the sending stages, so the
+bytes over ``stage`` are the activations and their gradients per micro-batch
+per boundary and nothing else. A backward recomputes its chunk's forward from
+the stashed input (``jax.vjp``), so a stage holds the inputs of the
+micro-batches in flight, which is what the schedule decides.
+
+A schedule with ``W`` slots (``zb_h1``) splits each chunk's backward: ``B``
+recomputes the chunk from its stashed input and runs one ``vjp`` with respect
+to that input only (no weight-gradient matmuls); zeros added to every layer's
+output make their gradients the layers' output gradients. It sends the chunk's
+input gradient on and leaves each layer's input and output gradient in a
+``W`` stash slot. ``W`` later makes the weight gradients from that slot, one
+layer at a time (recomputing that layer's forward), with nothing waiting on
+it. The embedding and head weight gradients are made in ``B`` of the first and
+last stage.
+
+Embedding and head parameters are replicated over ``stage``; their gradients,
+made on the first and last stage, are summed over ``stage`` once per pass. A
+key both read (a tied embedding) gets the sum of its embedding and head
+gradients (:func:`~torsh_jax.runtime.layered.join_params`) before that sum.
+
+Inside ``shard_map`` over a mesh with a ``stage`` axis the step calls
+``grads, loss, slots = pipeline_gradients(model, schedule)(params, batch, scale)``.
+
+Example (two stages of one layer each, GPipe over two micro-batches):
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import Mesh, PartitionSpec as P
+    >>> from torsh_jax.pipeline.schedule import build_pipeline_schedule
+    >>> model = LayeredModel(embed=lambda p, b: b * p["embed"], layer=lambda w, h: h * w,
+    ...                      head=lambda p, h, b: jnp.sum(h * p["head"]))
+    >>> params = {"embed": jnp.float32(1.0), "layers": jnp.full((2,), 2.0), "head": jnp.float32(1.0)}
+    >>> run = pipeline_gradients(model, build_pipeline_schedule("gpipe", stages=2, microbatches=2))
+    >>> specs = {"embed": P(), "layers": P("stage"), "head": P()}
+    >>> mesh = Mesh(jax.devices()[:2], ("stage",))
+    >>> step = jax.shard_map(lambda p, b: reduce_over_stage(*run(p, b)[:2], "layers"),
+    ...                      mesh=mesh, in_specs=(specs, P()), out_specs=(specs, P()))
+    >>> grads, loss = jax.jit(step)(params, jnp.ones(2))
+    >>> float(loss), grads["layers"].tolist(), float(grads["embed"])
+    (4.0, [2.0, 2.0], 4.0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from torsh_jax.pipeline.schedule import Schedule
+from torsh_jax.pipeline.slots import BRANCHES, Segment, SlotPlan, slot_plan, tick_segments
+from torsh_jax.plan.roles import STAGE_AXIS
+from torsh_jax.runtime.layered import LayeredModel, join_params
+from torsh_jax.runtime.pipeline.branches import Carry, StagePass
+from torsh_jax.runtime.pipeline.varying import cast_vma, settled, typed_switch, vmas
+from torsh_jax.tensor.axis import varying_axes
+
+__all__ = ["pipeline_gradients", "reduce_over_stage"]
+
+
+def _at(table: np.ndarray, tick: int | jax.Array, stage: jax.Array) -> jax.Array:
+    """``table[tick, stage]``; a static tick embeds one row, a scanned one the table."""
+    if isinstance(tick, int):
+        return jnp.asarray(table[tick])[stage]
+    return jnp.asarray(table)[tick, stage]
+
+
+def _ints(plan: SlotPlan, tick: int | jax.Array, stage: jax.Array) -> dict[str, jax.Array]:
+    names = ("micro", "chunk", "activation_in", "gradient_in", "weight_stash")
+    return {name: _at(getattr(plan, name), tick, stage) for name in names}
+
+
+def _receive(buffer: jax.Array, received: jax.Array, slot: jax.Array) -> jax.Array:
+    """Write ``received`` into this stage's ``slot`` (``-1``: keep the buffer). A select, not a ``cond``:
+    XLA may sink the ``ppermute`` feeding a conditional into its branch, which only some devices run."""
+    buffer = cast_vma(buffer, varying_axes(buffer) | varying_axes(received))
+    row = jnp.maximum(slot, 0)
+    kept = jax.lax.dynamic_index_in_dim(buffer, row, keepdims=False)
+    value = jnp.where(slot >= 0, received.astype(buffer.dtype), kept)
+    return jax.lax.dynamic_update_index_in_dim(buffer, value, row, 0)
+
+
+def _pairs(sends: np.ndarray, step: int, stages: int) -> list[tuple[int, int]]:
+    return [(s, (s + step) % stages) for s in np.flatnonzero(sends)]
+
+
+def pipeline_gradients(
+    model: LayeredModel, schedule: Schedule, *, accum_dtype: Any = jnp.float32, axis: str = STAGE_AXIS
+) -> Callable:
+    """Per device: ``(params, batch, scale) -> (grads, mean loss, [[forward, backward, weight]] slots
+    run)``.
+
+    ``params`` hold this stage's layers (``[layers / stage, ...]``, or its
+    ``[v, layers / (v stage), ...]`` chunks when interleaved); ``batch`` is
+    one pass's batch, split into ``schedule.microbatches``. Gradients are of the
+    mean loss times ``scale`` (1 when ``None``), in ``accum_dtype``. The
+    embedding and head gradients and the loss are this stage's share (zero
+    off the first / last stage): :func:`reduce_over_stage` sums them once per
+    step, after the last pass.
+    """
+    plan = slot_plan(schedule)
+    p, m = schedule.stages, schedule.microbatches
+
+    def run(params, batch, scale=None):
+        """``(grads, mean loss, slots run [1, 3])``."""
+        stage = jax.lax.axis_index(axis)
+        # every value below varies over stage: typed so up front, the backward of a branch sums no
+        # parameter gradient over stage inside it (only some devices run it); the caller types the
+        # parameters as varying over the batch axes whose sum it places itself
+        params = cast_vma(params, jax.tree.map(lambda _: frozenset({axis}), params))
+        seed = (jnp.float32(1.0) if scale is None else scale.astype(jnp.float32)) / m
+        one = StagePass(model, schedule, params, batch, seed)
+        shape = jax.eval_shape(lambda: model.embed(one.embed_p, one.batch_of(0)))
+        # activations vary as the embedding's output does (and over stage) from the first tick on: a
+        # scanned tick reading the stash before anything arrived sees the type it will have
+        hidden = lambda *lead: cast_vma(jnp.zeros((*lead, *shape.shape), shape.dtype), vmas(shape) | {axis})
+        one.dtype, one.zeros = shape.dtype, hidden()
+        zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, accum_dtype), tree)
+        grads = (zeros(one.embed_p), zeros(one.chunks), zeros(one.head_p))
+        carry = Carry(acts=hidden(plan.activation_slots), cots=hidden(plan.gradient_slots),
+                       wstash=hidden(plan.weight_slots, 2, one.per_chunk), grads=grads,
+                       loss_sum=jnp.float32(0.0), counts=jnp.zeros(3, jnp.int32))  # fmt: skip
+        ticks = _Ticks(stage, plan, one.branches(), axis, p, types={})
+        periods = (1, 2, 3) if schedule.splits_backward else (1, 2)  # a steady B, W, F repeats every 3
+        for segment in tick_segments(plan, periods=(*periods, 2 * p * schedule.virtual_stages)):
+            carry = _segment(carry, segment, ticks.run)
+        g_embed, g_chunks, g_head = carry.grads
+        g_layers = g_chunks if schedule.virtual_stages > 1 else jax.tree.map(lambda x: x[0], g_chunks)
+        grads = join_params(model, g_embed, g_layers, g_head)  # a tied embedding: both parts summed
+        return grads, carry.loss_sum / m, carry.counts[None]
+
+    return run
+
+
+def reduce_over_stage(grads: dict, loss: jax.Array, layers_key: str, axis: str = STAGE_AXIS):
+    """Sum the embedding and head gradients (made on one stage each) and the loss over ``stage``;
+    each stage keeps its own layers' gradients."""
+    shared = {k: v for k, v in grads.items() if k != layers_key}
+    shared, loss = jax.lax.psum((shared, loss), axis)
+    return {**shared, layers_key: grads[layers_key]}, loss
+
+
+def _segment(carry, segment: Segment, run_tick: Callable):
+    """The ticks of ``segment``: one tick in line, or a ``lax.scan`` over the repeats of its block."""
+    start, period, repeats = segment
+    if repeats == 1:
+        return run_tick(carry, start, [start])
+
+    def block(carry, r):
+        for j in range(period):
+            carry = run_tick(
+                carry, start + r * period + j, range(start + j, start + period * repeats, period)
+            )
+        return carry, None
+
+    carry = settled(lambda c: block(c, jnp.int32(0))[0], carry)
+    return jax.lax.scan(block, carry, jnp.arange(repeats, dtype=jnp.int32))[0]
+
+
+class _Ticks(NamedTuple):
+    """What every tick of one pass reads: this stage's index, the slot plan, the branches by name,
+    the stage axis and its size, and the branches' varying-axis types by input types
+    (:func:`~torsh_jax.runtime.pipeline.varying.typed_switch`, filled as ticks are traced)."""
+
+    stage: jax.Array
+    plan: SlotPlan
+    branches: dict
+    axis: str
+    stages: int
+    types: dict
+
+    def run(self, carry, tick, like):
+        """One tick: ``tick`` (an int, or traced inside a scan) stands for the static ticks ``like``,
+        which have the same senders; each stage runs its branch, then the senders ``ppermute``."""
+        plan, stage, axis, p = self.plan, self.stage, self.axis, self.stages
+        like = list(like)
+        present = sorted(set(plan.branch[like].ravel().tolist()))
+        index = np.zeros_like(plan.branch)
+        index[like] = np.searchsorted(present, plan.branch[like])
+        chosen = [self.branches[BRANCHES[b]] for b in present]
+        ints = _ints(plan, tick, stage)
+        carry, forward, backward = typed_switch(_at(index, tick, stage), chosen, carry, ints, self.types)
+        sends_forward, sends_backward = plan.sends_forward[like[0]], plan.sends_backward[like[0]]
+        if sends_forward.any():
+            received = jax.lax.ppermute(forward, axis, _pairs(sends_forward, 1, p))
+            acts = _receive(carry.acts, received, _at(plan.receive_activation, tick, stage))
+            carry = carry._replace(acts=acts)
+        if sends_backward.any():
+            received = jax.lax.ppermute(backward, axis, _pairs(sends_backward, -1, p))
+            cots = _receive(carry.cots, received, _at(plan.receive_gradient, tick, stage))
+            carry = carry._replace(cots=cots)
+        return carry
