@@ -62,6 +62,16 @@ def pids_of(lines: list[str]) -> list[int]:
     return [int(pid) for line in lines if "] pids " in line for pid in line.split()[-2:]]
 
 
+def lines_until_ranks_ready(launcher: subprocess.Popen) -> list[str]:
+    """The launcher's output lines up to the one where both ranks and their children printed pids."""
+    lines: list[str] = []
+    while len(pids_of(lines)) < 4:
+        line = launcher.stdout.readline()
+        assert line, "the launcher ended before its ranks were ready:\n" + "".join(lines)
+        lines.append(line)
+    return lines
+
+
 def wait_until_dead(pids: list[int], bound_s: float) -> list[int]:
     """The pids still alive after ``bound_s`` seconds (checked every 50 ms)."""
     deadline = time.monotonic() + bound_s
@@ -89,12 +99,8 @@ def test_sigkill_of_the_launcher_ends_every_rank_and_its_children(tmp_path):
     launcher = subprocess.Popen(
         [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    lines: list[str] = []
     try:
-        while len(pids_of(lines)) < 4:
-            line = launcher.stdout.readline()
-            assert line, "the launcher ended before its ranks were ready:\n" + "".join(lines)
-            lines.append(line)
+        lines = lines_until_ranks_ready(launcher)
         pids = pids_of(lines)
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(timeout=HANG_GUARD_S)
@@ -129,12 +135,8 @@ def test_ranks_die_with_the_launcher_even_when_the_reaper_dies_with_it(tmp_path)
         f"sys.exit(launch([{write_script(tmp_path)!r}], num_processes=2))"
     )
     launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    lines: list[str] = []
     try:
-        while len(pids_of(lines)) < 4:
-            line = launcher.stdout.readline()
-            assert line, "the launcher ended before its ranks were ready:\n" + "".join(lines)
-            lines.append(line)
+        lines = lines_until_ranks_ready(launcher)
         ranks = pids_of(lines)[::2]
         (reaper,) = set(children_of(launcher.pid)) - set(ranks)
         os.kill(reaper, signal.SIGKILL)
