@@ -52,8 +52,14 @@ def _params(leaves: int, rows: int = 1024) -> dict:
     return {f"w{i}": jax.random.normal(jax.random.key(i), (rows, 4096), jnp.float32) for i in range(leaves)}
 
 
-def _train_step():
-    """A ZeRO-3 train step: its ``init`` and :func:`restore` give a state its real layout."""
+def _child_params() -> dict:
+    """What :func:`child` saves: 8 arrays of 1 MiB."""
+    return _params(8, rows=64)
+
+
+def _train_step(params):
+    """A ZeRO-3 train step for ``params`` (or their shapes): its ``init`` and :func:`restore` give a
+    state its real layout."""
     import jax.numpy as jnp
     import optax
 
@@ -61,13 +67,13 @@ def _train_step():
 
     plan = load_plan("zero3")
     loss = lambda params, batch: sum(jnp.mean(w) for w in params.values()) * jnp.mean(batch)
-    return make_train_step(loss, optax.sgd(1e-3), plan, build_mesh(plan))
+    return make_train_step(loss, optax.sgd(1e-3), plan, build_mesh(plan), params)
 
 
 def _state(megabytes: int):
     """``(train step, its state)`` with ``megabytes`` MB of parameters (16 MiB per array)."""
     params = _params(max(megabytes // 16, 1))
-    train = _train_step()
+    train = _train_step(params)
     return train, train.init(params)
 
 
@@ -77,8 +83,8 @@ def child(directory: str) -> None:
 
     from torsh_jax.checkpoint import Checkpointer
 
-    params = _params(8, rows=64)
-    train = _train_step()
+    params = _child_params()
+    train = _train_step(params)
     state = train.init(params)
     with Checkpointer(directory, keep_last=2) as saver:
         for step in range(10**6):
@@ -162,7 +168,7 @@ def crash_row(kills: int) -> dict:
 
     from torsh_jax.checkpoint import restore
 
-    train = _train_step()  # restore derives the state's layout from the saved shapes
+    train = _train_step(jax.eval_shape(_child_params))  # the layout of what the child saves
     root = Path(tempfile.mkdtemp(prefix="bench_crash_"))
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     rng = random.Random(0)

@@ -247,7 +247,7 @@ def build_pair(cfg, plan, *, baseline: str | None, extra: tuple[str, ...] = (), 
     model = layered_model(cfg, tp=tensor_axis(plan))
     optimizer = optax.adamw(LEARNING_RATE)
     params = init_params(cfg, jax.random.key(0))
-    train = make_train_step(model, optimizer, plan, mesh)
+    train = make_train_step(model, optimizer, plan, mesh, params)
     batch = synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=batch_seed)
     ours = Program("ours", train.step, train.init(params), train.shard_batch(batch), train.lower)
     kinds = (baseline, *extra) if baseline is not None else ()

@@ -18,8 +18,9 @@ def main(plan_name: str) -> None:
     jax.config.update("jax_num_cpu_devices", 8)
     plan = tj.load_plan(plan_name)
     cfg = LMConfig(layers=8)
-    train = tj.make_train_step(layered_model(cfg), optax.adamw(1e-3), plan, tj.build_mesh(plan))
-    state = train.init(init_params(cfg, jax.random.key(0)))
+    params = init_params(cfg, jax.random.key(0))
+    train = tj.make_train_step(layered_model(cfg), optax.adamw(1e-3), plan, tj.build_mesh(plan), params)
+    state = train.init(params)
     summary = tj.inspect_step(train, state, synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=0))
     print(tj.render_text(summary))
     theory = summary["theory"]

@@ -65,8 +65,9 @@ def main() -> None:
     mesh = tj.build_mesh(plan)
     cfg = LMConfig(layers=args.layers)
     optimizer = tj.build_optimizer(plan.optimizer) if plan.optimizer else optax.adamw(3e-3)
-    train = tj.make_train_step(layered_model(cfg), optimizer, plan, mesh)
-    state, first = train.init(init_params(cfg, jax.random.key(0))), 0
+    params = init_params(cfg, jax.random.key(0))
+    train = tj.make_train_step(layered_model(cfg), optimizer, plan, mesh, params)
+    state, first = train.init(params), 0
     if resuming:
         restored = restore(args.checkpoint_dir, train, fallback=True)
         state, first = restored.state, restored.step

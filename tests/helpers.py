@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -77,11 +80,11 @@ def twin_report(
     mesh = build_mesh(plan, devices)
     tp = tensor_axis(plan)
     model = mlp_model(cfg) if mlp else layered_model(cfg, tp=tp)
-    train = make_train_step(model, optimizer, plan, mesh)
+    params = (mlp_params if mlp else init_params)(cfg, jax.random.key(0))
+    train = make_train_step(model, optimizer, plan, mesh, params)
     twin_loss = layered_loss(model) if mlp else loss_fn(cfg, tp=tp)
     twin = make_reference_step(twin_loss, optimizer, plan)
     exact = make_reference_step(twin_loss, optimizer, plan, dtype="float64")
-    params = (mlp_params if mlp else init_params)(cfg, jax.random.key(0))
     batches = [synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=i) for i in range(steps)]
     return compare_with_twin(tuple(train), twin, params, batches, exact=exact), train
 
@@ -94,3 +97,16 @@ def assert_matches_twin(report: TwinReport, *, params: bool = False, **criterion
     quantities = ("loss", "grads", "params") if params else ("loss", "grads")
     violations = report.roundoff_violations(quantities, **criterion)
     assert not violations, f"not within round-off of the float64 run: {'; '.join(violations)}"
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_common():
+    """``benchmarks/common.py`` (its GSPMD baselines) as module ``bench_common`` (loaded once)."""
+    if "bench_common" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_common", BENCHMARKS / "common.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_common"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["bench_common"]

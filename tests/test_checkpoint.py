@@ -32,7 +32,12 @@ def _train_step(plan_name: str, devices: int, cfg: LMConfig = TINY):
     """A new train step (as a new process would build)."""
     plan = load_plan(plan_name)
     mesh = build_mesh(plan, require_devices(8)[:devices])
-    return make_train_step(layered_model(cfg, tp=tensor_axis(plan)), OPTIMIZER, plan, mesh)
+    return make_train_step(layered_model(cfg, tp=tensor_axis(plan)), OPTIMIZER, plan, mesh, _shapes(cfg))
+
+
+def _shapes(cfg: LMConfig = TINY):
+    """The shapes of ``cfg``'s parameters, which a train step is made for."""
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
 
 
 @functools.cache
@@ -152,8 +157,7 @@ def test_bad_input_gets_typed_errors(tmp_path):
     with pytest.raises(CheckpointError, match=r"complete steps: \[0\]"):
         restore(tmp_path, train, step=5)
     wider = dataclasses.replace(TINY, d_model=32)
-    other = make_train_step(layered_model(wider), OPTIMIZER, train.plan, train.mesh)
-    other.prepare(init_params(wider, jax.random.key(0)))  # the layout of the wider model
+    other = make_train_step(layered_model(wider), OPTIMIZER, train.plan, train.mesh, _shapes(wider))
     with pytest.raises(CheckpointError) as err:
         restore(tmp_path, other)
     message = str(err.value)
@@ -202,7 +206,7 @@ def test_a_flipped_bit_in_array_data_is_caught_by_its_checksum_and_resume_falls_
 
 def _step_for(plan, devices: int = 2):
     return make_train_step(
-        layered_model(TINY), OPTIMIZER, plan, build_mesh(plan, require_devices(8)[:devices])
+        layered_model(TINY), OPTIMIZER, plan, build_mesh(plan, require_devices(8)[:devices]), _shapes()
     )
 
 

@@ -145,7 +145,7 @@ def test_a_full_disk_ends_the_run_in_one_line_keeping_the_last_complete_step(tmp
 
 def _ddp_step():
     """The train step of ``demo --plan ddp --devices 1 --layers 1 --d-model 16``."""
-    from torsh_jax.demo.model import layered_model
+    from torsh_jax.demo.model import init_params, layered_model
     from torsh_jax.demo.run import DemoConfig, model_config
     from torsh_jax.optim import build_optimizer
     from torsh_jax.plan.io import load_plan
@@ -154,6 +154,7 @@ def _ddp_step():
 
     plan = load_plan("ddp")
     cfg = model_config(DemoConfig(plan=plan, devices=1, layers=1, d_model=16))
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     return make_train_step(
-        layered_model(cfg), build_optimizer(plan.optimizer), plan, build_mesh(plan, jax.devices()[:1])
+        layered_model(cfg), build_optimizer(plan.optimizer), plan, build_mesh(plan, jax.devices()[:1]), shapes
     )

@@ -62,8 +62,9 @@ def plan_of(mesh: dict, compression=(), **extra) -> object:
 
 def wire_summary(plan) -> dict:
     require_devices(8)
-    train = make_train_step(mlp_loss, optax.sgd(1e-3), plan, build_mesh(plan))
-    state = train.init(mlp_params())
+    params = mlp_params()
+    train = make_train_step(mlp_loss, optax.sgd(1e-3), plan, build_mesh(plan), params)
+    state = train.init(params)
     return inspect_step(train, state, mlp_batch(train.global_batch_size))
 
 
@@ -196,9 +197,9 @@ def test_int8_step_stays_close_to_the_uncompressed_twin(plan):
     """
     require_devices(8)
     optimizer = recording_optimizer()
-    train = make_train_step(layered_model(SMALL), optimizer, plan, build_mesh(plan))
-    twin = make_reference_step(loss_fn(SMALL), optimizer, plan)
     params = init_params(SMALL, jax.random.key(0))
+    train = make_train_step(layered_model(SMALL), optimizer, plan, build_mesh(plan), params)
+    twin = make_reference_step(loss_fn(SMALL), optimizer, plan)
     batches = [synthetic_tokens(SMALL, batch_size=train.global_batch_size, seed=i) for i in range(5)]
     first = compare_with_twin(tuple(train), twin, params, batches[:1])
     assert first.max_grad_rel_err <= 0.1, first
@@ -213,9 +214,9 @@ def test_half_precision_transport_within_rounding_of_the_twin(method):
     """fp16 keeps 11 significant bits, bf16 8: first-step gradients within 2e-3 (fp16) / 1e-2 (bf16),
     losses over three steps within 1e-4 / 1e-3 of the float32 twin."""
     plan = plan_of({"data": -1}, [{"axis": "data", "gradients": {"method": method, "error_feedback": False}}])
-    train = make_train_step(layered_model(SMALL), recording_optimizer(), plan, build_mesh(plan))
-    twin = make_reference_step(loss_fn(SMALL), recording_optimizer(), plan)
     params = init_params(SMALL, jax.random.key(0))
+    train = make_train_step(layered_model(SMALL), recording_optimizer(), plan, build_mesh(plan), params)
+    twin = make_reference_step(loss_fn(SMALL), recording_optimizer(), plan)
     batches = [synthetic_tokens(SMALL, batch_size=train.global_batch_size, seed=i) for i in range(3)]
     first = compare_with_twin(tuple(train), twin, params, batches[:1])
     assert first.max_grad_rel_err <= (2e-3 if method == "fp16" else 1e-2), first
@@ -224,8 +225,9 @@ def test_half_precision_transport_within_rounding_of_the_twin(method):
 
 
 def _run(plan, steps: int = 2):
-    train = make_train_step(layered_model(SMALL), optax.adamw(1e-2), plan, build_mesh(plan))
-    state = train.init(init_params(SMALL, jax.random.key(0)))
+    params = init_params(SMALL, jax.random.key(0))
+    train = make_train_step(layered_model(SMALL), optax.adamw(1e-2), plan, build_mesh(plan), params)
+    state = train.init(params)
     for i in range(steps):
         state, _ = train.step(state, synthetic_tokens(SMALL, batch_size=train.global_batch_size, seed=i))
     return train, state
@@ -263,7 +265,7 @@ def test_feedback_differs_only_over_the_axes_not_yet_reduced():
 def test_zero3_fsdp_gradient_feedback_is_rejected_with_the_key_path():
     plan = plan_of(FSDP_MESH, [{"axis": "fsdp", "gradients": "int8"}], zero={"stage": 3})
     with pytest.raises(NotSupportedYetError, match=r"compression\[0\]\.gradients\.error_feedback"):
-        make_train_step(mlp_loss, optax.sgd(0.1), plan, build_mesh(plan))
+        make_train_step(mlp_loss, optax.sgd(0.1), plan, build_mesh(plan), mlp_params())
 
 
 @pytest.mark.parametrize(
@@ -278,15 +280,16 @@ def test_zero3_fsdp_gradient_feedback_is_rejected_with_the_key_path():
 def test_unsupported_combinations_name_the_key(mesh, compression, zero, key):
     plan = plan_of(mesh, compression, zero={"stage": zero})
     with pytest.raises(NotSupportedYetError, match=key):
-        make_train_step(mlp_loss, optax.sgd(0.1), plan, build_mesh(plan))
+        make_train_step(mlp_loss, optax.sgd(0.1), plan, build_mesh(plan), mlp_params())
 
 
 def test_powersgd_with_warmup_switches_to_compression():
     """Warm-up steps reduce plainly, later steps with PowerSGD and a per-device warm start."""
     plan = plan_of({"data": -1}, [{"axis": "data", "gradients": {**POWERSGD_WARMUP, "warmup_steps": 2}}])
     require_devices(8)
-    train = make_train_step(mlp_loss, optax.sgd(0.05), plan, build_mesh(plan))
-    state = train.init(mlp_params())
+    params = mlp_params()
+    train = make_train_step(mlp_loss, optax.sgd(0.05), plan, build_mesh(plan), params)
+    state = train.init(params)
     batch = mlp_batch(train.global_batch_size)
     losses = []
     for _ in range(5):
@@ -302,7 +305,7 @@ def test_loss_scaling_with_compressed_gradients_is_rejected():
         {"data": -1}, [{"axis": "data", "gradients": "int8"}], precision={"loss_scale": {"mode": "dynamic"}}
     )
     with pytest.raises(NotSupportedYetError, match="precision.loss_scale"):
-        make_train_step(mlp_loss, optax.sgd(0.1), plan, build_mesh(plan))
+        make_train_step(mlp_loss, optax.sgd(0.1), plan, build_mesh(plan), mlp_params())
 
 
 def test_cli_inspect_reports_int8_collectives(capsys):
@@ -334,6 +337,11 @@ INT8_HALF_STEP = 0.5 / 127  # nearest rounding: half a step of the block's absma
 def straddle_loss(params, batch):
     hidden = jnp.tanh(batch["x"] @ params["w"] + params["b"])
     return jnp.mean((hidden @ params["v"] + params["c"] - batch["y"]) ** 2)
+
+
+def straddle_shapes() -> dict:
+    """The shapes of the straddle model's parameters, which its train step is made for."""
+    return {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, shape in STRADDLE_SHAPES.items()}
 
 
 def straddle_setup(size: int):
@@ -386,7 +394,7 @@ def test_int8_error_is_bounded_per_leaf(plan, slices):
 
     require_devices(8)
     optimizer = optax.chain(record_gradients(), optax.sgd(0.0))
-    train = make_train_step(straddle_loss, optimizer, plan, build_mesh(plan))
+    train = make_train_step(straddle_loss, optimizer, plan, build_mesh(plan), straddle_shapes())
     params, batch = straddle_setup(train.global_batch_size)
     state, _ = train.step(train.init(params), batch)
     synced, exact = recorded(state.opt_state), jax.grad(straddle_loss)(params, batch)
@@ -405,7 +413,7 @@ def test_int8_wire_bytes_equal_theory_with_per_leaf_padding():
 
     require_devices(8)
     plan = load_plan("ddp_int8")
-    train = make_train_step(straddle_loss, optax.sgd(0.1), plan, build_mesh(plan))
+    train = make_train_step(straddle_loss, optax.sgd(0.1), plan, build_mesh(plan), straddle_shapes())
     params, batch = straddle_setup(train.global_batch_size)
     summary = inspect_step(train, train.init(params), batch)
     leaves = jax.tree.leaves(params)
@@ -422,7 +430,7 @@ def test_int8_wire_bytes_equal_theory_with_per_leaf_padding():
 
 def _run_straddle(plan, steps: int = 2):
     """The state after ``steps`` steps on the straddle model, and the step's lowered text."""
-    train = make_train_step(straddle_loss, optax.sgd(0.1), plan, build_mesh(plan))
+    train = make_train_step(straddle_loss, optax.sgd(0.1), plan, build_mesh(plan), straddle_shapes())
     params, batch = straddle_setup(train.global_batch_size)
     state = train.init(params)
     text = train.lower(state, batch).as_text()

@@ -42,8 +42,9 @@ def final_loss(gradients: str | None = None, feedback: bool = True) -> float:
         spec = gradients if feedback else {"method": gradients, "error_feedback": False}
         data["compression"] = [{"axis": "data", "gradients": spec}]
     plan = plan_from_dict(data)
-    train = make_train_step(loss_fn(TINY), optax.adam(LEARNING_RATE), plan, build_mesh(plan))
-    state = train.init(init_params(TINY, jax.random.key(0)))
+    params = init_params(TINY, jax.random.key(0))
+    train = make_train_step(loss_fn(TINY), optax.adam(LEARNING_RATE), plan, build_mesh(plan), params)
+    state = train.init(params)
     batches = [
         train.shard_batch(synthetic_tokens(TINY, batch_size=train.global_batch_size, seed=i))
         for i in range(DISTINCT_BATCHES)

@@ -55,8 +55,8 @@ def test_horovod_sum_accumulation_scales_gradients():
 def test_step_compiles_once_over_ten_steps():
     plan = load_plan("ddp")
     loss = chex.assert_max_traces(loss_fn(SMALL), n=1)  # the loss is traced by the one step trace only
-    train = make_train_step(loss, recording_optimizer(), plan, build_mesh(plan))
     params = init_params(SMALL, jax.random.key(1))
+    train = make_train_step(loss, recording_optimizer(), plan, build_mesh(plan), params)
     state = train.init(params)
     for i in range(10):
         state, _ = train.step(state, synthetic_tokens(SMALL, batch_size=train.global_batch_size, seed=i))

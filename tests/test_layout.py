@@ -51,7 +51,7 @@ def test_layout_of_every_preset_equals_what_the_step_holds(preset):
     optimizer = optax.adamw(1e-3)
     layout = state_layout(plan, mesh, abstract, optimizer)  # no loss function
 
-    train = make_train_step(model, optimizer, plan, mesh)
+    train = make_train_step(model, optimizer, plan, mesh, params)
     state = train.init(params)
     assert jax.tree.map(lambda x: x.sharding, state) == layout.shardings()
     assert layout.bytes_per_device() == _held_bytes(state)

@@ -49,7 +49,8 @@ def test_overflow_skips_the_step_and_halves_the_scale(mesh):
         }
     )
     optimizer = optax.chain(record_gradients(), optax.adamw(optax.linear_schedule(0.1, 0.0, 10)))
-    train = make_train_step(linear_loss, optimizer, plan, build_mesh(plan))
+    params = {"w": jnp.zeros((8, 1), jnp.float32)}
+    train = make_train_step(linear_loss, optimizer, plan, build_mesh(plan), params)
     twin = make_reference_step(linear_loss, optimizer, plan)
     exact = make_reference_step(linear_loss, optimizer, plan, dtype="float64")
     scales, skipped, ws, scales_after, twin_scales_after = [], [], [], [], []
@@ -68,7 +69,6 @@ def test_overflow_skips_the_step_and_halves_the_scale(mesh):
         twin_scales_after.append(float(state.loss_scale.scale))
         return state, metrics
 
-    params = {"w": jnp.zeros((8, 1), jnp.float32)}
     report = compare_with_twin((train.init, step), (twin[0], twin_step), params, batches(5, 2), exact=exact)
     assert_matches_twin(report, params=True)  # the skipped step included: losses inf in all three
     assert twin_scales_after == scales_after

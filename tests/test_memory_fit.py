@@ -78,7 +78,7 @@ def _mlp_step(plan: ParallelPlan, devices: int, *, width: int = 256):
     mesh = build_mesh(plan, require_devices(devices))
     loss = lambda p, b: jnp.mean((jnp.tanh(b["x"] @ p["w"]) @ p["v"] - b["y"]) ** 2)
     params = {"w": jnp.full((16, width), 0.01, jnp.float32), "v": jnp.full((width, 1), 0.01, jnp.float32)}
-    return make_train_step(loss, optax.sgd(0.1), plan, mesh), params
+    return make_train_step(loss, optax.sgd(0.1), plan, mesh, params), params
 
 
 def _batch(rows: int) -> dict:
@@ -155,14 +155,15 @@ def test_init_refuses_a_state_beyond_memory(monkeypatch):
 
 
 def _prepared(preset: str, devices: int, *, tensor_blocks: bool | None = None):
-    """The train step of ``preset`` for a 2-layer model (prepared from shapes) and its batch's shapes;
+    """The train step of ``preset`` for a 2-layer model (made from shapes) and its batch's shapes;
     ``tensor_blocks`` picks the demo model (True) or the plain MLP (False) over :func:`model_for`'s choice."""
     plan = load_plan(preset)
     model, init = model_for(plan, SMALL)
     if tensor_blocks is False:
         model, init = mlp_model(SMALL), mlp_params
-    train = make_train_step(model, optax.adamw(1e-3), plan, build_mesh(plan, require_devices(devices)))
-    train.prepare(jax.eval_shape(lambda key: init(SMALL, key), jax.random.key(0)))
+    shapes = jax.eval_shape(lambda key: init(SMALL, key), jax.random.key(0))
+    mesh = build_mesh(plan, require_devices(devices))
+    train = make_train_step(model, optax.adamw(1e-3), plan, mesh, shapes)
     return train, fit.batch_like(synthetic_tokens(SMALL, batch_size=1, seed=0), train.global_batch_size)
 
 

@@ -60,8 +60,11 @@ def test_param_dims_rank_mismatch_names_the_path():
 
 def test_indivisible_batch_names_the_leaf():
     plan = load_plan("ddp")
-    train = make_train_step(loss_fn(SMALL), optax.sgd(0.1), plan, build_mesh(plan, require_devices(8)))
-    state = train.init(init_params(SMALL, jax.random.key(0)))
+    params = init_params(SMALL, jax.random.key(0))
+    train = make_train_step(
+        loss_fn(SMALL), optax.sgd(0.1), plan, build_mesh(plan, require_devices(8)), params
+    )
+    state = train.init(params)
     with pytest.raises(ShardingError) as err:
         train.step(state, synthetic_tokens(SMALL, batch_size=60, seed=0))
     assert "batch/" in str(err.value) and "64" in str(err.value)
@@ -69,8 +72,9 @@ def test_indivisible_batch_names_the_leaf():
 
 def test_a_pipeline_over_a_plain_loss_is_refused_with_the_fix():
     plan = plan_from_dict({"mesh": {"data": 4, "stage": 2}})
+    shapes = jax.eval_shape(lambda: init_params(SMALL, jax.random.key(0)))
     with pytest.raises(PlanError, match="needs a LayeredModel") as info:
-        make_train_step(loss_fn(SMALL), optax.sgd(0.1), plan, build_mesh(plan, require_devices(8)))
+        make_train_step(loss_fn(SMALL), optax.sgd(0.1), plan, build_mesh(plan, require_devices(8)), shapes)
     assert info.value.key == "loss_fn" and "mesh.stage = 1" in info.value.fix
 
 
@@ -125,7 +129,7 @@ def test_flax_metadata_drives_zero3_of_unboxed_params():
     from torsh_jax.runtime.verify import compare_with_twin, record_gradients
 
     optimizer = optax.chain(record_gradients(), optax.sgd(0.1))
-    train = make_train_step(loss, optimizer, plan, mesh)
+    train = make_train_step(loss, optimizer, plan, mesh, params)
     x = jax.random.normal(jax.random.key(1), (train.global_batch_size, 16))
     batches = [{"x": x, "y": jnp.sin(x)}] * 3
     twin, exact = (make_reference_step(loss, optimizer, plan, dtype=d) for d in (None, "float64"))

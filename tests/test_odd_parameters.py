@@ -44,9 +44,9 @@ def test_hsdp_int8_with_a_replicated_leaf_stays_close_to_the_twin():
     """``b`` (3,) divides no fsdp size: it stays replicated while ``w`` is sharded and compressed."""
     require_devices(8)
     plan = load_plan("hsdp_int8")
-    train = make_train_step(_tiny_loss, recording_optimizer(), plan, build_mesh(plan))
-    twin = make_reference_step(_tiny_loss, recording_optimizer(), plan)
     params = {"w": jax.random.normal(jax.random.key(1), (8, 4)), "b": jnp.ones(3)}
+    train = make_train_step(_tiny_loss, recording_optimizer(), plan, build_mesh(plan), params)
+    twin = make_reference_step(_tiny_loss, recording_optimizer(), plan)
     report = compare_with_twin(tuple(train), twin, params, _tiny_batches(4, train.global_batch_size))
     assert train.layout.dims == {"w": 0, "b": None}
     assert report.max_grad_rel_err <= 0.1, report
@@ -78,13 +78,13 @@ def test_stacked_leaf_divisible_only_on_the_layer_dim_stays_replicated(preset):
     """8 layers and ``layers/ln`` (8, 53): the layer dim is never the ZeRO dim, so ``ln`` is replicated."""
     require_devices(8)
     plan = load_plan(preset)
-    train = make_train_step(_norm_model(), recording_optimizer(), plan, build_mesh(plan))
     keys = iter(jax.random.split(jax.random.key(2), 4))
     params = {
         "embed": {"w": jax.random.normal(next(keys), (8, 16)) * 0.3},
         "layers": {"w": jax.random.normal(next(keys), (8, 16, 16)) * 0.3, "ln": jnp.zeros((8, 53))},
         "head": {"w": jax.random.normal(next(keys), (16, 8)) * 0.3},
     }
+    train = make_train_step(_norm_model(), recording_optimizer(), plan, build_mesh(plan), params)
     report = _twin_report(train, _norm_loss, params, _tiny_batches(3, train.global_batch_size))
     assert train.layout.dims["layers"]["ln"] is None
     assert train.layout.dims["layers"]["w"] in (1, 2)
@@ -112,7 +112,7 @@ def test_boxed_linen_parameters_train_and_keep_their_logical_names():
     plan = load_plan("zero3")
     boxed = _Boxed().init(jax.random.key(0), jnp.ones((1, 16)))
     assert isinstance(boxed["params"]["Dense_0"]["kernel"], nn.LogicallyPartitioned)
-    train = make_train_step(_boxed_loss, recording_optimizer(), plan, build_mesh(plan))
+    train = make_train_step(_boxed_loss, recording_optimizer(), plan, build_mesh(plan), boxed)
     report = _twin_report(train, _boxed_loss, boxed, _tiny_batches(3, train.global_batch_size))
     assert_matches_twin(report)
     assert train.layout.dims["params"]["Dense_0"]["kernel"] == 1
@@ -122,9 +122,8 @@ def test_rules_that_split_a_parameter_over_a_batch_axis_name_the_parameter():
     require_devices(8)
     plan = load_plan("zero3").replace(rules=(("mlp", ("fsdp",)),))
     boxed = _Boxed().init(jax.random.key(0), jnp.ones((1, 16)))
-    train = make_train_step(_boxed_loss, optax.sgd(0.1), plan, build_mesh(plan))
     with pytest.raises(ShardingError, match=r"params/Dense_0/kernel.*batch axis 'fsdp'.*Fix: map"):
-        train.init(boxed)
+        make_train_step(_boxed_loss, optax.sgd(0.1), plan, build_mesh(plan), boxed)
 
 
 def test_nnx_state_is_accepted_and_returned_as_a_plain_dict():
@@ -137,27 +136,25 @@ def test_nnx_state_is_accepted_and_returned_as_a_plain_dict():
         return jnp.mean(nnx.merge(graphdef, model_state)(batch) ** 2)
 
     plan = load_plan("ddp")
-    train = make_train_step(loss, recording_optimizer(), plan, build_mesh(plan))
+    train = make_train_step(loss, recording_optimizer(), plan, build_mesh(plan), state)
     report = _twin_report(train, loss, state, _tiny_batches(3, train.global_batch_size))
     assert_matches_twin(report)
     assert set(train.init(state).params) == {"kernel", "bias"}
 
 
-def test_integer_leaf_is_refused_at_init_with_its_path():
+def test_integer_leaf_is_refused_with_its_path():
     plan = load_plan("ddp")
-    train = make_train_step(_tiny_loss, optax.sgd(0.1), plan, build_mesh(plan))
     params = {"w": jnp.ones((8, 4)), "b": jnp.ones(3), "tables": {"index": jnp.arange(3)}}
     with pytest.raises(ParameterError, match=r"tables/index.*int32.*only floating"):
-        train.init(params)
+        make_train_step(_tiny_loss, optax.sgd(0.1), plan, build_mesh(plan), params)
 
 
 def test_bfloat16_parameter_cast_is_warned_once_and_noted_in_inspect():
     require_devices(8)
     plan = load_plan("ddp")
-    train = make_train_step(_tiny_loss, optax.sgd(0.1), plan, build_mesh(plan))
     params = {"w": jnp.ones((8, 4), jnp.bfloat16), "b": jnp.ones(3)}
     with pytest.warns(PrecisionWarning, match=r"w: bfloat16 is kept as float32"):
-        state = train.init(params)
+        train = make_train_step(_tiny_loss, optax.sgd(0.1), plan, build_mesh(plan), params)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         state = train.init(params)  # once per step object

@@ -39,4 +39,4 @@ def test_offloaded_state_lives_in_host_memory_and_matches_the_twin(zero, host_pa
 def test_parameter_offload_needs_stage_3():
     plan = plan_from_dict({"mesh": {"data": 1, "fsdp": -1}, "zero": {"stage": 2, "offload_params": True}})
     with pytest.raises(NotSupportedYetError, match="zero.offload_params"):
-        make_train_step(lambda p, b: p, None, plan, build_mesh(plan))
+        make_train_step(lambda p, b: p, None, plan, build_mesh(plan), init_params(SMALL, jax.random.key(0)))

@@ -284,8 +284,8 @@ def _inspect(plan):
     """The twin test's step for ``plan`` (same model and optimizer: the compilation cache has it),
     lowered for the state's shapes (none is created)."""
     model, init = model_for(plan, PIPE)
-    train = make_train_step(model, momentum(), plan, build_mesh(plan))
-    train.prepare(jax.eval_shape(lambda: init(PIPE, jax.random.key(0))))
+    shapes = jax.eval_shape(lambda: init(PIPE, jax.random.key(0)))
+    train = make_train_step(model, momentum(), plan, build_mesh(plan), shapes)
     batch = synthetic_tokens(PIPE, batch_size=train.global_batch_size, seed=0)
     return inspect_step(train, train.abstract_state(), batch)
 
@@ -358,8 +358,9 @@ def test_interleaved_stage_bytes_cross_every_chunk_boundary_and_the_layout_holds
     assert (
         summary["pipeline"]["bubble"] == pytest.approx(1 / 9) and summary["pipeline"]["virtual_stages"] == 2
     )
-    train = make_train_step(mlp_model(PIPE), momentum(), plan, build_mesh(plan))
-    state = train.init(mlp_params(PIPE, jax.random.key(0)))
+    params = mlp_params(PIPE, jax.random.key(0))
+    train = make_train_step(mlp_model(PIPE), momentum(), plan, build_mesh(plan), params)
+    state = train.init(params)
     assert state.params["layers"]["w_in"].shape[:2] == (2, 2)
     assert train.layout.state.params["layers"]["w_in"][:2] == (None, "stage")
     assert jax.tree.map(lambda x: x.sharding, state) == train.layout.shardings()
@@ -383,7 +384,7 @@ def test_1f1b_temporary_memory_is_flat_in_microbatches_and_gpipe_grows():
             plan = pipeline_plan(schedule.removeprefix("zero3-"), stages=2, microbatches=m, mesh=mesh_spec,
                                  batch={"micro_batch_size": 2 * m}, zero=extra.get("zero", {}))  # fmt: skip
             mesh = build_mesh(plan, jax.devices()[: 2 * mesh_spec.get("fsdp", 1)])
-            train = make_train_step(mlp_model(WIDE), optax.sgd(0.1), plan, mesh, example_params=shapes)
+            train = make_train_step(mlp_model(WIDE), optax.sgd(0.1), plan, mesh, shapes)
             batch = synthetic_tokens(WIDE, batch_size=train.global_batch_size, seed=0)
             lowered = train.lower(train.abstract_state(), batch)
             temp[schedule, m] = lowered.compile().memory_analysis().temp_size_in_bytes
@@ -397,9 +398,14 @@ def test_1f1b_temporary_memory_is_flat_in_microbatches_and_gpipe_grows():
 # ---------------------------------------------------------------- what is refused, with the fix
 
 
+def _shapes(cfg):
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+
+
 def _build(plan, loss=None, cfg=PIPE):
-    train = make_train_step(loss or layered_model(cfg), optax.sgd(0.1), plan, build_mesh(plan))
-    return train.init(init_params(cfg, jax.random.key(0)))
+    params = init_params(cfg, jax.random.key(0))
+    train = make_train_step(loss or layered_model(cfg), optax.sgd(0.1), plan, build_mesh(plan), params)
+    return train.init(params)
 
 
 def test_a_plain_loss_function_needs_a_layered_model():
@@ -458,7 +464,7 @@ def test_a_compiler_partitioned_tensor_axis_with_a_pipeline_is_refused():
     plan = load_plan("3d")
     with pytest.raises(NotSupportedYetError, match="compiler-partitioned tensor axis") as info:
         dense = layered_model(PIPE)._replace(tensor_blocks=False)  # for the compiler to partition
-        make_train_step(dense, optax.sgd(0.1), plan, build_mesh(plan))
+        make_train_step(dense, optax.sgd(0.1), plan, build_mesh(plan), _shapes(PIPE))
     assert info.value.key == "mesh.tensor"
 
 
@@ -480,7 +486,7 @@ ZERO3_INT8 = {"axis": "fsdp", "gradients": {"method": "int8", "error_feedback": 
 def test_combinations_not_built_yet_are_refused(extra, key):
     plan = pipeline_plan("1f1b", stages=2, microbatches=2, **extra)
     with pytest.raises(NotSupportedYetError) as info:
-        make_train_step(layered_model(PIPE), optax.sgd(0.1), plan, build_mesh(plan))
+        make_train_step(layered_model(PIPE), optax.sgd(0.1), plan, build_mesh(plan), _shapes(PIPE))
     assert info.value.key == key
 
 
@@ -508,10 +514,11 @@ def test_checkpoints_move_between_interleaved_and_contiguous_layer_layouts(tmp_p
     from torsh_jax.checkpoint import Checkpointer, restore
 
     plans = {s: pipeline_plan(s, stages=2, microbatches=2) for s in ("interleaved", "1f1b")}
-    make = lambda s: make_train_step(mlp_model(PIPE), momentum(), plans[s], build_mesh(plans[s]))
+    params = mlp_params(PIPE, jax.random.key(0))
+    make = lambda s: make_train_step(mlp_model(PIPE), momentum(), plans[s], build_mesh(plans[s]), params)
     chunked, contiguous = make("interleaved"), make("1f1b")
     batch = lambda i: synthetic_tokens(PIPE, batch_size=chunked.global_batch_size, seed=i)
-    state, _ = chunked.step(chunked.init(mlp_params(PIPE, jax.random.key(0))), batch(0))
+    state, _ = chunked.step(chunked.init(params), batch(0))
     with Checkpointer(tmp_path / "chunked") as saver:
         saver.save(state, plan=plans["interleaved"])
     moved = restore(tmp_path / "chunked", contiguous).state  # its layout from the saved shapes

@@ -29,14 +29,22 @@ def _mse(params, batch):
 PARAMS = {"w": jnp.zeros((8, 1))}
 
 
+def _head_mse(params, batch):
+    return jnp.mean((batch["x"] @ params["head"] - batch["y"]) ** 2)
+
+
+#: a parameter the default ``param_dims`` split over ``tensor`` (named ``embed``, ``vocab``)
+HEAD = {"head": jnp.zeros((8, 2))}
+
+
 def _batch(train, seed: int = 0):
     x = jax.random.normal(jax.random.key(seed), (train.global_batch_size, 8))
     return {"x": x, "y": x[:, :1] * 2.0}
 
 
-def _train(name: str, optimizer=None, loss=_mse):
+def _train(name: str, optimizer=None, loss=_mse, params=PARAMS):
     plan = load_plan(name)
-    return make_train_step(loss, optimizer or optax.sgd(0.1), plan, build_mesh(plan))
+    return make_train_step(loss, optimizer or optax.sgd(0.1), plan, build_mesh(plan), params)
 
 
 # --- the mesh is the plan's -------------------------------------------------------------------
@@ -45,7 +53,7 @@ def _train(name: str, optimizer=None, loss=_mse):
 def test_a_mesh_built_from_another_plan_is_refused_with_both_shapes():
     require_devices(8)
     with pytest.raises(MeshError) as info:  # trained as "DDP over data=4 x tensor=2" before
-        make_train_step(_mse, optax.sgd(0.1), load_plan("zero3"), build_mesh(load_plan("tp")))
+        make_train_step(_mse, optax.sgd(0.1), load_plan("zero3"), build_mesh(load_plan("tp")), PARAMS)
     message = str(info.value)
     assert "builds data=1, stage=1, fsdp=8, tensor=1 on 8 devices" in message
     assert "the mesh is data=4, stage=1, fsdp=1, tensor=2" in message
@@ -62,13 +70,13 @@ def test_meshes_the_plan_builds_are_accepted():
     )
     for slices in (1, 2, 4):
         mesh = build_mesh(hsdp_any_slices, num_slices=slices)
-        assert make_train_step(_mse, optax.sgd(0.1), hsdp_any_slices, mesh).mesh is mesh
+        assert make_train_step(_head_mse, optax.sgd(0.1), hsdp_any_slices, mesh, HEAD).mesh is mesh
     for name in ("ddp_2slice", "hsdp", "hsdp_tp", "zero3"):
-        make_train_step(_mse, optax.sgd(0.1), load_plan(name), build_mesh(load_plan(name)))
+        make_train_step(_head_mse, optax.sgd(0.1), load_plan(name), build_mesh(load_plan(name)), HEAD)
     by_hand = jax.make_mesh(
         (2, 1, 1, 4), ("tensor", "stage", "fsdp", "data"), axis_types=(AxisType.Auto,) * 4, devices=devices
     )
-    train = make_train_step(_mse, optax.sgd(0.1), load_plan("tp"), by_hand)
+    train = make_train_step(_head_mse, optax.sgd(0.1), load_plan("tp"), by_hand, HEAD)
     assert train.mesh is by_hand
 
 
@@ -76,7 +84,7 @@ def test_a_mesh_without_the_plan_axes_is_refused():
     require_devices(8)
     data_only = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
     with pytest.raises(MeshError, match="builds data=8, stage=1, fsdp=1, tensor=1 on 8 devices"):
-        make_train_step(_mse, optax.sgd(0.1), load_plan("ddp"), data_only)
+        make_train_step(_mse, optax.sgd(0.1), load_plan("ddp"), data_only, PARAMS)
 
 
 # --- tensor > 1 splits something ------------------------------------------------------------
@@ -102,15 +110,13 @@ def _unnamed_params():
 def test_a_tensor_axis_that_splits_no_parameter_is_refused_before_compiling(name):
     """Every parameter would be replicated over tensor, each tensor device repeating the work."""
     require_devices(8)
-    train = _train(name, loss=_unnamed_loss)
     with pytest.raises(ShardingError) as info:
-        train.init(_unnamed_params())
+        _train(name, loss=_unnamed_loss, params=_unnamed_params())
     message = str(info.value)
     assert "split none of the 3 parameters (Dense_0/kernel, Dense_1/bias, Dense_1/kernel)" in message
     assert "over tensor=2" in message and "\n" not in message
     assert "logical names" in info.value.fix and "param_dims" in info.value.fix
     assert "mesh.tensor = 1" in info.value.fix and "tensor.allow_replicated = true" in info.value.fix
-    assert train.traces == 0
 
 
 def test_allow_replicated_runs_the_unnamed_model_and_equals_its_twin():
@@ -123,10 +129,11 @@ def test_allow_replicated_runs_the_unnamed_model_and_equals_its_twin():
         }
     )
     optimizer = optax.chain(record_gradients(), optax.sgd(0.1))
-    train = make_train_step(_unnamed_loss, optimizer, plan, build_mesh(plan))
+    params = _unnamed_params()
+    train = make_train_step(_unnamed_loss, optimizer, plan, build_mesh(plan), params)
     twin, exact = (make_reference_step(_unnamed_loss, optimizer, plan, dtype=d) for d in (None, "float64"))
     batches = [_batch(train, i) for i in range(3)]
-    report = compare_with_twin(tuple(train), twin, _unnamed_params(), batches, exact=exact)
+    report = compare_with_twin(tuple(train), twin, params, batches, exact=exact)
     assert_matches_twin(report, params=True)
     assert report.losses[-1] < report.losses[0]
     assert train.traces == 1
@@ -141,9 +148,10 @@ def test_tensor_blocks_on_whole_weights_are_refused_even_when_replicated_is_allo
     def loss(p, b):
         return jnp.mean(tensor.mlp(b["x"][:, None, :], p["a"], p["b"], tp=tensor.tensor_axis(plan)) ** 2)
 
-    train = make_train_step(loss, optax.sgd(0.1), plan, build_mesh(plan))
     with pytest.raises(ShardingError, match=r"split none of the 2 parameters \(a, b\)") as info:
-        train.init({"a": jnp.ones((8, 4)), "b": jnp.ones((4, 8))})
+        make_train_step(
+            loss, optax.sgd(0.1), plan, build_mesh(plan), {"a": jnp.ones((8, 4)), "b": jnp.ones((4, 8))}
+        )
     assert "allow_replicated" not in info.value.fix
 
 
@@ -177,8 +185,10 @@ def test_a_state_of_another_model_is_refused_without_a_second_compile():
     require_devices(8)
     train = _train("ddp")
     state, _ = train.step(train.init(PARAMS), _batch(train))
+    narrow = {"w": jnp.zeros((4, 1))}
+    other = _train("ddp", params=narrow).init(narrow)
     with pytest.raises(ArgumentError, match=r"is float32\[4, 1\], this step's is float32\[8, 1\]") as info:
-        train.step(_train("ddp").init({"w": jnp.zeros((4, 1))}), _batch(train))
+        train.step(other, _batch(train))
     assert info.value.key == "state.params['w']"
     train.step(state, _batch(train, 1))
     assert train.traces == 1

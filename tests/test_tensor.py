@@ -146,10 +146,15 @@ def test_every_data_parallel_mode_composes_with_tensor_and_equals_its_twin(plan)
 def test_tensor_split_weights_hold_half_the_bytes():
     require_devices(8)
     plan = load_plan("tp")
+    params = {"layers": {"w_in": jnp.zeros((2, 8, 16))}, "w": jnp.zeros(3)}
     train = make_train_step(
-        tensor.uses_tensor_blocks(lambda p, b: jnp.sum(p["w"]) * 0), optax.sgd(0.1), plan, build_mesh(plan)
+        tensor.uses_tensor_blocks(lambda p, b: jnp.sum(p["w"]) * 0),
+        optax.sgd(0.1),
+        plan,
+        build_mesh(plan),
+        params,
     )
-    train.init({"layers": {"w_in": jnp.zeros((2, 8, 16))}, "w": jnp.zeros(3)})
+    train.init(params)
     layout = train.layout
     assert layout.state.params["layers"]["w_in"] == P(None, None, "tensor")
     assert layout.split["layers"]["w_in"] == ("tensor",) and layout.split["w"] == ()
@@ -175,10 +180,11 @@ def tp_reports():
         ("tp_sp", load_plan("tp_sp")),
         ("zero3_sp_accum", ZERO3_SP_ACCUM),
     ):
+        params = init_params(SMALL, jax.random.key(0))
         train = make_train_step(
-            layered_model(SMALL, tp=tensor_axis(plan)), optax.adamw(1e-3), plan, build_mesh(plan)
+            layered_model(SMALL, tp=tensor_axis(plan)), optax.adamw(1e-3), plan, build_mesh(plan), params
         )
-        state = train.init(init_params(SMALL, jax.random.key(0)))
+        state = train.init(params)
         out[name] = inspect_step(
             train, state, synthetic_tokens(SMALL, batch_size=train.global_batch_size, seed=0)
         )
@@ -237,8 +243,9 @@ def test_fsdp_tp_state_per_device_is_the_total_over_all_devices():
     require_devices(8)
     plan = load_plan("fsdp_tp")
     cfg = LMConfig(vocab=256, d_model=64, heads=4, head_dim=16, mlp=256, layers=2, seq_len=16)
-    train = make_train_step(layered_model(cfg), optax.adamw(1e-3), plan, build_mesh(plan))
-    train.init(init_params(cfg, jax.random.key(0)))
+    params = init_params(cfg, jax.random.key(0))
+    train = make_train_step(layered_model(cfg), optax.adamw(1e-3), plan, build_mesh(plan), params)
+    train.init(params)
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(train.layout.abstract))
     per_device = sum(train.layout.bytes_per_device().values())
     assert per_device == pytest.approx(total / 8, rel=0.02), (per_device, total / 8)
@@ -250,9 +257,9 @@ def test_heads_not_divisible_by_tensor_name_the_parameter_and_dim():
 
     require_devices(8)
     plan = plan_from_dict({"mesh": {"data": 1, "fsdp": 2, "tensor": 4}, "zero": {"stage": 3}})
-    train = make_train_step(layered_model(SMALL), optax.sgd(0.1), plan, build_mesh(plan))
+    params = init_params(SMALL, jax.random.key(0))
     with pytest.raises(ShardingError) as err:  # SMALL has 2 heads
-        train.init(init_params(SMALL, jax.random.key(0)))
+        make_train_step(layered_model(SMALL), optax.sgd(0.1), plan, build_mesh(plan), params)
     message = str(err.value)
     assert "layers/" in message and "dim 2" in message and "not divisible by 4" in message
     assert "Fix:" in message
@@ -271,8 +278,9 @@ def test_a_tensor_block_on_an_axis_the_mesh_lacks_is_refused():
         logits = tensor.column(b, p["w"], tp=wrong)
         return tensor.cross_entropy(logits, jnp.zeros(b.shape[:2], jnp.int32), tp=wrong)
 
-    train = make_train_step(loss, optax.sgd(0.1), plan, build_mesh(plan))
-    state = train.init({"w": jnp.zeros((4, 8))})
+    params = {"w": jnp.zeros((4, 8))}
+    train = make_train_step(loss, optax.sgd(0.1), plan, build_mesh(plan), params)
+    state = train.init(params)
     with pytest.raises(ShardingError, match="'model'") as err:
         train.step(state, jnp.ones((train.global_batch_size, 2, 4)))
     assert "Fix:" in str(err.value)
@@ -295,8 +303,11 @@ def test_fsdp_bytes_under_tensor_are_the_1d_plans_for_one_tensor_shard():
         ("1d", one_d, build_mesh(one_d, devices[:4])),
         ("tp", fsdp_tp, build_mesh(fsdp_tp)),
     ):
-        train = make_train_step(layered_model(HEADS4, tp=tensor_axis(plan)), optax.adamw(1e-3), plan, mesh)
-        state = train.init(init_params(HEADS4, jax.random.key(0)))
+        params = init_params(HEADS4, jax.random.key(0))
+        train = make_train_step(
+            layered_model(HEADS4, tp=tensor_axis(plan)), optax.adamw(1e-3), plan, mesh, params
+        )
+        state = train.init(params)
         reports[name] = inspect_step(
             train, state, synthetic_tokens(HEADS4, batch_size=train.global_batch_size, seed=0)
         )

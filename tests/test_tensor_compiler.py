@@ -37,7 +37,7 @@ def _batches(train, steps: int = 5):
 
 def _twin(loss, params, plan, optimizer=None, *, lockstep=False):
     optimizer = optimizer or _sgd()
-    train = make_train_step(loss, optimizer, plan, build_mesh(plan))
+    train = make_train_step(loss, optimizer, plan, build_mesh(plan), params)
     twin, exact = (make_reference_step(loss, optimizer, plan, dtype=d) for d in (None, "float64"))
     report = compare_with_twin(tuple(train), twin, params, _batches(train), lockstep=lockstep, exact=exact)
     return report, train
@@ -92,8 +92,9 @@ def test_data_parallel_collectives_move_one_tensor_shard():
     """fsdp bytes equal the ZeRO-3 theory for one tensor shard; the compiler adds tensor collectives."""
     require_devices(8)
     plan = load_plan("fsdp_tp")
-    train = make_train_step(linen_loss, optax.adamw(1e-3), plan, build_mesh(plan))
-    state = train.init(linen_params(jax.random.key(0)))
+    params = linen_params(jax.random.key(0))
+    train = make_train_step(linen_loss, optax.adamw(1e-3), plan, build_mesh(plan), params)
+    state = train.init(params)
     report = inspect_step(train, state, _batches(train, 1)[0])
     assert report["shard_param_count"] < report["param_count"]
     assert report["theory"]["wire_ratio"] == pytest.approx(1.0, abs=0.01)

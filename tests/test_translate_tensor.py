@@ -98,12 +98,13 @@ def test_bad_meshes_name_the_problem(data, match):
 def _runs_and_equals_its_twin(plan) -> None:
     plan = plan.replace(batch=plan.batch.__class__(micro_batch_size=2))
     optimizer = optax.chain(record_gradients(), optax.sgd(0.05, momentum=0.9))
-    train = make_train_step(linen_loss, optimizer, plan, build_mesh(plan))
+    params = linen_params(jax.random.key(0))
+    train = make_train_step(linen_loss, optimizer, plan, build_mesh(plan), params)
     twin = make_reference_step(linen_loss, optimizer, plan)
     exact = make_reference_step(linen_loss, optimizer, plan, dtype="float64")
     n = train.global_batch_size
     batches = [jax.random.randint(jax.random.key(i), (n, SEQ), 0, VOCAB) for i in range(3)]
-    report = compare_with_twin(tuple(train), twin, linen_params(jax.random.key(0)), batches, exact=exact)
+    report = compare_with_twin(tuple(train), twin, params, batches, exact=exact)
     assert train.layout.roles.tensor_axis == "tensor"
     assert_matches_twin(report, params=True)
 

@@ -53,10 +53,10 @@ def batches(steps: int) -> list[dict]:
 
 def run(plan: ParallelPlan, optimizer, *, lockstep: bool):
     opt = optax.chain(record_gradients(), optimizer)
-    parallel = make_train_step(mlp_loss, opt, plan, build_mesh(plan))
+    params = saturated_mlp(jax.random.key(0))
+    parallel = make_train_step(mlp_loss, opt, plan, build_mesh(plan), params)
     twin = make_reference_step(mlp_loss, opt, plan)
     exact = make_reference_step(mlp_loss, opt, plan, dtype="float64")
-    params = saturated_mlp(jax.random.key(0))
     return compare_with_twin(tuple(parallel), twin, params, batches(4), lockstep=lockstep, exact=exact)
 
 

@@ -56,11 +56,11 @@ def test_zero3_with_a_plain_loss_gathers_per_top_level_entry():
     from torsh_jax.runtime.twin import make_reference_step
     from torsh_jax.runtime.verify import compare_with_twin
 
-    train = make_train_step(loss_fn(SMALL), optimizer, plan, mesh)
+    params = init_params(SMALL, jax.random.key(0))
+    train = make_train_step(loss_fn(SMALL), optimizer, plan, mesh, params)
     twin = make_reference_step(loss_fn(SMALL), optimizer, plan)
     exact = make_reference_step(loss_fn(SMALL), optimizer, plan, dtype="float64")
     batches = [synthetic_tokens(SMALL, batch_size=train.global_batch_size, seed=i) for i in range(3)]
-    params = init_params(SMALL, jax.random.key(0))
     assert_matches_twin(compare_with_twin(tuple(train), twin, params, batches, exact=exact))
 
 
@@ -77,8 +77,9 @@ def test_bf16_compute_within_stated_tolerance(stage):
 
 def _compiled(plan, layers: int):
     cfg = LMConfig(layers=layers)
-    train = make_train_step(layered_model(cfg), optax.adamw(1e-3), plan, build_mesh(plan))
-    state = train.init(init_params(cfg, jax.random.key(0)))
+    params = init_params(cfg, jax.random.key(0))
+    train = make_train_step(layered_model(cfg), optax.adamw(1e-3), plan, build_mesh(plan), params)
+    state = train.init(params)
     batch = synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=0)
     return train, state, train.lower(state, batch).compile(), cfg
 
@@ -187,8 +188,9 @@ def test_bf16_reductions_send_bf16_and_equal_theory(make_plan):
     backend runs it in f32, and the report says so) and the bytes equal the bf16 theory."""
     plan = make_plan()
     assert plan.precision.reduce_dtype == "bfloat16"
-    train = make_train_step(mlp_model(SMALL), optax.adamw(1e-3), plan, build_mesh(plan))
-    state = train.init(mlp_params(SMALL, jax.random.key(0)))
+    params = mlp_params(SMALL, jax.random.key(0))
+    train = make_train_step(mlp_model(SMALL), optax.adamw(1e-3), plan, build_mesh(plan), params)
+    state = train.init(params)
     summary = inspect_step(train, state, synthetic_tokens(SMALL, batch_size=train.global_batch_size, seed=0))
     reductions = [row for row in summary["collectives"] if _is_gradient_reduction(row)]
     assert reductions
@@ -222,10 +224,10 @@ def test_bf16_reduction_matches_twin_within_bf16_roundoff(plan):
 
     optimizer = optax.chain(record_gradients(), optax.sgd(0.1))
     model = mlp_model(SMALL)
-    train = make_train_step(model, optimizer, plan, build_mesh(plan))
+    params = mlp_params(SMALL, jax.random.key(0))
+    train = make_train_step(model, optimizer, plan, build_mesh(plan), params)
     twin = make_reference_step(layered_loss(model), optimizer, plan)
     batches = [synthetic_tokens(SMALL, batch_size=train.global_batch_size, seed=i) for i in range(3)]
-    params = mlp_params(SMALL, jax.random.key(0))
     report = compare_with_twin(tuple(train), twin, params, batches, lockstep=True)
     assert report.max_loss_rel_err <= 1e-5, report
     assert 0 < report.max_grad_rel_err <= 4 * BF16_ROUNDOFF, report

@@ -124,9 +124,9 @@ def main() -> None:
         plan = continue_plan(args.checkpoint_dir, plan, num_devices=jax.device_count())
     cfg = model_config(args.layers)
     mesh = build_mesh(plan, jax.devices())
-    train = make_train_step(layered_model(cfg), optax.adamw(1e-2), plan, mesh)
     # One compiled program instead of many small eager ones; same values on every process.
     params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
+    train = make_train_step(layered_model(cfg), optax.adamw(1e-2), plan, mesh, params)
     state = train.init(params)
     state, start = resume(args, train, state) if args.resume else (state, 0)
     saver = checkpointer(args)

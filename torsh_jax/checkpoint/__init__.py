@@ -7,9 +7,10 @@ Example:
     >>> from torsh_jax.runtime.step import make_train_step
     >>> from torsh_jax.checkpoint import Checkpointer, restore
     >>> plan = ParallelPlan(batch=BatchSpec(micro_batch_size=2))
+    >>> params = {"w": jnp.ones((3, 1))}
     >>> train = make_train_step(lambda p, b: jnp.mean((b @ p["w"]) ** 2), optax.sgd(0.1), plan,
-    ...                         build_mesh(plan, jax.devices()[:1]))
-    >>> state = train.init({"w": jnp.ones((3, 1))})
+    ...                         build_mesh(plan, jax.devices()[:1]), params)
+    >>> state = train.init(params)
     >>> directory = tempfile.mkdtemp()
     >>> with Checkpointer(directory) as saver:
     ...     saver.save(state, plan=plan, data_position={"batch": 0})

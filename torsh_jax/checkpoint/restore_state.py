@@ -53,7 +53,6 @@ from torsh_jax.checkpoint.store import (
 from torsh_jax.errors import CheckpointError, CheckpointUnreadableError, TorshError
 from torsh_jax.plan.io import plan_from_toml, plan_to_dict
 from torsh_jax.plan.spec import ParallelPlan
-from torsh_jax.runtime.pipeline import unchunk_layers
 from torsh_jax.runtime.specs import path_str
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.typing import PyTree
@@ -181,18 +180,6 @@ def _check_arrays(saved: dict, wanted: dict, *, where: str) -> None:
         )
 
 
-def _prepared(train_step, manager, step: int, chunks: int):
-    """The layout of ``train_step``, built from the saved parameter shapes (stacked layers saved in
-    ``chunks`` chunks) if ``init`` has not run."""
-    if not train_step.prepared:
-        params = saved_metadata(manager, step, STATE)["params"]
-        like = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), params, is_leaf=_is_array_meta
-        )
-        train_step.prepare(unchunk_layers(like, getattr(train_step.loss, "layers_key", "layers"), chunks))
-    return train_step.layout
-
-
 def _compression(plan: ParallelPlan) -> Any:
     return plan_to_dict(plan).get("compression")
 
@@ -244,7 +231,7 @@ def _restore_step(manager, root: Path, step: int, train_step) -> Restored:
     meta = read_meta(manager, step)
     saved_plan = plan_from_toml(meta["plan"], source=f"{root / str(step)} (meta)")
     chunks = saved_chunks(saved_plan, meta.get("mesh") or {})
-    layout = _prepared(train_step, manager, step, chunks)
+    layout = train_step.layout
     abstract = layout.abstract_state()
     target = {"step": abstract.step, "params": abstract.params, "opt_state": abstract.opt_state}
     on_disk = saved_arrays(manager, step, STATE)
@@ -350,8 +337,7 @@ def restore(
     Args:
         directory: the checkpoint directory.
         train_step: a :class:`~torsh_jax.runtime.step.TrainStep` of the plan and
-            mesh to continue on (its layout is derived from the saved
-            parameter shapes when ``init`` has not run).
+            mesh to continue on (its layout is read; nothing needs to be initialised).
         step: the step to restore; ``None``: the newest complete one.
         fallback: with ``step=None``, go back to the previous complete step
             when the newest cannot be read (noted in :attr:`Restored.notes`);

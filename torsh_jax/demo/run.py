@@ -136,8 +136,8 @@ def run_demo(
               "(--layers chooses)")  # fmt: skip
     optimizer = build_optimizer(plan.optimizer)
     tp = tensor_axis(plan)
-    train = make_train_step(layered_model(cfg, tp=tp), optimizer, plan, mesh)
-    train.prepare(jax.eval_shape(lambda key: init_params(cfg, key), jax.random.key(config.seed)))
+    shapes = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.key(config.seed))
+    train = make_train_step(layered_model(cfg, tp=tp), optimizer, plan, mesh, shapes)
     check_step_fits(train, batch_like(synthetic_tokens(cfg, batch_size=1, seed=0), train.global_batch_size))
     phase("initialising the parameters")
     params = init_params(cfg, jax.random.key(config.seed))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 from torsh_jax.plan.spec import DATA_AXES, CompressorSpec, ParallelPlan
 
@@ -60,6 +61,14 @@ class Roles:
         tensor_axis: the axis weights are split over (``tensor``), or ``None``.
         sequence_parallel: activations split on the sequence over ``tensor_axis``.
         stage_axis: the axis pipeline stages run over (``stage``), or ``None``.
+        gather: how the step gets whole parameters: ``stored`` (kept whole: DDP, ZeRO-1/2),
+            ``on_use`` (ZeRO-3: gathered where the model reads them, gradients reduce-scattered in
+            the backward pass) or ``per_stage`` (ZeRO-3 under a pipeline with ``pipeline.gather =
+            "once"``: a stage's parameters gathered once per step).
+        reduce: when the gradients are synchronised: ``per_step`` (once per optimizer step),
+            ``per_micro_step`` (every accumulation micro-step, reduce-scattered: ZeRO-2 and
+            ``per_stage`` without compression) or ``in_backward`` (``on_use``: in the gather's
+            backward pass; compressed replica axes are still synchronised once per step).
     """
 
     mesh_shape: Mapping[str, int]
@@ -71,6 +80,8 @@ class Roles:
     tensor_axis: str | None = None
     sequence_parallel: bool = False
     stage_axis: str | None = None
+    gather: Literal["stored", "on_use", "per_stage"] = "stored"
+    reduce: Literal["per_step", "per_micro_step", "in_backward"] = "per_step"
 
     @property
     def kind(self) -> str:
@@ -149,14 +160,33 @@ def compose(plan: ParallelPlan, mesh_shape: Mapping[str, int]) -> Roles:
     batch = tuple(a for a in DATA_AXES if shape.get(a, 1) > 1)
     sharded = plan.zero.stage > 0 and shape.get(SHARD_AXIS, 1) > 1
     tensor = shape.get(TENSOR_AXIS, 1) > 1
+    stage = plan.zero.stage if sharded else 0
+    pipelined = shape.get(STAGE_AXIS, 1) > 1
+    gradients = _compressors(plan, shape, "gradients")
+    gather = _gather(stage, pipelined, plan.pipeline.gather)
+    compressed = any(axis in batch for axis in gradients)
     return Roles(
         mesh_shape=shape,
         batch_axes=batch,
         shard_axis=SHARD_AXIS if sharded else None,
-        zero_stage=plan.zero.stage if sharded else 0,
-        gradient_compression=_compressors(plan, shape, "gradients"),
+        zero_stage=stage,
+        gradient_compression=gradients,
         weight_compression=_compressors(plan, shape, "weights"),
         tensor_axis=TENSOR_AXIS if tensor else None,
         sequence_parallel=tensor and plan.tensor.sequence_parallel,
-        stage_axis=STAGE_AXIS if shape.get(STAGE_AXIS, 1) > 1 else None,
+        stage_axis=STAGE_AXIS if pipelined else None,
+        gather=gather,
+        reduce=_reduce(stage, gather, compressed),
     )
+
+
+def _gather(stage: int, pipelined: bool, pipeline_gather: str) -> str:
+    if stage != 3:
+        return "stored"
+    return "per_stage" if pipelined and pipeline_gather == "once" else "on_use"
+
+
+def _reduce(stage: int, gather: str, compressed: bool) -> str:
+    if gather == "on_use":
+        return "in_backward"
+    return "per_micro_step" if (stage == 2 or gather == "per_stage") and not compressed else "per_step"

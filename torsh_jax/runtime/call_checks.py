@@ -34,7 +34,7 @@ from torsh_jax.runtime.state import TrainState
 from torsh_jax.tensor.axis import has_tensor_blocks
 from torsh_jax.typing import PyTree
 
-__all__ = ["check_state", "require_train_state", "scalar_loss"]
+__all__ = ["check_state", "check_params", "require_train_state", "scalar_loss"]
 
 _ANOTHER = {
     "step": "not a train step's state",
@@ -43,6 +43,7 @@ _ANOTHER = {
     "loss_scale": "a state of a plan with other loss scaling (precision.loss_scale)",
     "feedback": "a state of a plan with other compression (error feedback)",
 }
+_PARAMS_FIX = "make the step with these parameters (or their jax.eval_shape shapes)"
 _FIX = (
     "pass the state this step's init (or its last call) returned; to change plans, restore a "
     "checkpoint into this step"
@@ -153,12 +154,30 @@ def _scalar_checked(fn: Callable, where: str) -> Callable:
     return checked
 
 
-def scalar_loss(loss: Callable | LayeredModel) -> Callable | LayeredModel:
-    """``loss`` (a function or a layered model's head) checked to return a scalar when traced.
+def scalar_loss(model: LayeredModel) -> LayeredModel:
+    """``model`` whose head (a plain loss's whole function) is checked to return a scalar when traced.
 
     Raises (when traced):
         ArgumentError: the loss returned a non-scalar (names its shape) or no array.
     """
-    if isinstance(loss, LayeredModel):
-        return loss._replace(head=_scalar_checked(loss.head, "LayeredModel.head"))
-    return _scalar_checked(loss, "loss_fn")
+    where = "loss_fn" if model.head_keys is None else "LayeredModel.head"
+    return model._replace(head=_scalar_checked(model.head, where))
+
+
+def check_params(params: PyTree, expected: PyTree) -> None:
+    """Raise :class:`ArgumentError` when ``params`` are not shaped as the step's (``expected``:
+    shapes and dtypes of the parameters the step was made for)."""
+    if jax.tree.structure(params) != jax.tree.structure(expected):
+        raise ArgumentError(
+            f"{_structure_difference(params, expected)}: other parameters than the step was made for",
+            key="params",
+            fix=_PARAMS_FIX,
+        )
+    for (path, leaf), want in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(expected)):
+        if tuple(leaf.shape) != tuple(want.shape):
+            raise ArgumentError(
+                f"is {_shape_text(leaf)}, the step's is {_shape_text(want)}: other parameters than the "
+                "step was made for",
+                key=f"params{jax.tree_util.keystr(path)}",
+                fix=_PARAMS_FIX,
+            )

@@ -58,7 +58,7 @@ def _section_index(plan: ParallelPlan, axis: str) -> int:
 def _check_weights(plan: ParallelPlan, roles: Roles) -> None:
     for axis, spec in roles.weight_compression.items():
         key = f"compression[{_section_index(plan, axis)}].weights"
-        if roles.zero_stage != 3 or axis != roles.shard_axis:
+        if not roles.params_sharded or axis != roles.shard_axis:
             raise NotSupportedYetError(
                 f"weight compression over {axis!r} under {roles.kind} (mesh {mesh_shape_text(roles)}): only "
                 "ZeRO-3 all-gathers weights, over fsdp",
@@ -75,7 +75,7 @@ def _check_weights(plan: ParallelPlan, roles: Roles) -> None:
 
 def _check_stateless_gradients(plan: ParallelPlan, roles: Roles) -> None:
     """ZeRO-3's fsdp gradients are reduced in the backward pass: no feedback, warm-up counter or key."""
-    spec = roles.gradient_compression.get(roles.shard_axis) if roles.zero_stage == 3 else None
+    spec = roles.gradient_compression.get(roles.shard_axis) if roles.reduce == "in_backward" else None
     if spec is None:
         return
     rules = (
@@ -97,7 +97,7 @@ def _check_pipeline(plan: ParallelPlan, roles: Roles) -> None:
     if roles.stage_axis is None:
         return
     pipe, where = plan.pipeline, f"mesh {mesh_shape_text(roles)}"
-    if roles.zero_stage == 3 and (roles.gradient_compression or roles.weight_compression):
+    if roles.params_sharded and (roles.gradient_compression or roles.weight_compression):
         raise NotSupportedYetError(
             f"compressed collectives with ZeRO-3 under a pipeline ({where}) are not built yet",
             key="compression",

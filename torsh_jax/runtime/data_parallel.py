@@ -16,6 +16,8 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -64,10 +66,11 @@ def mark_varying(tree: PyTree, axes: tuple[str, ...]) -> PyTree:
     return jax.tree.map(lambda x: vary_over(x, axes), tree) if axes else tree
 
 
-def gradient_routes(roles: Roles, plan: ParallelPlan) -> dict[str, AxisRoute]:
-    """The compressed gradient axes of a composition (size-1 axes send nothing and are absent)."""
+def gradient_routes(roles: Roles, kernels: Mapping[str, str]) -> dict[str, AxisRoute]:
+    """The compressed gradient axes of a composition (size-1 axes send nothing and are absent);
+    ``kernels``: per axis, ``pallas`` or ``reference``."""
     return {
-        axis: AxisRoute(axis, roles.size(axis), spec, plan.compression_for(axis).implementation)
+        axis: AxisRoute(axis, roles.size(axis), spec, kernels.get(axis, "reference"))
         for axis, spec in roles.gradient_compression.items()
         if axis in roles.batch_axes
     }
@@ -85,13 +88,7 @@ def _bucketing(plan: ParallelPlan) -> dict:
     }
 
 
-def gathers_once(plan: ParallelPlan, roles: Roles) -> bool:
-    """ZeRO-3 under a pipeline with ``pipeline.gather = "once"``: a stage's parameters are gathered
-    at the start of the step and their gradients reduce-scattered as ZeRO-2's are."""
-    return roles.zero_stage == 3 and roles.stage_axis is not None and plan.pipeline.gather == "once"
-
-
-def gradient_sync(plan: ParallelPlan, roles: Roles) -> SyncSpec:
+def gradient_sync(plan: ParallelPlan, roles: Roles, kernels: Mapping[str, str]) -> SyncSpec:
     """The once-per-step synchronisation of the composition's gradients.
 
     DDP all-reduces over the batch axes; ZeRO-1/2 reduce-scatter sharded
@@ -101,9 +98,9 @@ def gradient_sync(plan: ParallelPlan, roles: Roles) -> SyncSpec:
     stage's parameters once per step and reduce-scatters their gradients
     here, as ZeRO-2 does.
     """
-    routes = gradient_routes(roles, plan)
+    routes = gradient_routes(roles, kernels)
     factors = gradient_factors(plan, data_parallel_size=roles.batch_size)
-    if roles.zero_stage == 3 and not gathers_once(plan, roles):
+    if roles.gather == "on_use":
         deferred = {a: r for a, r in routes.items() if a != roles.shard_axis}
         return SyncSpec(
             axes=tuple(deferred),
@@ -124,14 +121,14 @@ def gradient_sync(plan: ParallelPlan, roles: Roles) -> SyncSpec:
     )
 
 
-def backward_sync(plan: ParallelPlan, roles: Roles) -> SyncSpec:
+def backward_sync(plan: ParallelPlan, roles: Roles, kernels: Mapping[str, str]) -> SyncSpec:
     """ZeRO-3's per-leaf synchronisation inside the gather's backward pass (no feedback).
 
     Reduce-scatters over ``fsdp`` (compressed when the plan says so) and sums
     over the replica axes that are not deferred to :func:`gradient_sync`.
     """
-    routes = gradient_routes(roles, plan)
-    deferred = gradient_sync(plan, roles).axes
+    routes = gradient_routes(roles, kernels)
+    deferred = gradient_sync(plan, roles, kernels).axes
     pre, post = gradient_factors(plan, data_parallel_size=roles.batch_size)
     shard = roles.shard_axis
     return SyncSpec(

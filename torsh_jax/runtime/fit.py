@@ -36,7 +36,7 @@ Example:
     >>> plan = ParallelPlan(batch=BatchSpec(micro_batch_size=4))
     >>> loss = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
     >>> train = make_train_step(loss, optax.sgd(0.1), plan, build_mesh(plan, jax.devices()[:1]),
-    ...                         example_params={"w": jnp.zeros((256, 1))})
+    ...                         {"w": jax.ShapeDtypeStruct((256, 1), jnp.float32)})
     >>> batch = {"x": jax.ShapeDtypeStruct((4, 256), jnp.float32)}
     >>> need = step_memory(train, batch)
     >>> need.state_bytes, need.batch_bytes, need.activation_bytes
@@ -61,7 +61,7 @@ import jax
 
 from torsh_jax.analysis.memory import MemoryReport, memory_report
 from torsh_jax.errors import DeviceMemoryError, PlanError
-from torsh_jax.runtime.layered import LayeredModel, split_params
+from torsh_jax.runtime.layered import split_params
 from torsh_jax.runtime.mesh import mesh_shape_str
 from torsh_jax.runtime.precision import cast_tree
 from torsh_jax.tensor.axis import has_tensor_blocks
@@ -201,9 +201,9 @@ def _batch_shard_bytes(train: TrainStep, batch: PyTree) -> int:
 
 def _carry_bytes(train: TrainStep, batch: PyTree) -> int:
     """Bytes of the hidden state one micro-batch carries between layers on one device (0 where not known)."""
-    model, layout, plan = train.loss, train.layout, train.plan
-    roles = layout.roles
-    if not isinstance(model, LayeredModel) or roles.stage_axis is not None:
+    layout, plan = train.layout, train.plan
+    model, roles = layout.decided.model, layout.roles
+    if not model.stacked or roles.stage_axis is not None:
         return 0
     stacked = jax.tree.leaves(layout.abstract.params[model.layers_key])
     if not stacked or stacked[0].shape[0] < 2:  # one layer: no loop, XLA may fuse the hidden state away
@@ -221,7 +221,7 @@ def _carry_bytes(train: TrainStep, batch: PyTree) -> int:
 def step_memory(train: TrainStep, batch: PyTree | None = None) -> StepMemory:
     """A lower bound of one device's memory in ``train``'s step on a global ``batch`` (arrays or shapes).
 
-    ``batch=None`` counts the state alone. ``train`` must be prepared (``init`` or ``prepare``).
+    ``batch=None`` counts the state alone.
     """
     layout = train.layout
     state = sum(n for part, n in layout.bytes_per_device().items() if part not in layout.offloaded)
@@ -264,7 +264,7 @@ def check_step_fits(
     """Raise :class:`DeviceMemoryError` when :func:`step_memory` exceeds the limit; return the estimate.
 
     Args:
-        train: a prepared train step.
+        train: a train step.
         batch: a global batch or its shapes (:func:`batch_like`); ``None``: the state alone.
         limit: bytes per device; default :func:`device_memory_limit` (no check when unknown).
     """

@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,9 @@ from torsh_jax.runtime.specs import logical_dims, param_specs, path_str
 from torsh_jax.runtime.sync import SyncSpec, sync_leaf
 from torsh_jax.tensor.axis import vary_over
 from torsh_jax.typing import PyTree
+
+if TYPE_CHECKING:
+    from torsh_jax.runtime.decide import StepPlan
 
 __all__ = ["shard_dims", "sharded_specs", "all_gather_params", "gathered_loss", "GATHERED"]
 
@@ -132,6 +136,7 @@ def make_gather(
     *,
     compiler: tuple[str, ...] = (),
     spec: P | None = None,
+    implementation: str = "reference",
 ):
     """Gather-on-use of a parameter sharded along ``dim`` (``None``: replicated).
 
@@ -139,10 +144,10 @@ def make_gather(
     Backward: ``dW`` in the reduction dtype through :func:`~torsh_jax.runtime.sync.sync_leaf`
     (reduce-scatter over ``fsdp``, sum over the other non-deferred axes), returned in the parameter dtype.
     Both run per shard of the ``compiler`` axes the parameter is split over by ``spec``
-    (see :mod:`~torsh_jax.runtime.compiler_axes`).
+    (see :mod:`~torsh_jax.runtime.compiler_axes`). ``implementation``: the compressed gather's
+    kernels (``pallas`` or ``reference``).
     """
     precision = plan.precision
-    implementation = plan.compression_for(FSDP).implementation if weights is not None else "auto"
     sync = backward if dim is not None else backward._replace(scatter_axis=None)
     replicas = tuple(a for a in backward.axes if a != FSDP)
 
@@ -178,12 +183,15 @@ def _weights(plan: ParallelPlan) -> CompressorSpec | None:
     return spec if spec is not None and spec.method != "none" else None
 
 
-def _gather_tree(shards: PyTree, dims: PyTree, specs: PyTree, plan: ParallelPlan, backward: SyncSpec,
-                 compiler: tuple[str, ...]) -> PyTree:  # fmt: skip
+def _gather_tree(
+    shards: PyTree, dims: PyTree, specs: PyTree, decided: StepPlan, compiler: tuple[str, ...]
+) -> PyTree:
+    plan = decided.plan
     weights = _weights(plan)
+    options = {"compiler": compiler, "implementation": decided.kernels.get(FSDP, "reference")}
 
     def one(shard, dim, spec):
-        gather = make_gather(dim, plan, backward, weights, compiler=compiler, spec=spec)
+        gather = make_gather(dim, plan, decided.backward, weights, spec=spec, **options)
         return checkpoint_name(gather(shard), GATHERED)
 
     return jax.tree.map(one, shards, dims, specs, is_leaf=lambda x: x is None)
@@ -206,15 +214,15 @@ def _layer_specs(specs: PyTree, leading: int = 1) -> PyTree:
     return jax.tree.map(lambda s: P(*s[leading:]), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def gathering_model(model: LayeredModel, plan: ParallelPlan, dims: PyTree, *, backward: SyncSpec,
-                    specs: PyTree, layer_dims: int = 1) -> LayeredModel:  # fmt: skip
-    """``model`` whose functions take parameter shards and gather them on use (one layer at a time;
-    gradients reduce-scattered in the backward pass): a pipeline slot's ZeRO-3 per micro-batch.
-    ``layer_dims``: leading layer dims of the stored stacked leaves (2 when stored in chunks)."""
-    gather = lambda shards, d, s: _gather_tree(shards, d, s, plan, backward, ())
+def gathering_model(decided: StepPlan, dims: PyTree, *, specs: PyTree) -> LayeredModel:
+    """The step's model whose functions take parameter shards and gather them on use (one layer at a
+    time; gradients reduce-scattered in the backward pass): a pipeline slot's ZeRO-3 per micro-batch."""
+    model, plan = decided.model, decided.plan
+    leading = 1 + (decided.layer_chunks > 1)  # stored in chunks: two leading layer dims
+    gather = lambda shards, d, s: _gather_tree(shards, d, s, decided, ())
     embed_d, stacked_d, head_d = split_params(model, dims)
     embed_p, stacked_p, head_p = split_params(model, specs)
-    one_layer = _layer_dims(stacked_d, layer_dims), _layer_specs(stacked_p, layer_dims)
+    one_layer = _layer_dims(stacked_d, leading), _layer_specs(stacked_p, leading)
     return model._replace(
         embed=lambda s, batch: model.embed(gather(s, embed_d, embed_p), batch),
         layer=_remat(lambda s, h: model.layer(gather(s, *one_layer), h), plan),
@@ -222,44 +230,38 @@ def gathering_model(model: LayeredModel, plan: ParallelPlan, dims: PyTree, *, ba
     )
 
 
-def gathered_loss(
-    loss,
-    plan: ParallelPlan,
-    dims: PyTree,
-    *,
-    backward: SyncSpec,
-    compiler: tuple[str, ...] = (),
-    specs: PyTree = None,
-) -> Callable:
-    """ZeRO-3: ``loss(shards, batch)`` that gathers parameters on use.
+def gathered_loss(decided: StepPlan, dims: PyTree, *, specs: PyTree) -> Callable:
+    """ZeRO-3: ``loss(shards, batch)`` of the step's model that gathers parameters on use.
 
-    A :class:`LayeredModel` gathers one layer at a time inside the layer scan
-    (embed and head stay gathered through the backward pass, like FSDP's root
-    module; a key both read, a tied embedding, is gathered once); a plain
-    loss gathers every leaf once, before use, and keeps it through the
-    backward pass (every leaf is alive at once anyway, so
-    gathering again would only add bytes). ``specs``: per
-    parameter, its split over the ``compiler`` axes (needed when there are any).
+    Stacked layers are gathered one layer at a time inside the layer scan (embed and head stay
+    gathered through the backward pass, like FSDP's root module; a key both read, a tied embedding,
+    is gathered once). A plain loss (no stacked layers) gathers every leaf once, before use, and
+    keeps it through the backward pass (every leaf is alive at once anyway, so gathering again would
+    only add bytes). ``specs``: per parameter, its split over the step's compiler axes.
     """
-    specs = jax.tree.map(lambda _: P(), dims, is_leaf=lambda x: x is None) if specs is None else specs
-    gather = lambda shards, d, s: _gather_tree(shards, d, s, plan, backward, compiler)
-    if not isinstance(loss, LayeredModel):
-        return lambda shards, batch: loss(gather(shards, dims, specs), batch)
-    model = loss
+    model, compiler = decided.model, decided.compiler_axes
+    gather = lambda shards, d, s: _gather_tree(shards, d, s, decided, compiler)
 
-    def layered(shards, batch):
+    def loss(shards, batch):
         embed_s, stacked_s, head_s = split_params(model, shards)
         embed_d, stacked_d, head_d = split_params(model, dims)
         embed_p, stacked_p, head_p = split_params(model, specs)
-        one_layer = _layer_dims(stacked_d), _layer_specs(stacked_p)
-        layer = _remat(lambda s, h: model.layer(gather(s, *one_layer), h), plan)
         embed = gather(embed_s, embed_d, embed_p)
         hidden = model.embed(embed, batch)
-        hidden = scan_layers(layer, stacked_s, hidden)
-        # a key the embedding read too (a tied table) is used as gathered there: one gather and one
-        # reduce-scatter of its summed gradient
-        own = [k for k in model.head_keys if k not in embed]
-        fresh = gather(*({k: tree[k] for k in own} for tree in (head_s, head_d, head_p)))
-        return model.head({k: embed[k] if k in embed else fresh[k] for k in model.head_keys}, hidden, batch)
+        if model.stacked:
+            one_layer = _layer_dims(stacked_d), _layer_specs(stacked_p)
+            layer = _remat(lambda s, h: model.layer(gather(s, *one_layer), h), decided.plan)
+            hidden = scan_layers(layer, stacked_s, hidden)
+        return model.head(_head_params(model, embed, head_s, head_d, head_p, gather), hidden, batch)
 
-    return layered
+    return loss
+
+
+def _head_params(model: LayeredModel, embed: dict, shards, dims, specs, gather: Callable) -> PyTree:
+    """The head's parameters, gathered; a key the embedding read too (a tied table) is used as
+    gathered there: one gather and one reduce-scatter of its summed gradient."""
+    if model.head_keys is None:
+        return gather(shards, dims, specs)
+    own = [k for k in model.head_keys if k not in embed]
+    fresh = gather(*({k: tree[k] for k in own} for tree in (shards, dims, specs)))
+    return {k: embed[k] if k in embed else fresh[k] for k in model.head_keys}

@@ -27,7 +27,15 @@ import jax
 
 from torsh_jax.typing import PyTree
 
-__all__ = ["LayeredModel", "layered_loss", "split_params", "join_params", "shared_keys", "scan_layers"]
+__all__ = [
+    "LayeredModel",
+    "as_model",
+    "layered_loss",
+    "split_params",
+    "join_params",
+    "shared_keys",
+    "scan_layers",
+]
 
 
 class LayeredModel(NamedTuple):
@@ -41,8 +49,10 @@ class LayeredModel(NamedTuple):
         embed_keys: top-level parameter keys passed to ``embed``.
         head_keys: top-level parameter keys passed to ``head``; a key in both
             (a tied embedding: ``head_keys=("head", "embed")``) is one
-            parameter read twice, its gradient the sum of both uses.
-        layers_key: top-level key of the stacked layer parameters.
+            parameter read twice, its gradient the sum of both uses. ``None``:
+            the whole parameter tree (a plain loss, see :func:`as_model`).
+        layers_key: top-level key of the stacked layer parameters; ``None``:
+            the model has no stacked layers (a plain loss).
         remat: recompute each layer's activations in the backward pass.
         tensor_blocks: the functions are written with :mod:`torsh_jax.tensor`
             blocks, so they run on local tensor shards (required when the
@@ -58,12 +68,46 @@ class LayeredModel(NamedTuple):
     remat: bool = False
     tensor_blocks: bool = False
 
+    @property
+    def stacked(self) -> bool:
+        """Whether the model has stacked layers (a plain loss, :func:`as_model`, has none)."""
+        return self.layers_key is not None
 
-def split_params(model: LayeredModel, params: dict) -> tuple[dict, PyTree, dict]:
-    """``(embed_params, stacked_layer_params, head_params)`` of ``params``."""
+
+def _batch_as_hidden(_, batch: PyTree) -> PyTree:
+    return batch
+
+
+def as_model(loss: Callable[[PyTree, PyTree], jax.Array] | LayeredModel) -> LayeredModel:
+    """``loss`` as a :class:`LayeredModel`: a plain ``loss_fn(params, batch)`` becomes a model with no
+    embedding and no stacked layers whose head reads the whole parameter tree, so the step has one
+    model shape. A layered model is returned as it is.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> model = as_model(lambda p, b: jnp.sum(p * b))
+        >>> model.stacked, float(layered_loss(model)(jnp.ones(3), jnp.ones(3)))
+        (False, 3.0)
+    """
+    if isinstance(loss, LayeredModel):
+        return loss
+    return LayeredModel(
+        embed=_batch_as_hidden,
+        layer=None,
+        head=lambda params, _, batch: loss(params, batch),
+        embed_keys=(),
+        head_keys=None,
+        layers_key=None,
+        tensor_blocks=bool(getattr(loss, "tensor_blocks", False)),
+    )
+
+
+def split_params(model: LayeredModel, params: PyTree) -> tuple[dict, PyTree, PyTree]:
+    """``(embed_params, stacked_layer_params, head_params)`` of ``params`` (no stacked layers: ``None``;
+    ``head_keys=None``: the head's are the whole tree)."""
     embed = {k: params[k] for k in model.embed_keys}
-    head = {k: params[k] for k in model.head_keys}
-    return embed, params[model.layers_key], head
+    head = params if model.head_keys is None else {k: params[k] for k in model.head_keys}
+    return embed, params[model.layers_key] if model.stacked else None, head
 
 
 def shared_keys(model: LayeredModel) -> dict[str, tuple[str, ...]]:
@@ -75,7 +119,10 @@ def shared_keys(model: LayeredModel) -> dict[str, tuple[str, ...]]:
         {'embed': ('embed', 'head')}
     """
     readers: dict[str, tuple[str, ...]] = {}
-    parts = {"embed": model.embed_keys, "layers": (model.layers_key,), "head": model.head_keys}
+    if model.head_keys is None:  # a plain loss: one reader of everything
+        return {}
+    parts = {"embed": model.embed_keys, "layers": (model.layers_key,) if model.stacked else (),
+             "head": model.head_keys}  # fmt: skip
     for part, keys in parts.items():
         for key in dict.fromkeys(keys):
             readers[key] = (*readers.get(key, ()), part)
@@ -93,7 +140,9 @@ def join_params(model: LayeredModel, embed: dict, stacked: PyTree, head: dict) -
         >>> join_params(model, {"embed": 1.0}, 0.0, {"head": 2.0, "embed": 3.0})
         {'embed': 4.0, 'layers': 0.0, 'head': 2.0}
     """
-    parts = ({model.layers_key: stacked}, head)
+    if model.head_keys is None:  # a plain loss: the head's gradients are the whole tree's
+        return head
+    parts = ({model.layers_key: stacked} if model.stacked else {}, head)
     joined = dict(embed)
     for part in parts:
         for key, value in part.items():
@@ -118,7 +167,8 @@ def layered_loss(model: LayeredModel) -> Callable[[dict, PyTree], jax.Array]:
     def loss_fn(params, batch):
         embed, stacked, head = split_params(model, params)
         hidden = model.embed(embed, batch)
-        hidden = scan_layers(model.layer, stacked, hidden, remat=model.remat)
+        if model.stacked:
+            hidden = scan_layers(model.layer, stacked, hidden, remat=model.remat)
         return model.head(head, hidden, batch)
 
     return loss_fn

@@ -35,20 +35,21 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from torsh_jax.plan.roles import Roles, compose
+from torsh_jax.plan.roles import Roles
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.checks import check_param_axes
-from torsh_jax.runtime.data_parallel import gathers_once, gradient_sync
+from torsh_jax.runtime.decide import StepPlan, decide
 from torsh_jax.runtime.fsdp import shard_dims, sharded_specs
+from torsh_jax.runtime.layered import LayeredModel
 from torsh_jax.runtime.offload import offloaded_parts
-from torsh_jax.runtime.pipeline import chunk_layers, layer_chunks, stage_specs, unchunk_layers
+from torsh_jax.runtime.pipeline import chunk_layers, stage_specs, unchunk_layers
 from torsh_jax.runtime.specs import entry_axes, param_specs
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.runtime.sync import SyncSpec, feedback_specs, sync_feedback
 from torsh_jax.runtime.update import scaler_for
 from torsh_jax.typing import PyTree
 
-__all__ = ["StateLayout", "state_layout", "opt_state_specs"]
+__all__ = ["StateLayout", "state_layout", "layout_for", "opt_state_specs"]
 
 _is_spec = lambda x: isinstance(x, P)
 
@@ -58,36 +59,54 @@ class StateLayout:
     """Every sharding decision of a plan's train state on one mesh.
 
     Attributes:
-        roles: what each mesh axis does.
-        mesh: the mesh.
+        decided: the step's decisions (:class:`~torsh_jax.runtime.decide.StepPlan`): roles, mesh,
+            gradient synchronisation, layer chunks.
         compute: ``PartitionSpec`` per parameter as the loss sees it.
         dims: per parameter, the dim sharded over ``fsdp`` (``None``: replicated).
         update: ``PartitionSpec`` per parameter of gradients, optimizer state and the update.
         state: ``PartitionSpec`` pytree of the stored :class:`TrainState`.
-        sync: the gradient synchronisation the step runs once per optimizer step.
         abstract: the stored state's shapes and dtypes (global).
         split: per parameter, the mesh axes its compute layout splits it over
             (``("tensor",)`` or ``()``); gradient buckets never mix them.
-        stacked_key: top-level key of the stacked layer parameters.
-        layer_chunks: the stacked layers are stored as ``[layer_chunks, layers /
-            layer_chunks, ...]`` (an interleaved pipeline; 1: as given). Every
-            field above describes the stored form; :meth:`logical_params` and
-            :meth:`stored_params` convert.
+
+    The stacked layers are stored as ``[layer_chunks, layers / layer_chunks, ...]`` under an
+    interleaved pipeline (else as given). Every field describes the stored form;
+    :meth:`logical_params` and :meth:`stored_params` convert.
     """
 
-    roles: Roles
-    mesh: Mesh
+    decided: StepPlan
     compute: PyTree
     dims: PyTree
     update: PyTree
     state: TrainState
-    sync: SyncSpec
     abstract: TrainState
     init_feedback: Callable[[], PyTree] | None = None
     offloaded: tuple[str, ...] = ()
     split: PyTree = None
-    stacked_key: str = "layers"
-    layer_chunks: int = 1
+
+    @property
+    def roles(self) -> Roles:
+        """What each mesh axis does."""
+        return self.decided.roles
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.decided.mesh
+
+    @property
+    def sync(self) -> SyncSpec:
+        """The gradient synchronisation the step runs after the backward pass."""
+        return self.decided.sync
+
+    @property
+    def stacked_key(self) -> str:
+        """Top-level key of the stacked layer parameters."""
+        return self.decided.stacked_key
+
+    @property
+    def layer_chunks(self) -> int:
+        """Chunks the stacked layers are stored in (1: as given)."""
+        return self.decided.layer_chunks
 
     def stored_params(self, params: PyTree) -> PyTree:
         """Parameters as the model defines them -> as the train state stores them."""
@@ -180,12 +199,13 @@ def split_axes(compute: PyTree) -> PyTree:
     return jax.tree.map(one, compute, is_leaf=_is_spec)
 
 
-def _feedback(sync: SyncSpec, params_like, compute, update, dims, split, roles: Roles, mesh: Mesh, plan):
-    """``(init, specs)`` of the error feedback of ``sync`` (``(None, None)`` without compression)."""
+def _feedback(decided: StepPlan, params_like, compute, update, dims, split):
+    """``(init, specs)`` of the error feedback of the step's sync (``(None, None)`` without compression)."""
+    sync, mesh = decided.sync, decided.mesh
     if not sync.routes:
         return None, None
-    # stage 3 synchronises the stored shards (not under a pipeline, which gathers once per step)
-    sharded_sync = roles.zero_stage == 3 and not gathers_once(plan, roles)
+    # gathered on use, the deferred axes synchronise the stored shards
+    sharded_sync = decided.roles.gather == "on_use"
     shapes = _local_shapes(params_like, update if sharded_sync else compute, mesh)
     leaf_dims = jax.tree.leaves(dims, is_leaf=lambda x: x is None)
     leaf_split = jax.tree.leaves(split, is_leaf=lambda x: isinstance(x, tuple))
@@ -201,7 +221,7 @@ def state_layout(
     *,
     stacked_key: str = "layers",
 ) -> StateLayout:
-    """The layout of the train state of ``plan`` on ``mesh``.
+    """The layout of the train state of ``plan`` on ``mesh``, without a model.
 
     Args:
         plan: the plan.
@@ -215,17 +235,31 @@ def state_layout(
     Raises:
         ShardingError: a parameter dim does not divide its mesh axes (names the path).
     """
-    roles = compose(plan, mesh.shape)
-    compute = stage_specs(param_specs(params_like, plan, mesh), params_like, plan, roles, stacked_key)
+    return layout_for(decide(_shape_only(stacked_key), plan, mesh), params_like, optimizer)
+
+
+def _shape_only(stacked_key: str) -> LayeredModel:
+    """A model of which only the parameters' structure is known (the layout needs no more)."""
+    return LayeredModel(embed=None, layer=None, head=None, layers_key=stacked_key, tensor_blocks=True)
+
+
+def layout_for(
+    decided: StepPlan, params_like: PyTree, optimizer: optax.GradientTransformation
+) -> StateLayout:
+    """The layout of the train state of the step ``decided`` for parameters like ``params_like``.
+
+    Raises:
+        ShardingError: a parameter dim does not divide its mesh axes (names the path).
+    """
+    plan, mesh, roles, key = decided.plan, decided.mesh, decided.roles, decided.stacked_key
+    compute = stage_specs(param_specs(params_like, plan, mesh), params_like, plan, roles, key)
     check_param_axes(compute, roles)
-    dims = shard_dims(params_like, plan, mesh, roles=roles, specs=compute, stacked_key=stacked_key)
-    chunks = layer_chunks(plan, roles)
-    params_like, compute, dims = _chunked(params_like, compute, dims, stacked_key, chunks)
+    dims = shard_dims(params_like, plan, mesh, roles=roles, specs=compute, stacked_key=key)
+    params_like, compute, dims = _chunked(params_like, compute, dims, key, decided.layer_chunks)
     update = sharded_specs(compute, dims) if roles.opt_state_sharded else compute
     stored = update if roles.params_sharded else compute
-    sync = gradient_sync(plan, roles)
     split = split_axes(compute)
-    init_feedback, fb_specs = _feedback(sync, params_like, compute, update, dims, split, roles, mesh, plan)
+    init_feedback, fb_specs = _feedback(decided, params_like, compute, update, dims, split)
     abstract_opt = jax.eval_shape(optimizer.init, params_like)
     scaler = scaler_for(plan)
     specs = TrainState(
@@ -242,8 +276,9 @@ def state_layout(
         loss_scale=None if scaler is None else jax.eval_shape(scaler.init),
         feedback=None if init_feedback is None else jax.eval_shape(init_feedback),
     )
-    return StateLayout(roles, mesh, compute, dims, update, specs, sync, abstract, init_feedback,
-                       offloaded_parts(plan), split, stacked_key, chunks)  # fmt: skip
+    return StateLayout(
+        decided, compute, dims, update, specs, abstract, init_feedback, offloaded_parts(plan), split
+    )
 
 
 def _chunked(params_like: PyTree, compute: PyTree, dims: PyTree, key: str, chunks: int) -> tuple:

@@ -13,19 +13,20 @@
 Example:
     >>> import jax, jax.numpy as jnp, optax
     >>> from torsh_jax.plan import load_plan
+    >>> from torsh_jax.runtime.decide import decide
+    >>> from torsh_jax.runtime.layout import layout_for
     >>> from torsh_jax.runtime.mesh import build_mesh
     >>> plan = load_plan("ddp")
-    >>> loss = lambda p, b: jnp.mean((b @ p["w"]) ** 2)
-    >>> program = build_program(loss, optax.sgd(0.1), plan, build_mesh(plan, jax.devices()[:1]),
-    ...                         {"w": jnp.zeros((3, 1))})
-    >>> program.layout.roles.kind
-    'ddp'
+    >>> decided = decide(lambda p, b: jnp.mean((b @ p["w"]) ** 2), plan, build_mesh(plan, jax.devices()[:1]))
+    >>> layout = layout_for(decided, {"w": jnp.zeros((3, 1))}, optax.sgd(0.1))
+    >>> run = build_program(decided, optax.sgd(0.1), layout)  # jit it with the layout's shardings
+    >>> layout.roles.kind, callable(run)
+    ('ddp', True)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import optax
@@ -34,28 +35,20 @@ from jax.sharding import PartitionSpec as P
 
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.accumulate import accumulate, local_gradients
-from torsh_jax.runtime.compiler_axes import compiler_axes, manual_over, tree_only, tree_without
-from torsh_jax.runtime.data_parallel import backward_sync, batch_specs, gathers_once, mark_varying
+from torsh_jax.runtime.compiler_axes import manual_over, tree_only, tree_without
+from torsh_jax.runtime.data_parallel import batch_specs, mark_varying
+from torsh_jax.runtime.decide import StepPlan
 from torsh_jax.runtime.fsdp import all_gather_params, gathered_loss, gathering_model
-from torsh_jax.runtime.layered import LayeredModel, layered_loss
-from torsh_jax.runtime.layout import StateLayout, state_layout
-from torsh_jax.runtime.pipeline import pipeline_gradients, reduce_over_stage, require_layered, schedule_for
+from torsh_jax.runtime.layered import layered_loss
+from torsh_jax.runtime.layout import StateLayout
+from torsh_jax.runtime.pipeline import pipeline_gradients, reduce_over_stage
 from torsh_jax.runtime.precision import cast_tree
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.runtime.sync import sync_gradients
 from torsh_jax.runtime.update import guarded_update, scaler_for
 from torsh_jax.typing import PyTree
 
-__all__ = ["Program", "build_program", "gradient_program"]
-
-LossOrModel = Callable[[PyTree, PyTree], jax.Array] | LayeredModel
-
-
-class Program(NamedTuple):
-    """A plan's state layout and per-step function (to be jitted)."""
-
-    layout: StateLayout
-    run: Callable[[TrainState, PyTree], tuple[TrainState, dict]]
+__all__ = ["build_program", "gradient_program"]
 
 
 def _accumulate(plan: ParallelPlan, loss_fn, params, batch, scale, per_step=None, passes=None):
@@ -69,32 +62,37 @@ def _accumulate(plan: ParallelPlan, loss_fn, params, batch, scale, per_step=None
     return grads, loss, ()
 
 
-def gradient_program(loss: LossOrModel, plan: ParallelPlan, layout: StateLayout) -> Callable:
+def _local_loss(decided: StepPlan, layout: StateLayout, split: PyTree) -> Callable:
+    """``loss(local params, batch)``: gathering on use, or the model's loss on whole parameters."""
+    if decided.roles.gather == "on_use":
+        return gathered_loss(decided, layout.dims, specs=split)
+    return layered_loss(decided.model)
+
+
+def _pipeline_passes(decided: StepPlan, layout: StateLayout, split: PyTree) -> Callable | None:
+    """One pipeline pass ``(params, batch, scale) -> (grads, loss, slots)`` (``None``: no pipeline)."""
+    if decided.schedule is None:
+        return None
+    model = decided.model
+    if decided.roles.gather == "on_use":  # gather one layer at a time in every slot
+        model = gathering_model(decided, layout.dims, specs=split)
+    accum_dtype = jax.numpy.dtype(decided.plan.precision.param_dtype)
+    return pipeline_gradients(model, decided.schedule, accum_dtype=accum_dtype)
+
+
+def gradient_program(decided: StepPlan, layout: StateLayout) -> Callable:
     """Per device: ``(stored params, local batch, scale, feedback, step) -> (grads, mean loss, feedback)``.
 
     The gradients come back synchronised, in the update layout and the plan's parameter dtype.
     """
-    roles, sync, precision = layout.roles, layout.sync, plan.precision
-    compiler = compiler_axes(loss, roles)
+    plan, roles, sync, compiler = decided.plan, decided.roles, decided.sync, decided.compiler_axes
+    precision = plan.precision
     split = tree_only(layout.compute, compiler)
-    gather_once = gathers_once(plan, roles)  # a pipeline's ZeRO-3, gathering a stage once per step
-    if roles.zero_stage == 3 and not gather_once:
-        loss_fn = gathered_loss(
-            loss, plan, layout.dims, backward=backward_sync(plan, roles), compiler=compiler, specs=split
-        )
-        vary = sync.axes  # only the deferred (compressed) replica axes are left to sync
-    else:
-        loss_fn = layered_loss(loss) if isinstance(loss, LayeredModel) else loss
-        vary = roles.batch_axes
-    passes = None
-    if roles.stage_axis is not None:
-        accum_dtype = jax.numpy.dtype(precision.param_dtype)
-        model = loss
-        if roles.zero_stage == 3 and not gather_once:  # gather one layer at a time in every slot
-            model = gathering_model(loss, plan, layout.dims, backward=backward_sync(plan, roles), specs=split,
-                                    layer_dims=1 + (layout.layer_chunks > 1))  # fmt: skip
-        passes = pipeline_gradients(model, schedule_for(plan, roles), accum_dtype=accum_dtype)
-    per_micro_step = (roles.zero_stage == 2 or gather_once) and not sync.routes
+    loss_fn = _local_loss(decided, layout, split)
+    passes = _pipeline_passes(decided, layout, split)
+    per_micro_step = roles.reduce == "per_micro_step"
+    cast_first = roles.gather != "on_use"  # gathered on use: cast after the gather, per leaf
+    gather_stage = roles.gather == "per_stage"
 
     def reduce(grads, feedback, step):
         grads = cast_tree(grads, precision.reduce_dtype)
@@ -106,15 +104,15 @@ def gradient_program(loss: LossOrModel, plan: ParallelPlan, layout: StateLayout)
     reduce = manual_over(reduce, compiler, (split, feedback_split, P()), (split, feedback_split))
 
     def program(params, batch, scale=None, feedback=(), step=None):
-        if roles.zero_stage != 3 or gather_once:
+        if cast_first:
             params = cast_tree(params, precision.compute_dtype)
-        if gather_once:  # this stage's parameters, whole, for every pass of the step
+        if gather_stage:  # this stage's parameters, whole, for every pass of the step
             params = all_gather_params(params, layout.dims)
         per_step = (lambda g: reduce(g, (), None)[0]) if per_micro_step else None
-        params = mark_varying(params, vary)
+        params = mark_varying(params, decided.vary)
         grads, value, extras = _accumulate(plan, loss_fn, params, batch, scale, per_step, passes)
         if passes is not None:
-            grads, value = reduce_over_stage(grads, value, loss.layers_key)
+            grads, value = reduce_over_stage(grads, value, decided.stacked_key)
         if sync.axes and not per_micro_step:
             grads, feedback = reduce(grads, feedback, step)
         extras = {"pipeline_slots": extras} if passes is not None else {}
@@ -143,26 +141,20 @@ def _to_stored(layout: StateLayout, mesh: Mesh) -> Callable[[PyTree], PyTree]:
 
 
 def build_program(
-    loss: LossOrModel,
+    decided: StepPlan,
     optimizer: optax.GradientTransformation,
-    plan: ParallelPlan,
-    mesh: Mesh,
-    params_like: PyTree,
-) -> Program:
-    """The step of ``plan`` on ``mesh`` for ``loss``.
+    layout: StateLayout,
+) -> Callable[[TrainState, PyTree], tuple[TrainState, dict]]:
+    """The per-step function (to be jitted) of the step ``decided`` with state ``layout``.
 
     Args:
-        loss: ``loss_fn(params, batch)`` or a :class:`LayeredModel`.
+        decided: the step's decisions (:func:`~torsh_jax.runtime.decide.decide`).
         optimizer: optax transformation.
-        plan: the plan.
-        mesh: the mesh.
-        params_like: parameters or their shapes (in the plan's param dtype).
+        layout: the state layout (:func:`~torsh_jax.runtime.layout.layout_for`).
     """
-    stacked = loss.layers_key if isinstance(loss, LayeredModel) else "layers"
-    layout = state_layout(plan, mesh, params_like, optimizer, stacked_key=stacked)
-    require_layered(loss, layout.roles)
-    grads_of = gradient_program(loss, plan, layout)
-    compiler = compiler_axes(loss, layout.roles)
+    mesh, roles = decided.mesh, decided.roles
+    grads_of = gradient_program(decided, layout)
+    compiler = decided.compiler_axes
     manual = set(mesh.axis_names) - set(compiler)
     fb_specs = tree_without(_feedback_specs(layout), compiler)
     params_specs, update_specs = tree_without((layout.state.params, layout.update), compiler)
@@ -170,15 +162,15 @@ def build_program(
         lambda s: jax.sharding.NamedSharding(mesh, s), layout.update, is_leaf=lambda x: isinstance(x, P)
     )
     to_stored = _to_stored(layout, mesh)
-    scaler = scaler_for(plan)
+    scaler = scaler_for(decided.plan)
     # per stage: [forward, backward, weight] slots the pipeline ran this step
-    extras_specs = {"pipeline_slots": P(layout.roles.stage_axis)} if layout.roles.stage_axis else {}
+    extras_specs = {"pipeline_slots": P(roles.stage_axis)} if roles.stage_axis else {}
 
     def run(state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
         program = jax.shard_map(
             grads_of,
             mesh=mesh,
-            in_specs=(params_specs, batch_specs(batch, layout.roles), P(), fb_specs, P()),
+            in_specs=(params_specs, batch_specs(batch, roles), P(), fb_specs, P()),
             out_specs=(update_specs, P(), fb_specs, extras_specs),
             axis_names=manual,
         )
@@ -195,4 +187,4 @@ def build_program(
             new_state = new_state._replace(feedback=feedback)
         return new_state, {"loss": loss_value, **update.metrics, **extras}
 
-    return Program(layout, run)
+    return run

@@ -10,8 +10,9 @@ Example:
     >>> plan = ParallelPlan(batch=BatchSpec(micro_batch_size=2))
     >>> mesh = build_mesh(plan, jax.devices()[:1])
     >>> loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
-    >>> init, step = make_train_step(loss, optax.sgd(0.1), plan, mesh)
-    >>> state = init({"w": jnp.zeros((3, 1))})
+    >>> params = {"w": jnp.zeros((3, 1))}
+    >>> init, step = make_train_step(loss, optax.sgd(0.1), plan, mesh, params)
+    >>> state = init(params)
     >>> state, metrics = step(state, {"x": jnp.ones((2, 3)), "y": jnp.ones((2, 1))})
     >>> float(metrics["loss"])
     1.0
@@ -31,17 +32,16 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from torsh_jax.errors import ShardingError, TorshError
-from torsh_jax.plan.roles import compose
 from torsh_jax.plan.spec import ParallelPlan
-from torsh_jax.runtime.call_checks import check_state, require_train_state, scalar_loss
-from torsh_jax.runtime.checks import check_mesh, check_supported, check_tensor_split
+from torsh_jax.runtime.call_checks import check_params, check_state, require_train_state
+from torsh_jax.runtime.checks import check_tensor_split
+from torsh_jax.runtime.decide import StepPlan, decide
 from torsh_jax.runtime.fit import batch_key, check_compiled_fits, check_step_fits
 from torsh_jax.runtime.layered import LayeredModel
-from torsh_jax.runtime.layout import StateLayout
+from torsh_jax.runtime.layout import StateLayout, layout_for
 from torsh_jax.runtime.mesh import mesh_shape_str
-from torsh_jax.runtime.offload import check_offload, to_device_memory
+from torsh_jax.runtime.offload import to_device_memory
 from torsh_jax.runtime.params import take_params
-from torsh_jax.runtime.pipeline import layer_chunks, require_layered, unchunk_layers
 from torsh_jax.runtime.precision import cast_tree
 from torsh_jax.runtime.program import build_program
 from torsh_jax.runtime.specs import path_str
@@ -71,79 +71,89 @@ def _validate_batch(batch: PyTree, *, global_batch: int, plan: ParallelPlan, mes
             )
 
 
-@dataclass
+class _Traces:
+    """How many times the step was traced (a retrace is a new compile)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+@dataclass(frozen=True)
 class TrainStep:
-    """A compiled-once ``(init, step)`` pair plus what was derived from the plan.
+    """A compiled-once ``(init, step)`` pair and every decision it was made from.
 
     Unpacks as ``init, step = make_train_step(...)``.
 
     Attributes:
-        init: ``params -> TrainState`` placed on the mesh.
+        init: ``params -> TrainState`` placed on the mesh (the parameters the step was made for).
         step: ``(state, global_batch) -> (state, metrics)``; donates ``state``. Raises
             :class:`~torsh_jax.errors.ArgumentError` for a state another plan, optimizer or model
             made, or a loss that returns no scalar (checked when traced, not per step).
-        plan, mesh: what it was built for.
-        batch_spec: ``PartitionSpec`` of every batch leaf's leading dim.
-        global_batch_size: examples per optimizer step.
-        loss: the loss function or layered model the step was built from.
+        decided: the step's decisions (:class:`~torsh_jax.runtime.decide.StepPlan`).
+        layout: the state layout (:class:`~torsh_jax.runtime.layout.StateLayout`).
+        jitted: the jitted ``(state, placed batch) -> (state, metrics)``.
+        notes: what the step changes about the parameters it was given (dtype casts), one line each.
     """
 
     init: Callable[[PyTree], TrainState]
     step: Callable[[TrainState, PyTree], tuple[TrainState, dict]]
-    plan: ParallelPlan
-    mesh: Mesh
-    batch_spec: P
-    global_batch_size: int
-    loss: Any = None
-    _built: dict = field(repr=False, default_factory=dict)
+    decided: StepPlan
+    layout: StateLayout
+    jitted: Any = field(repr=False)
+    notes: tuple[str, ...] = ()
+    _traces: _Traces = field(repr=False, default_factory=_Traces)
 
     def __iter__(self) -> Iterator[Callable]:
         return iter((self.init, self.step))
 
     @property
+    def plan(self) -> ParallelPlan:
+        """The plan (with the parameters' flax axis names in its ``param_dims``)."""
+        return self.decided.plan
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.decided.mesh
+
+    @property
+    def loss(self) -> LayeredModel:
+        """The model the step differentiates (a plain loss as a model without stacked layers)."""
+        return self.decided.model
+
+    @property
+    def batch_spec(self) -> P:
+        """``PartitionSpec`` of every batch leaf's leading dim."""
+        return self.decided.batch_spec
+
+    @property
+    def global_batch_size(self) -> int:
+        """Examples per optimizer step."""
+        return self.decided.global_batch_size
+
+    @property
     def traces(self) -> int:
         """Times the step was traced: 1 after any number of same-shaped calls."""
-        return self._built.get("traces", 0)
+        return self._traces.count
 
     @property
-    def state_shardings(self) -> PyTree:
-        """``NamedSharding`` pytree of the state (after ``init`` was called)."""
-        return self._built["shardings"]
-
-    @property
-    def notes(self) -> tuple[str, ...]:
-        """What the step changes about the parameters it was given (dtype casts), one line each."""
-        return self._built.get("notes", ())
-
-    @property
-    def prepared(self) -> bool:
-        """Whether the state layout exists (``init`` or :meth:`prepare` has run)."""
-        return "layout" in self._built
-
-    @property
-    def layout(self) -> StateLayout:
-        """The state layout (after ``init`` was called, or with ``example_params``)."""
-        return self._built["layout"]
+    def state_shardings(self) -> TrainState:
+        """``NamedSharding`` pytree of the stored state."""
+        return self.layout.shardings()
 
     def logical_params(self, params: PyTree) -> PyTree:
         """``state.params`` (or gradients) as the model defines them: identical except under an
         interleaved pipeline, which stores the stacked layers as ``[chunks, layers / chunks, ...]``."""
         return self.layout.logical_params(params)
 
-    def prepare(self, params_like: PyTree) -> None:
-        """Derive the state layout from parameters or their shapes, as ``init`` would, without
-        creating a state (to restore one into it, e.g. :func:`torsh_jax.checkpoint.restore`)."""
-        self._built["ensure_built"](params_like)
-
     def abstract_state(self) -> TrainState:
-        """The state's shapes, dtypes and shardings (``jax.ShapeDtypeStruct`` s; after ``init`` or
-        :meth:`prepare`): what :meth:`lower` needs, with no state created."""
+        """The state's shapes, dtypes and shardings (``jax.ShapeDtypeStruct`` s): what :meth:`lower`
+        and checkpoint restore need, with no state created."""
         return self.layout.abstract_state()
 
     def lower(self, state: TrainState, batch: PyTree) -> jax.stages.Lowered:
         """Lower the step for ``state`` and a global ``batch`` (for inspection); both may be
         ``jax.ShapeDtypeStruct`` s (:meth:`abstract_state`)."""
-        return self._built["jitted"].lower(state, self.shard_batch(batch))
+        return self.jitted.lower(state, self.shard_batch(batch))
 
     def shard_batch(self, batch: PyTree) -> PyTree:
         """Validate a global batch and place it on the mesh (shapes: their sharding set)."""
@@ -173,108 +183,82 @@ def make_train_step(
     optimizer: optax.GradientTransformation,
     plan: ParallelPlan,
     mesh: Mesh,
-    *,
-    example_params: PyTree | None = None,
+    params: PyTree,
 ) -> TrainStep:
     """Build the jitted train step for ``plan`` on ``mesh``.
 
     Args:
         loss_fn: ``(params, batch) -> scalar mean loss`` over a batch, or a
             :class:`~torsh_jax.runtime.layered.LayeredModel` (lets ZeRO-3
-            gather one layer at a time).
+            gather one layer at a time, and a pipeline split the layers).
         optimizer: optax transformation.
         plan: the parallel plan.
         mesh: from :func:`torsh_jax.runtime.mesh.build_mesh`.
-        example_params: parameters (or ``jax.ShapeDtypeStruct`` s) to derive
-            shardings from before ``init`` is called; default: from ``init``'s argument.
+        params: the parameters, or their shapes (``jax.eval_shape(init_fn, ...)``): every sharding
+            is decided from them, before ``init`` is called (flax boxes and ``nnx.State`` are
+            unboxed, :mod:`~torsh_jax.runtime.params`).
 
     Returns:
-        A :class:`TrainStep`; unpack as ``init, step``.
+        A frozen :class:`TrainStep`; unpack as ``init, step``.
 
     Raises:
         NotSupportedYetError: the plan needs a strategy not built yet.
         ShardingError: a parameter or batch does not divide the mesh.
+        ParameterError: a parameter cannot be trained (an integer leaf).
         DeviceMemoryError: from ``init`` or a call of ``step`` with a new batch shape: the state or
             the step cannot fit in a device's memory (:mod:`torsh_jax.runtime.fit`), before compiling
             (a lower bound) or before running (the compiled program's figure).
         MeshError: ``mesh`` is not one ``plan`` builds (names and sizes of its axes).
     """
-    check_mesh(plan, mesh)
-    roles = compose(plan, mesh.shape)
-    check_supported(plan, roles)
-    require_layered(loss_fn, roles)
-    check_offload(plan, mesh)
-    global_batch = plan.batch.global_batch_size(roles.batch_size)
-    built: dict[str, Any] = {"traces": 0}
+    intake = take_params(params, plan, warn=True)
+    decided = decide(loss_fn, intake.plan, mesh)
+    like = jax.eval_shape(lambda p: cast_tree(p, plan.precision.param_dtype), intake.params)
+    layout = layout_for(decided, like, optimizer)
+    check_tensor_split(
+        layout.compute, decided.roles, decided.plan, tensor_blocks=has_tensor_blocks(decided.model)
+    )
+    run = build_program(decided, optimizer, layout)
+    traces = _Traces()
+    device_shardings, shardings = layout.shardings(stored=False), layout.shardings()
+    logical = layout.logical_params(layout.abstract.params)
 
-    def build(params_like: PyTree, layout_plan: ParallelPlan) -> None:
-        program = build_program(scalar_loss(loss_fn), optimizer, layout_plan, mesh, params_like)
-        layout = program.layout
-        check_tensor_split(layout.compute, roles, plan, tensor_blocks=has_tensor_blocks(loss_fn))
-        device_shardings = layout.shardings(stored=False)
-        shardings = layout.shardings()
+    def traced(state, batch):
+        check_state(state, layout.abstract, shardings=False)  # once per trace: no per-step cost
+        traces.count += 1
+        return run(to_device_memory(state, device_shardings, decided.plan), batch)
 
-        def traced(state, batch):
-            check_state(state, layout.abstract, shardings=False)  # once per trace: no per-step cost
-            built["traces"] += 1
-            return program.run(to_device_memory(state, device_shardings, plan), batch)
-
-        built.update(layout=layout, shardings=shardings)
-        built["jitted"] = jax.jit(
-            traced, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0
-        )
-        init_state = _init_state(optimizer, plan, layout.init_feedback, to_stored=layout.stored_params)
-        built["init"] = jax.jit(init_state, out_shardings=shardings)
-
-    def ensure_built(params_like: PyTree) -> PyTree:
-        """Plain parameters of ``params_like``; builds the step the first time."""
-        intake = take_params(params_like, plan, warn="jitted" not in built)
-        if "jitted" not in built:
-            built["notes"] = intake.notes
-            like = jax.eval_shape(lambda p: cast_tree(p, plan.precision.param_dtype), intake.params)
-            build(like, intake.plan)
-        return intake.params
-
-    built["ensure_built"] = ensure_built
-    if example_params is not None:
-        ensure_built(example_params)
+    jitted = jax.jit(
+        traced, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0
+    )
+    init_state = _init_state(optimizer, decided.plan, layout.init_feedback, to_stored=layout.stored_params)
+    jitted_init = jax.jit(init_state, out_shardings=shardings)
+    fitted: set = set()
 
     def init(params: PyTree) -> TrainState:
-        plain = ensure_built(params)
+        plain = take_params(params, plan).params
+        check_params(jax.eval_shape(lambda p: p, plain), logical)
         check_step_fits(train_step)  # the state alone, before it is made
-        return built["init"](plain)
+        return jitted_init(plain)
 
     def step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
         require_train_state(state)
-        if "jitted" not in built:  # a state stored by an equal step: its layers may be in chunks
-            stacked = loss_fn.layers_key if isinstance(loss_fn, LayeredModel) else None
-            ensure_built(unchunk_layers(state.params, stacked, layer_chunks(plan, roles)))
         shape_key = batch_key(batch)
-        unchecked = shape_key not in built.setdefault("fitted", set())
+        unchecked = shape_key not in fitted
         if unchecked:  # a new batch shape: refuse what cannot fit before placing and compiling
             check_step_fits(train_step, batch)
         batch = train_step.shard_batch(batch)
         try:
             if unchecked:  # compile now and refuse before running when XLA's figure exceeds the limit
-                check_compiled_fits(train_step, built["jitted"].lower(state, batch).compile())
-                built["fitted"].add(shape_key)
-            return built["jitted"](state, batch)
+                check_compiled_fits(train_step, jitted.lower(state, batch).compile())
+                fitted.add(shape_key)
+            return jitted(state, batch)
         except TorshError:
             raise
         except (TypeError, ValueError):  # jit refused the state before tracing: say which leaf and why
             check_state(state, train_step.abstract_state())
             raise
 
-    train_step = TrainStep(
-        init=init,
-        step=step,
-        plan=plan,
-        mesh=mesh,
-        batch_spec=P(roles.batch_axes),
-        global_batch_size=global_batch,
-        loss=loss_fn,
-        _built=built,
-    )
+    train_step = TrainStep(init, step, decided, layout, jitted, intake.notes, traces)
     return train_step
 
 

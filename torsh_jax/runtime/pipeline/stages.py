@@ -17,8 +17,6 @@ Example (the table and the layout a plan gets):
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 from jax.sharding import PartitionSpec as P
 
@@ -45,11 +43,11 @@ def schedule_for(plan: ParallelPlan, roles: Roles) -> Schedule:
     )
 
 
-def require_layered(loss: Any, roles: Roles) -> None:
+def require_layered(loss: LayeredModel, roles: Roles) -> None:
     """A pipeline needs the model's layer boundaries (and, with ``tensor``, tensor blocks)."""
     if roles.stage_axis is None:
         return
-    if not isinstance(loss, LayeredModel):
+    if not loss.stacked:
         raise PlanError(
             f"a pipeline over stage={roles.size(STAGE_AXIS)} needs a LayeredModel (embed, stacked layers, "
             "head), not a plain loss function",
