@@ -109,7 +109,27 @@ def test_make_compressor_implementations_agree(method):
 
 
 def test_rows_per_tile():
-    assert [blockwise.rows_per_tile(n) for n in (1, 8, 24, 256, 512, 96)] == [1, 8, 8, 256, 256, 32]
+    blocks = (1, 8, 24, 256, 512, 96, 6, 12)
+    assert [blockwise.rows_per_tile(n, platform="gpu") for n in blocks] == [1, 8, 8, 256, 256, 32, 2, 4]
+    # Mosaic: a multiple of 8 rows, or all of them
+    assert [blockwise.rows_per_tile(n, platform="tpu") for n in blocks] == [1, 8, 8, 256, 256, 32, 6, 12]
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_buffers_of_few_blocks_lower_for_accelerators(platform):
+    """A shard of 6 blocks (a small model's gradient bucket on 8 devices): Mosaic takes it as one tile
+    of 6 rows, Triton as tiles of 2."""
+    lowering_platform, marker = PLATFORMS[platform]
+    for name, (fn, args) in _kernel_functions("int8", "nearest", platform, blocks=6).items():
+        assert marker in _lower(fn, args, lowering_platform), name
+
+
+def test_buffers_of_few_blocks_are_bit_exact_in_one_tile():
+    x, residual = _inputs(6 * 256)
+    opts = {"method": "int8", "block_size": 256}
+    ref = quantize.encode_with_feedback(x, residual, **opts)
+    _equal(ref, blockwise.encode_with_feedback(x, residual, platform="interpret", **opts))
+    _equal(quantize.decode(ref[0], **opts), blockwise.decode(ref[0], platform="interpret", **opts))
 
 
 # --- cross-platform lowering ------------------------------------------------------------------
@@ -118,8 +138,8 @@ def test_rows_per_tile():
 PLATFORMS = {"tpu": ("tpu", "tpu_custom_call"), "gpu": ("cuda", "triton")}
 
 
-def _kernel_functions(method: str, rounding: str, platform: str):
-    n = 64 * 256
+def _kernel_functions(method: str, rounding: str, platform: str, *, blocks: int = 64):
+    n = blocks * 256
     x, residual = _inputs(n)
     seed = _seed(rounding)
     opts = {"method": method, "block_size": 256, "platform": platform}

@@ -85,7 +85,7 @@ class QuantPayload(NamedTuple):
 
 
 class CastPayload(NamedTuple):
-    """Half-precision bits as ``uint16 [n]`` (integers on the wire)."""
+    """A narrow float's bits as unsigned integers of its width, ``uint16 [n]`` for fp16/bf16."""
 
     bits: jax.Array
 

@@ -1,8 +1,9 @@
-"""Half-precision cast compression (Horovod's ``Compression.fp16``), ``jnp`` reference.
+"""Cast to a narrower float (``fp16``: Horovod's ``Compression.fp16``; ``bf16``), ``jnp`` reference.
 
-The payload carries the half-precision bits as ``uint16``, so collectives
-move 2 bytes per element on every backend (the CPU compiler would widen a
-bfloat16 collective to float32).
+The format is the registry's ``dtype``. The payload carries the float's bits as
+the unsigned integer of its width (``uint16``), so collectives move 2 bytes
+per element on every backend (the CPU compiler would widen a bfloat16
+collective to float32).
 
 Example:
     >>> import jax.numpy as jnp
@@ -17,23 +18,30 @@ import jax
 import jax.numpy as jnp
 
 from torsh_jax.compress.base import CastPayload
+from torsh_jax.plan.compressors import METHODS
 
-__all__ = ["CAST_METHODS", "encode", "decode", "encode_with_feedback"]
+__all__ = ["encode", "decode", "encode_with_feedback"]
 
-#: Method name -> payload float dtype.
-CAST_METHODS = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
+
+def _format(method: str) -> jnp.dtype:
+    """The narrow float dtype of ``method`` (the registry's ``dtype``)."""
+    return jnp.dtype(METHODS[method].dtype)
+
+
+def _bits(dtype: jnp.dtype) -> jnp.dtype:
+    """The unsigned integer of the same width, which carries the float's bits on the wire."""
+    return jnp.dtype(f"uint{8 * dtype.itemsize}")
 
 
 def encode(x: jax.Array, /, *, method: str) -> CastPayload:
-    """Round ``float32 [n]`` to half precision (nearest even) and keep the bits."""
-    half = x.astype(CAST_METHODS[method])
-    return CastPayload(jax.lax.bitcast_convert_type(half, jnp.uint16))
+    """Round ``float32 [n]`` to the narrower float (nearest even) and keep the bits."""
+    narrow = x.astype(_format(method))
+    return CastPayload(jax.lax.bitcast_convert_type(narrow, _bits(narrow.dtype)))
 
 
 def decode(payload: CastPayload, /, *, method: str) -> jax.Array:
-    """The half-precision values as float32."""
-    half = jax.lax.bitcast_convert_type(payload.bits, CAST_METHODS[method])
-    return half.astype(jnp.float32)
+    """The narrow float values as float32."""
+    return jax.lax.bitcast_convert_type(payload.bits, _format(method)).astype(jnp.float32)
 
 
 def encode_with_feedback(

@@ -1,7 +1,7 @@
 """Build a :class:`~torsh_jax.compress.base.Compressor` from a ``CompressorSpec``.
 
-``implementation`` picks the code path of the blockwise methods (int8, int4,
-sign; the other methods have no kernels and always run their reference):
+``implementation`` picks the code path of the methods with kernels (int8, int4,
+sign: ``kernels`` in the registry; the others always run their reference):
 
 * ``"auto"``: the Pallas kernels when the devices are TPUs or GPUs, the
   ``jnp`` reference on CPU;
@@ -30,7 +30,7 @@ import functools
 
 import jax
 
-from torsh_jax.compress import cast, powersgd, quantize, topk
+from torsh_jax.compress import cast, fp8, powersgd, quantize, topk
 from torsh_jax.compress.base import Compressor, check_flat, seed_from_key
 from torsh_jax.errors import CompressionError
 from torsh_jax.plan.compressors import METHODS
@@ -76,7 +76,7 @@ def length_unit(spec: CompressorSpec) -> int:
 
 def leaf_unit(spec: CompressorSpec) -> int:
     """Elements each parameter's part of a buffer is padded to, so that no scale block holds two
-    parameters: ``block_size`` for the blockwise quantisers (int8, int4, sign), else 1.
+    parameters: ``block_size`` for the methods with block scales (int8, int4, sign, fp8), else 1.
 
     A block's scale comes from its largest value; a block shared by a large-gradient weight and
     a small bias would quantise the bias in steps of the weight's size.
@@ -85,19 +85,19 @@ def leaf_unit(spec: CompressorSpec) -> int:
         >>> leaf_unit(CompressorSpec(method="int8", block_size=256)), leaf_unit(CompressorSpec(method="topk"))
         (256, 1)
     """
-    return spec.block_size if _is(spec, blockwise=True) else 1
+    return spec.block_size if _is(spec, block_scales=True) else 1
 
 
 def padded_length(n: int, /, *, axis_size: int, spec: CompressorSpec) -> int:
     """Smallest valid buffer length >= ``n`` for the collectives.
 
     A multiple of ``axis_size * block_size`` (``chunk_size`` for top-k); for
-    the blockwise methods (which have kernels) and buffers longer than 32
+    the methods with kernels (int8, int4, sign) and buffers longer than 32
     such units, a multiple of 32 units, so that every device's shard tiles
     into kernel row tiles of 32 blocks.
     """
     unit = axis_size * length_unit(spec)
-    if _is(spec, blockwise=True) and n > _KERNEL_ROWS * unit:
+    if _is(spec, kernels=True) and n > _KERNEL_ROWS * unit:
         unit *= _KERNEL_ROWS
     return max(1, -(-n // unit)) * unit
 
@@ -179,6 +179,22 @@ def _cast(spec: CompressorSpec, implementation: str) -> Compressor:
     )
 
 
+def _fp8(spec: CompressorSpec, implementation: str) -> Compressor:
+    options = {"method": spec.method, "block_size": spec.block_size}
+
+    def compress(x, state, /, *, key=None):
+        check_flat(x, multiple=spec.block_size, where="compression.block_size")
+        return fp8.encode(x, **options), state
+
+    def compress_with_feedback(x, residual, /, *, key=None):
+        check_flat(x, multiple=spec.block_size, where="compression.block_size")
+        return fp8.encode_with_feedback(x, residual, **options)
+
+    return Compressor(
+        lambda length: (), compress, lambda p: fp8.decode(p, method=spec.method), compress_with_feedback
+    )
+
+
 def _topk(spec: CompressorSpec, implementation: str) -> Compressor:
     options = {
         "chunk_size": spec.chunk_size,
@@ -211,7 +227,7 @@ def _powersgd(spec: CompressorSpec, implementation: str) -> Compressor:
 
 #: :attr:`~torsh_jax.plan.compressors.Method.family` -> ``(spec, implementation) -> Compressor``
 #: (only the blockwise family has kernels; the others run their reference on every device).
-_FAMILIES = {"blockwise": _blockwise, "cast": _cast, "topk": _topk, "powersgd": _powersgd}
+_FAMILIES = {"blockwise": _blockwise, "cast": _cast, "fp8": _fp8, "topk": _topk, "powersgd": _powersgd}
 
 
 def make_compressor(spec: CompressorSpec, /, *, implementation: str = "auto") -> Compressor:

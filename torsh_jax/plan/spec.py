@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from torsh_jax.errors import PlanError
-from torsh_jax.plan.compressors import method_names
+from torsh_jax.plan.compressors import METHODS, method_names
 from torsh_jax.plan.factor import resolve_sizes
 
 __all__ = [
@@ -294,10 +294,11 @@ class CompressorSpec:
     """One compressor (see ``compression/*.toml`` for named presets).
 
     Args:
-        method: ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``sign``,
-            ``topk`` or ``powersgd``.
-        block_size: elements per scale block (int8/int4/sign).
-        rounding: ``nearest`` or ``stochastic``.
+        method: ``none`` or a method of the compressor registry
+            (:data:`~torsh_jax.plan.compressors.METHODS`: ``fp16``, ``bf16``, ``fp8_e4m3``,
+            ``fp8_e5m2``, ``int8``, ``int4``, ``sign``, ``topk``, ``powersgd``).
+        block_size: elements per scale block (the methods with block scales: int8/int4/sign/fp8).
+        rounding: ``nearest``, or ``stochastic`` for the methods that have it (int8, int4).
         error_feedback: keep the residual and add it to the next step.
         topk_fraction: fraction of elements kept per chunk (top-k).
         chunk_size: elements per top-k chunk (indices are local int16).
@@ -319,6 +320,13 @@ class CompressorSpec:
         _check_choice(self.method, COMPRESSION_METHODS, "method")
         _check_positive_int(self.block_size, "block_size")
         _check_choice(self.rounding, ("nearest", "stochastic"), "rounding")
+        stochastic = sorted(name for name, m in METHODS.items() if m.stochastic)
+        _check(
+            self.rounding == "nearest" or self.method in stochastic,
+            "rounding",
+            f"method {self.method!r} has no stochastic rounding",
+            fix=f"use rounding = 'nearest', or a method with stochastic rounding: {stochastic}",
+        )
         _check(0 < self.topk_fraction <= 1, "topk_fraction", "must be in (0, 1]")
         _check(1 <= self.chunk_size <= 32768, "chunk_size", "must be in [1, 32768] (int16 indices)")
         _check_positive_int(self.rank, "rank")
@@ -354,21 +362,24 @@ class PipelineSpec:
 
     Args:
         microbatches: pipeline micro-batches each pass splits the micro batch into.
-        schedule: ``gpipe``, ``1f1b``, ``interleaved`` or ``zb_h1`` (1F1B with each backward
-            split into input and weight gradients, :mod:`torsh_jax.pipeline.schedule`).
+        schedule: a key of :data:`torsh_jax.pipeline.schedule.PIPELINE_SCHEDULES`: ``gpipe``,
+            ``1f1b``, ``interleaved`` or ``zb_h1`` (1F1B with each backward split into input and
+            weight gradients).
         virtual_stages: layer chunks per stage (``interleaved``).
         gather: under ZeRO-3, gather a stage's parameters ``once`` per step or
             ``per_microbatch`` (one layer at a time in every slot).
     """
 
     microbatches: int = 1
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb_h1"] = "1f1b"
+    schedule: str = "1f1b"
     virtual_stages: int = 1
     gather: Literal["once", "per_microbatch"] = "once"
 
     def __post_init__(self):
         _check_positive_int(self.microbatches, "pipeline.microbatches")
-        _check_choice(self.schedule, ("gpipe", "1f1b", "interleaved", "zb_h1"), "pipeline.schedule")
+        from torsh_jax.pipeline.schedule import PIPELINE_SCHEDULES  # the registry (numpy only)
+
+        _check_choice(self.schedule, tuple(PIPELINE_SCHEDULES), "pipeline.schedule")
         _check_positive_int(self.virtual_stages, "pipeline.virtual_stages")
         _check_choice(self.gather, ("once", "per_microbatch"), "pipeline.gather")
 

@@ -43,13 +43,24 @@ __all__ = ["PLATFORMS", "rows_per_tile", "encode", "decode", "encode_with_feedba
 PLATFORMS = ("tpu", "gpu", "mosaic_gpu", "interpret")
 #: Largest row tile (blocks per grid step).
 MAX_ROWS = 256
+#: Mosaic's row tile is a multiple of this many rows, or all the rows.
+MOSAIC_ROWS = 8
 
 
-def rows_per_tile(num_blocks: int) -> int:
-    """Blocks per grid step: the largest power of two <= 256 dividing ``num_blocks``."""
+def rows_per_tile(num_blocks: int, *, platform: str) -> int:
+    """Blocks per grid step: the largest power of two <= 256 dividing ``num_blocks`` (Triton's
+    tiles are powers of two); under Mosaic (``tpu`` and the interpreter) all ``num_blocks`` in one
+    tile when that power is below 8.
+
+    Example:
+        >>> [rows_per_tile(n, platform="tpu") for n in (96, 6)], rows_per_tile(6, platform="gpu")
+        ([32, 6], 2)
+    """
     rows = 1
     while rows * 2 <= MAX_ROWS and num_blocks % (rows * 2) == 0:
         rows *= 2
+    if platform in ("tpu", "interpret") and rows < MOSAIC_ROWS:
+        return num_blocks
     return rows
 
 
@@ -156,7 +167,7 @@ def _payload_shapes(method: str, num_blocks: int, block_size: int, like: jax.Arr
 
 def _encode_call(kernel, inputs, seed, *, method, block_size, platform, extra_out):
     num_blocks = inputs[0].shape[0]
-    rows = rows_per_tile(num_blocks)
+    rows = rows_per_tile(num_blocks, platform=platform)
     stochastic = seed is not None
     body = functools.partial(kernel, method=method, block_size=block_size, rows=rows, stochastic=stochastic)
     out_shape = _payload_shapes(method, num_blocks, block_size, inputs[0]) + extra_out
@@ -228,7 +239,7 @@ def decode(payload: QuantPayload, /, *, method: str, block_size: int, platform: 
     """Kernel twin of :func:`torsh_jax.compress.quantize.decode`."""
     num_blocks = payload.scales.shape[0]
     _check_shape(method, num_blocks * block_size, block_size)
-    rows = rows_per_tile(num_blocks)
+    rows = rows_per_tile(num_blocks, platform=platform)
     out = pl.pallas_call(
         functools.partial(_decode_kernel, method=method, block_size=block_size),
         out_shape=_out((num_blocks, block_size), jnp.float32, payload.values),
