@@ -8,31 +8,17 @@ theory's bytes, and ZeRO-3 keeps 1/8 of the state per device.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 from conftest import require_devices
+from helpers import BENCHMARKS, load_common
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def load_common():
-    """``benchmarks/common.py`` as module ``bench_common`` (loaded once)."""
-    if "bench_common" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_common", BENCHMARKS / "common.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_common"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["bench_common"]
-
 
 TIMING_KEYS = {"name", "ratio", "paired_ratio", "min_ratio", "ours_median_s", "baseline_median_s", "steps"}
 WIRE_KEYS = {"name", "ratio", "baseline_ratio", "theory_wire_bytes", "ours_wire_bytes", "baseline_wire_bytes"}

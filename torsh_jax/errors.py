@@ -28,6 +28,7 @@ __all__ = [
     "ParameterError",
     "DeviceMemoryError",
     "ArgumentError",
+    "TargetError",
     "PrecisionWarning",
 ]
 
@@ -106,6 +107,10 @@ class ArgumentError(TorshError, TypeError):
 
 class DeviceMemoryError(TorshError, ValueError):
     """A train step needs more memory per device than a device has (the figures, the limit, a fix)."""
+
+
+class TargetError(TorshError, ValueError):
+    """An accelerator target is unknown, or the compiler for it is not installed."""
 
 
 class PrecisionWarning(UserWarning):

@@ -38,7 +38,7 @@ from torsh_jax.analysis._hlo_text import (
 from torsh_jax.analysis.theory import ring_wire_bytes
 from torsh_jax.errors import MeshError
 
-__all__ = ["Collective", "KINDS", "collectives", "collectives_from_text"]
+__all__ = ["Collective", "KINDS", "check_devices", "collectives", "collectives_from_text"]
 
 #: Collective kinds reported (async ``-start`` forms map to these; ``-done`` is skipped).
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
@@ -384,6 +384,13 @@ def collectives(compiled, mesh) -> list[Collective]:
             ``mesh`` has.
     """
     module = parse_module(compiled.as_text())
+    check_devices(module, mesh)
+    axis_sizes = {name: int(size) for name, size in mesh.shape.items()}
+    return _collect(module, axis_sizes, _mesh_positions(compiled, mesh))
+
+
+def check_devices(module: HloModuleText, mesh) -> None:
+    """Raise :class:`MeshError` when ``module`` runs on another number of devices than ``mesh`` has."""
     devices = module.num_partitions * module.replica_count
     if devices != mesh.size:
         raise MeshError(
@@ -391,5 +398,3 @@ def collectives(compiled, mesh) -> list[Collective]:
             key=f"mesh{dict(mesh.shape)}",
             fix="pass the mesh the program was compiled with",
         )
-    axis_sizes = {name: int(size) for name, size in mesh.shape.items()}
-    return _collect(module, axis_sizes, _mesh_positions(compiled, mesh))

@@ -7,8 +7,10 @@ Example:
     >>> from torsh_jax.plan import load_plan
     >>> from torsh_jax.runtime.step import make_train_step
     >>> cfg, plan = LMConfig(layers=1), load_plan("ddp")
-    >>> train = make_train_step(loss_fn(cfg), optax.adamw(1e-3), plan, build_mesh(plan, jax.devices()[:1]))
-    >>> state = train.init(init_params(cfg, jax.random.key(0)))
+    >>> params = init_params(cfg, jax.random.key(0))
+    >>> mesh = build_mesh(plan, jax.devices()[:1])
+    >>> train = make_train_step(loss_fn(cfg), optax.adamw(1e-3), plan, mesh, params)
+    >>> state = train.init(params)
     >>> report = inspect_step(train, state, synthetic_tokens(cfg, batch_size=8, seed=0))
     >>> report["theory"]["description"]
     'DDP over data=1'
@@ -26,7 +28,7 @@ import numpy as np
 from torsh_jax.analysis import summarize
 from torsh_jax.analysis.report import widening_note
 from torsh_jax.analysis.theory import Theory, megatron_blocks, pipeline_stages, plan_theory
-from torsh_jax.runtime.layered import LayeredModel, split_params
+from torsh_jax.runtime.layered import split_params
 from torsh_jax.runtime.mesh import default_num_slices
 from torsh_jax.runtime.pipeline import schedule_for
 from torsh_jax.runtime.state import TrainState
@@ -61,7 +63,7 @@ def _shard_param_count(train: TrainStep) -> int:
 def _layer_fraction(train: TrainStep) -> float:
     """Part of the parameters in stacked layers: a layered model's, none for a plain loss (nor under
     a pipeline, whose ZeRO-3 gathers a stage's parameters once per step)."""
-    if not isinstance(train.loss, LayeredModel) or train.layout.roles.stage_axis is not None:
+    if not train.loss.stacked or train.layout.roles.stage_axis is not None:
         return 0.0
     counts = _shard_counts(train)
     return sum(jax.tree.leaves(counts[train.loss.layers_key])) / sum(jax.tree.leaves(counts))
@@ -93,7 +95,7 @@ def tensor_theory(train: TrainStep, batch: Any) -> Theory | None:
         for x, split in zip(jax.tree.leaves(params), jax.tree.leaves(train.layout.split, is_leaf=_is_axes))
         if not split
     )
-    zero3_regathers = roles.zero_stage == 3 and plan.zero.reshard_after_forward
+    zero3_regathers = roles.gather == "on_use" and plan.zero.reshard_after_forward
     return megatron_blocks(
         hidden.size * compute.itemsize,
         tensor_size=roles.size(roles.tensor_axis),
@@ -109,11 +111,7 @@ def tensor_theory(train: TrainStep, batch: Any) -> Theory | None:
 def _megatron_tensor(train: TrainStep) -> bool:
     """Whether the step has a tensor axis over a layered model built from the tensor blocks."""
     model = train.loss
-    return (
-        train.layout.roles.tensor_axis is not None
-        and isinstance(model, LayeredModel)
-        and has_tensor_blocks(model)
-    )
+    return train.layout.roles.tensor_axis is not None and model.stacked and has_tensor_blocks(model)
 
 
 def _pipeline_activation_bytes(train: TrainStep, batch: Any) -> int:
@@ -134,7 +132,7 @@ def _shared_grad_bytes(train: TrainStep) -> int:
     counts = _shard_counts(train)
     shared = sum(n for k, v in counts.items() if k != key for n in jax.tree.leaves(v))
     # reduce-scattered per micro-step: ZeRO-2, and ZeRO-3 under a pipeline (it gathers once per step)
-    scattered = layout.roles.zero_stage in (2, 3) and not layout.sync.routes
+    scattered = layout.roles.grads_sharded and layout.roles.reduce != "per_step"
     if scattered:
         fsdp = layout.roles.size(layout.roles.shard_axis)
         dims = {k: v for k, v in layout.dims.items() if k != key}
@@ -173,13 +171,13 @@ def data_theory(train: TrainStep) -> Theory:
 
 def _layers(train: TrainStep) -> int | None:
     """Stacked layers of a layered model (``None`` for a plain loss)."""
-    if not isinstance(train.loss, LayeredModel):
+    if not train.loss.stacked:
         return None
     logical = train.layout.logical_params(train.layout.abstract.params)
     return jax.tree.leaves(logical[train.loss.layers_key])[0].shape[0]
 
 
-def inspect_step(train: TrainStep, state: TrainState, batch: Any) -> dict:
+def inspect_step(train: TrainStep, state: TrainState, batch: Any, *, compiled: Any = None) -> dict:
     """Summary of the compiled step: collectives, totals, memory and theory. ``state`` may be
     :meth:`~torsh_jax.runtime.step.TrainStep.abstract_state` (nothing is allocated or run).
 
@@ -195,7 +193,8 @@ def inspect_step(train: TrainStep, state: TrainState, batch: Any) -> dict:
     ``feedback`` and ``total``) and ``notes``
     (what the step changed about the parameters, e.g. a dtype cast).
     """
-    compiled = train.lower(state, batch).compile()
+    if compiled is None:  # given: compiled already (for an accelerator target, torsh_jax.targets)
+        compiled = train.lower(state, batch).compile()
     theory = data_theory(train)
     axis_theories = {"tensor": tensor_theory(train, batch), "stage": stage_theory(train, batch)}
     axis_theories = {axis: t for axis, t in axis_theories.items() if t is not None} or None

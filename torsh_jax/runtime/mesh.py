@@ -84,6 +84,8 @@ def build_mesh(
 
 def _hybrid_device_array(ici: list[int], dcn: list[int], devices: list[jax.Device]) -> np.ndarray:
     num_slices = int(np.prod(dcn))
+    if len({getattr(d, "slice_index", 0) for d in devices}) == num_slices:  # TPU slices, real or compile-only
+        return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=False)
     processes = sorted({d.process_index for d in devices})
     if len(processes) == num_slices:
         return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=True)

@@ -1,0 +1,181 @@
+"""Our steps against GSPMD's, compiled for an accelerator this machine does not have (``v5e-16``).
+
+For each plan the demo language model's step is lowered from its abstract state and compiled by
+the target's compiler (``libtpu``; nothing runs). Next to it, the ``jax.jit`` baselines of
+:mod:`common` (``jit_fsdp``: state sharded over ``fsdp``; ``jit_fsdp_gathered``: the same with every
+part's weights constrained to replicated where used), compiled for the same mesh and batch, for
+the plans whose mesh they fit (data and fsdp axes; the pipeline has none).
+
+Prints one JSON object per plan and program: ``overlap`` (fraction of collective payload bytes
+whose start and done have compute between them, see :mod:`torsh_jax.analysis.overlap`),
+``overlap_all_gather`` / ``overlap_reduce`` (the same for gathers and for reductions),
+``overlap_by_axes`` (per mesh-axis set),
+``temp_bytes`` (``memory_analysis``), ``wire_bytes`` (ring-algorithm bytes per step of the async
+pairs and synchronous collectives), compile seconds; then per plan and baseline the ratios
+ours / baseline (``temp_ratio``, ``wire_ratio``) and both overlap fractions.
+
+Usage:
+    python benchmarks/bench_target.py [--target v5e-16] [--layers 8] [--d-model 512] [--plans zero3,fsdp_tp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import common
+
+PLANS = ("zero3", "fsdp_tp", "pp_1f1b")
+BASELINES = ("fsdp_gathered", "fsdp")
+#: libtpu's environment for compiling without TPUs (no warnings about missing metadata).
+TPU_ENV = {
+    "TPU_WORKER_HOSTNAMES": "localhost",
+    "TPU_ACCELERATOR_TYPE": "v5litepod-16",
+    "JAX_PLATFORMS": "cpu",
+}
+
+
+def parse_args() -> argparse.Namespace:
+    split = lambda text: tuple(p for p in text.split(",") if p)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="v5e-16")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--plans", type=split, default=PLANS)
+    parser.add_argument("--baselines", type=split, default=BASELINES)
+    return parser.parse_args()
+
+
+def model_config(args):
+    from torsh_jax.demo.model import LMConfig
+
+    heads = max(1, args.d_model // 64)
+    return LMConfig(
+        vocab=args.vocab,
+        d_model=args.d_model,
+        heads=heads,
+        head_dim=args.d_model // heads,
+        mlp=4 * args.d_model,
+        layers=args.layers,
+        seq_len=args.seq_len,
+    )
+
+
+def measure(compiled, mesh, seconds: float) -> dict:
+    """Overlap, memory and wire figures of one compiled program."""
+    from torsh_jax.analysis import memory_report
+    from torsh_jax.analysis.overlap import collective_overlap
+
+    report = collective_overlap(compiled, mesh)
+    kinds = report.by_kind()
+    reduce_kinds = [kinds[k] for k in ("all-reduce", "reduce-scatter") if k in kinds]
+    reduce_bytes = sum(k["bytes"] for k in reduce_kinds)
+    return {
+        "overlap": report.fraction(),
+        "overlap_all_gather": report.fraction(kind="all-gather"),
+        "overlap_reduce": sum(k["overlapped_bytes"] for k in reduce_kinds) / reduce_bytes
+        if reduce_bytes
+        else None,
+        "overlap_by_axes": {axes: group["fraction"] for axes, group in report.by_axes().items()},
+        "collectives": len(report.collectives),
+        "async": sum(o.is_async for o in report.collectives),
+        "wire_bytes": sum(o.collective.wire_bytes_per_step for o in report.collectives),
+        "temp_bytes": memory_report(compiled).temp_bytes,
+        "compile_s": round(seconds, 1),
+    }
+
+
+def compile_ours(plan, mesh, cfg, shapes):
+    import optax
+
+    from torsh_jax.demo.model import layered_model
+    from torsh_jax.runtime.step import make_train_step
+    from torsh_jax.tensor import tensor_axis
+
+    start = time.perf_counter()
+    model = layered_model(cfg, tp=tensor_axis(plan))
+    train = make_train_step(model, optax.adamw(common.LEARNING_RATE), plan, mesh, shapes)
+    batch = token_shapes(cfg, train.global_batch_size)
+    compiled = train.lower(train.abstract_state(), batch).compile()
+    return compiled, train.global_batch_size, time.perf_counter() - start
+
+
+def compile_baseline(kind: str, mesh, cfg, shapes, batch_size: int):
+    import optax
+
+    from torsh_jax.demo.model import layered_model
+
+    start = time.perf_counter()
+    optimizer = optax.adamw(common.LEARNING_RATE)
+    jitted, _ = common._baseline_functions(layered_model(cfg), optimizer, shapes, mesh, kind=kind, key=cfg)
+    import jax
+
+    state = jax.eval_shape(lambda p: (p, optimizer.init(p)), shapes)
+    compiled = jitted.lower(state, token_shapes(cfg, batch_size)).compile()
+    return compiled, time.perf_counter() - start
+
+
+def token_shapes(cfg, batch_size: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    tokens = jax.ShapeDtypeStruct((batch_size, cfg.seq_len), jnp.int32)
+    return {"inputs": tokens, "targets": tokens}
+
+
+def run_plan(name: str, args, devices, cfg, shapes) -> None:
+    from torsh_jax.plan import load_plan
+    from torsh_jax.runtime.mesh import build_mesh
+
+    plan = load_plan(name)
+    mesh = build_mesh(plan, devices)
+    fields = {"plan": name, "target": args.target, "layers": cfg.layers, "d_model": cfg.d_model}
+    compiled, batch_size, seconds = compile_ours(plan, mesh, cfg, shapes)
+    ours = measure(compiled, mesh, seconds)
+    common.emit({"name": "target_program", "program": "ours", **fields, "batch": batch_size, **ours})
+    if mesh.shape["stage"] > 1:
+        return  # no GSPMD pipeline to compare with
+    for kind in args.baselines:
+        compiled, seconds = compile_baseline(kind, mesh, cfg, shapes, batch_size)
+        base = measure(compiled, mesh, seconds)
+        common.emit(
+            {"name": "target_program", "program": f"jit_{kind}", **fields, "batch": batch_size, **base}
+        )
+        common.emit(
+            {
+                "name": "target_compare",
+                "baseline": f"jit_{kind}",
+                **fields,
+                "overlap_ours": ours["overlap"],
+                "overlap_baseline": base["overlap"],
+                "temp_ratio": _ratio(ours["temp_bytes"], base["temp_bytes"]),
+                "wire_ratio": _ratio(ours["wire_bytes"], base["wire_bytes"]),
+            }
+        )
+
+
+def _ratio(a, b):
+    return round(a / b, 3) if a is not None and b else None
+
+
+def main() -> None:
+    args = parse_args()
+    for key, value in TPU_ENV.items():
+        os.environ.setdefault(key, value)
+    import jax
+
+    from torsh_jax.demo.model import init_params
+    from torsh_jax.targets import target_devices
+
+    devices = target_devices(args.target)
+    cfg = model_config(args)
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    for name in args.plans:
+        run_plan(name, args, devices, cfg, shapes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Compiling for accelerators this machine does not have (``torsh_jax.targets``, ``inspect --target``).
+
+Target names map to the cloud's topologies; bad names and a missing compiler are one line. With
+``libtpu`` installed, steps compile for TPU v5e: a ZeRO-3 step fits with the compiler's memory
+figures, a step whose temporaries exceed HBM is a result (``fits`` false, the compiler's figure,
+exit code 0), a multi-slice target compiles, and what the compiler's cost analysis counts is
+checked against a hand count. GPU targets compile where the CUDA plugin is importable (``.ci/run``
+installs it beside the test environment); elsewhere those tests skip, saying what to install.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from torsh_jax.cli.main import main
+from torsh_jax.errors import TargetError
+from torsh_jax.targets import (
+    CHIPS,
+    devices,
+    missing_compiler,
+    parse_out_of_memory,
+    parse_target,
+    target_devices,
+)
+
+#: The smallest demo model (its step compiles in seconds for 16 TPU chips).
+SMALL = ["--layers", "1", "--d-model", "16"]
+
+
+def _needs(target: str) -> None:
+    missing = missing_compiler(target)
+    if missing is not None:
+        pytest.skip(missing)
+
+
+def _inspect(capsys, *argv: str) -> tuple[int, dict]:
+    code = main(["inspect", *argv, "--json"])
+    out = capsys.readouterr().out
+    return code, json.loads(out)["target"] if code == 0 else {}
+
+
+@pytest.mark.parametrize(
+    ("name", "chips", "topology", "accelerator"),
+    [
+        ("v5e-16", 16, "v5e:4x4", "v5litepod-16"),
+        ("v5litepod-256", 256, "v5e:16x16", "v5litepod-256"),
+        ("v4-8", 4, "v4:2x2x1", "v4-8"),
+        ("v4-32", 16, "v4:2x2x4", "v4-32"),
+        ("v4-64", 32, "v4:2x4x4", "v4-64"),
+        ("v5p-128", 64, "v5p:4x4x4", "v5p-128"),
+        ("v6e-64", 64, "v6e:8x8", "v6e-64"),
+        ("h100-8", 8, "1x1x8", ""),
+        ("h100-16", 16, "2x1x8", ""),
+        ("a100-8", 8, "1x1x8", ""),
+    ],
+    ids=lambda v: str(v),
+)
+def test_target_names_map_to_the_clouds_topologies(name, chips, topology, accelerator):
+    target = parse_target(name)
+    assert (target.chips, target.topology, target.accelerator_type) == (chips, topology, accelerator)
+
+
+def test_slices_multiply_a_tpu_target():
+    assert parse_target("v5e-16", slices=4).devices == 64
+
+
+@pytest.mark.parametrize(
+    ("name", "slices", "says"),
+    [
+        ("v7x-8", 1, "unknown accelerator 'v7x'"),
+        ("v5e", 1, "not a target name"),
+        ("v5e-12", 1, "a power of two in 4..256"),
+        ("v4-4", 1, "TensorCores (2 per chip)"),
+        ("v5e-512", 1, "a power of two in 4..256"),
+        ("h100-12", 1, "a multiple of 8 GPUs"),
+        ("h100-8", 2, "GPU targets have no slices"),
+    ],
+    ids=lambda v: str(v),
+)
+def test_bad_target_is_one_line_with_a_fix(name, slices, says):
+    with pytest.raises(TargetError, match="Fix:") as caught:
+        parse_target(name, slices=slices)
+    assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_cli_bad_target_is_one_line(capsys):
+    assert main(["inspect", "--target", "v7x-8", *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown accelerator 'v7x'" in err and "Fix:" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--target", "v5e-16", "--devices", "16"], "--devices: the target decides the devices"),
+        (["--slices", "2"], "--slices: slices need a TPU target"),
+        (["--target", "h100-8", "--slices", "2"], "slices: GPU targets have no slices"),
+    ],
+    ids=["devices-and-target", "slices-without-target", "gpu-slices"],
+)
+def test_cli_target_flags_that_do_not_go_together(capsys, argv, says):
+    assert main(["inspect", *argv, *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err and "Fix:" in err
+
+
+def test_cli_missing_compiler_says_which_extra(capsys, monkeypatch):
+    monkeypatch.setitem(devices._COMPILERS, "tpu", ("torsh_jax_no_such_compiler", "tpu-aot"))
+    assert main(["inspect", "--target", "v5e-16", *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and 'pip install "torsh-jax[tpu-aot]"' in err and "Traceback" not in err
+
+
+def test_out_of_memory_messages_parse():
+    temporaries = "RESOURCE_EXHAUSTED: ... HLO temporaries (16.94G) exceeds available HBM (15.75G)."
+    assert parse_out_of_memory(temporaries) == {"temp": round(16.94 * 2**30), "limit": round(15.75 * 2**30)}
+    used = "Ran out of memory in memory space hbm. Used 17.50G of 15.75G hbm. Exceeded hbm capacity by 1.75G."
+    assert parse_out_of_memory(used) == {"peak": round(17.5 * 2**30), "limit": round(15.75 * 2**30)}
+    assert parse_out_of_memory("INTERNAL: something else") is None
+
+
+def test_zero3_fits_v5e_16_with_the_compilers_memory(capsys):
+    _needs("v5e-16")
+    code, target = _inspect(capsys, "--plan", "zero3", "--target", "v5e-16", *SMALL)
+    memory = target["memory"]
+    assert code == 0 and target["chips"] == 16 and target["fits"] is True
+    assert memory["peak"] == memory["argument"] + memory["output"] + memory["temp"] - memory["alias"] > 0
+    assert target["hbm_limit_bytes"] == CHIPS["v5e"].compiler_hbm_bytes
+    assert target["margin_bytes"] == target["hbm_limit_bytes"] - memory["peak"]
+    assert target["flops"] > 0 and target["roofline_step_s"] >= target["flops"] / CHIPS["v5e"].peak_bf16_flops
+    assert target["overlap"] is None and target["compiler_message"] is None
+
+
+def test_step_over_hbm_is_a_result_with_the_compilers_figures(capsys):
+    """Logits of 4,096 tokens x 2**19 vocabulary entries per chip: temporaries over 15.75 GiB."""
+    _needs("v5e-4")
+    argv = ["--plan", "ddp", "--target", "v5e-4", "--layers", "1", "--d-model", "16"]
+    code, target = _inspect(capsys, *argv, "--vocab", str(2**19), "--seq-len", "4096", "--micro-batch", "1")
+    assert code == 0 and target["fits"] is False
+    assert "exceeds available HBM" in target["compiler_message"]
+    # the limit libtpu states is the catalog's figure for the chip
+    assert target["hbm_limit_bytes"] == CHIPS["v5e"].compiler_hbm_bytes
+    assert target["memory"]["temp"] > target["hbm_limit_bytes"]
+    assert target["margin_bytes"] == target["hbm_limit_bytes"] - target["memory"]["temp"] < 0
+
+
+def test_multi_slice_target_compiles(capsys):
+    _needs("v5e-4")
+    code, target = _inspect(capsys, "--plan", "hsdp", "--target", "v5e-4", "--slices", "2", *SMALL)
+    assert code == 0 and (target["chips"], target["slices"]) == (8, 2) and target["fits"] is True
+    assert target["memory"]["peak"] > 0
+
+
+@pytest.mark.parametrize("name", ["v4-8", "v5e-4", "v5p-8", "v6e-4"])
+def test_catalog_usable_hbm_is_what_libtpu_says(name):
+    """A program needing 256 GiB of temporaries: libtpu's refusal states the HBM it may use."""
+    mesh = _tpu_mesh(name)
+    replicated = NamedSharding(mesh, P())
+    program = jax.jit(
+        lambda a: jnp.sin(a) + jnp.cos(a) * a, in_shardings=replicated, out_shardings=replicated
+    )
+    with pytest.raises(jax.errors.JaxRuntimeError) as refused:
+        program.lower(jax.ShapeDtypeStruct((2**35,), jnp.float32)).compile()
+    target = parse_target(name)
+    assert parse_out_of_memory(str(refused.value))["limit"] == target.chip.compiler_hbm_bytes
+    assert len(mesh.devices.flat) == target.chips  # one device per chip (v4 and v5p as megacore)
+
+
+def _tpu_mesh(name: str) -> Mesh:
+    _needs(name)
+    return Mesh(np.array(target_devices(name)), ("d",))
+
+
+def test_tpu_cost_analysis_counts_one_device_after_partitioning():
+    """A [8192, 4096] @ [4096, 8192] matmul split 16 ways: 2*512*4096*8192 FLOPs per chip."""
+    mesh = _tpu_mesh("v5e-16")
+    rows = NamedSharding(mesh, P("d", None))
+    matmul = jax.jit(lambda a, b: a @ b, in_shardings=(rows, NamedSharding(mesh, P())), out_shardings=rows)
+    a, b = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096, 8192), jnp.bfloat16)
+    assert matmul.lower(a, b).compile().cost_analysis()["flops"] == 2 * 512 * 4096 * 8192
+
+
+def test_tpu_cost_analysis_counts_a_loop_body_once():
+    """Why ``mfu_bound`` is ``None`` for programs with while loops (the layer scan)."""
+    mesh = _tpu_mesh("v5e-4")
+    x = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+
+    def flops(trips: int) -> float:
+        scan = lambda w: jax.lax.scan(lambda c, _: (c @ w, None), w, length=trips)[0]
+        return jax.jit(scan).lower(x).compile().cost_analysis()["flops"]
+
+    assert flops(4) == flops(2)
+
+
+def _needs_gpu(target: str) -> None:
+    _needs(target)
+    try:
+        target_devices(target)
+    except TargetError as err:
+        pytest.skip(str(err))
+
+
+@pytest.mark.parametrize("name", ["h100-8", "a100-8"])
+def test_gpu_target_compiles_and_fits(capsys, name):
+    _needs_gpu(name)
+    code, target = _inspect(capsys, "--plan", "zero3", "--target", name, *SMALL)
+    assert code == 0 and target["platform"] == "gpu" and target["chips"] == 8 and target["fits"] is True
+    assert target["hbm_limit_bytes"] == CHIPS[name.split("-")[0]].hbm_bytes
