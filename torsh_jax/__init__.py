@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "ParameterError": "torsh_jax.errors",
     "DeviceMemoryError": "torsh_jax.errors",
     "ArgumentError": "torsh_jax.errors",
+    "TargetError": "torsh_jax.errors",
     "PrecisionWarning": "torsh_jax.errors",
     # plans
     "ParallelPlan": "torsh_jax.plan",
@@ -64,6 +65,8 @@ _EXPORTS: dict[str, str] = {
     "Roles": "torsh_jax.plan.roles",
     "state_layout": "torsh_jax.runtime.layout",
     "StateLayout": "torsh_jax.runtime.layout",
+    "StepPlan": "torsh_jax.runtime.decide",
+    "decide": "torsh_jax.runtime.decide",
     "LayeredModel": "torsh_jax.runtime.layered",
     "make_train_step": "torsh_jax.runtime.step",
     "TrainStep": "torsh_jax.runtime.step",
@@ -72,6 +75,9 @@ _EXPORTS: dict[str, str] = {
     "compare_with_twin": "torsh_jax.runtime.verify",
     "record_gradients": "torsh_jax.runtime.verify",
     "inspect_step": "torsh_jax.runtime.inspect",
+    # targets (compile for accelerators this machine does not have)
+    "target_devices": "torsh_jax.targets",
+    "compile_for_target": "torsh_jax.targets",
     # optimizers
     "build_optimizer": "torsh_jax.optim",
     "build_schedule": "torsh_jax.optim",
@@ -121,6 +127,7 @@ if TYPE_CHECKING:  # pragma: no cover - what a type checker sees; at run time __
         PrecisionWarning,
         PresetNotFoundError,
         ShardingError,
+        TargetError,
         TorshError,
         TranslationError,
     )
@@ -149,6 +156,7 @@ if TYPE_CHECKING:  # pragma: no cover - what a type checker sees; at run time __
         save_plan,
     )
     from torsh_jax.plan.roles import Roles, compose
+    from torsh_jax.runtime.decide import StepPlan, decide
     from torsh_jax.runtime.inspect import inspect_step
     from torsh_jax.runtime.layered import LayeredModel
     from torsh_jax.runtime.layout import StateLayout, state_layout
@@ -158,6 +166,7 @@ if TYPE_CHECKING:  # pragma: no cover - what a type checker sees; at run time __
     from torsh_jax.runtime.step import TrainStep, make_train_step
     from torsh_jax.runtime.twin import make_reference_step
     from torsh_jax.runtime.verify import compare_with_twin, record_gradients
+    from torsh_jax.targets import compile_for_target, target_devices
     from torsh_jax.translate.deepspeed import translate_deepspeed
     from torsh_jax.translate.detect import translate_file
     from torsh_jax.translate.environment import translate_environment
