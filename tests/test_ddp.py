@@ -5,10 +5,11 @@ from __future__ import annotations
 import chex
 import jax
 import pytest
-from helpers import SMALL, assert_matches_twin, recording_optimizer, twin_report
+from helpers import SMALL, assert_matches_twin, mlp_model, mlp_params, recording_optimizer, twin_report
 
-from torsh_jax.demo.model import init_params, loss_fn, synthetic_tokens
+from torsh_jax.demo.model import synthetic_tokens
 from torsh_jax.plan import BatchSpec, CommunicationSpec, ParallelPlan, load_plan
+from torsh_jax.runtime.layered import layered_loss
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.step import make_train_step
 
@@ -26,7 +27,7 @@ from torsh_jax.runtime.step import make_train_step
     ],
 )
 def test_ddp_matches_single_device_twin(plan):
-    report, train = twin_report(plan, steps=5)
+    report, train = twin_report(plan, steps=5, mlp=True)  # DDP reduces gradients: any model shows it
     assert train.mesh.shape["data"] == 8
     assert_matches_twin(report)
     assert report.losses[-1] < report.losses[0]  # it trains
@@ -37,7 +38,7 @@ def test_accumulation_equals_one_big_batch():
     """4 micro-steps of 2 per device = one step on the same 64 examples."""
     accum = ParallelPlan(batch=BatchSpec(micro_batch_size=2, accumulation_steps=4))
     big = ParallelPlan(batch=BatchSpec(micro_batch_size=8, accumulation_steps=1))
-    reports = [twin_report(p, steps=3)[0] for p in (accum, big)]
+    reports = [twin_report(p, steps=3, mlp=True)[0] for p in (accum, big)]
     for report in reports:
         assert_matches_twin(report)
     assert reports[0].twin_losses == reports[1].twin_losses  # one twin: the 64 examples at once
@@ -48,14 +49,15 @@ def test_horovod_sum_accumulation_scales_gradients():
     summed = ParallelPlan(
         batch=BatchSpec(micro_batch_size=2, accumulation_steps=4, accumulation_reduce="sum")
     )
-    report, _ = twin_report(summed, steps=2)
+    report, _ = twin_report(summed, steps=2, mlp=True)
     assert_matches_twin(report)
 
 
 def test_step_compiles_once_over_ten_steps():
     plan = load_plan("ddp")
-    loss = chex.assert_max_traces(loss_fn(SMALL), n=1)  # the loss is traced by the one step trace only
-    params = init_params(SMALL, jax.random.key(1))
+    # the loss is traced by the one step trace only
+    loss = chex.assert_max_traces(layered_loss(mlp_model(SMALL)), n=1)
+    params = mlp_params(SMALL, jax.random.key(1))
     train = make_train_step(loss, recording_optimizer(), plan, build_mesh(plan), params)
     state = train.init(params)
     for i in range(10):

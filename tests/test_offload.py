@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 import pytest
-from helpers import SMALL, assert_matches_twin, twin_report
+from helpers import SMALL, assert_matches_twin, mlp_params, twin_report
 
 from torsh_jax.demo.model import init_params, synthetic_tokens
 from torsh_jax.errors import NotSupportedYetError
@@ -27,9 +27,11 @@ def _plan(**zero):
     ],
 )
 def test_offloaded_state_lives_in_host_memory_and_matches_the_twin(zero, host_parts):
-    report, train = twin_report(_plan(**zero), steps=3)
+    report, train = twin_report(
+        _plan(**zero), steps=3, mlp=True
+    )  # where the state lives, not the layers' math
     assert_matches_twin(report)
-    state = train.init(init_params(SMALL, jax.random.key(0)))
+    state = train.init(mlp_params(SMALL, jax.random.key(0)))
     state, _ = train.step(state, synthetic_tokens(SMALL, batch_size=train.global_batch_size, seed=0))
     for part in ("opt_state", "params"):
         kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(getattr(state, part))}

@@ -97,7 +97,7 @@ def test_vocab_parallel_loss_never_holds_full_logits():
 TP_PLANS = [
     pytest.param(load_plan("tp"), id="tp"),
     pytest.param(load_plan("tp_sp"), id="tp-sequence-parallel"),
-    pytest.param(load_plan("fsdp_tp"), id="fsdp-tp-zero3"),
+    # ZeRO-3 x tensor: here over data x fsdp, and fsdp 4 x tensor 2 (the fsdp_tp preset's mesh) below
     pytest.param(load_plan("hsdp_tp"), id="hsdp-tp-zero3"),
     pytest.param(
         plan_from_dict({"mesh": {"data": 2, "fsdp": 2, "tensor": 2}, "zero": {"stage": 1},

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import optax
 import pytest
 from helpers import SMALL, assert_matches_twin, mlp_model, mlp_params, recording_optimizer, twin_report
 
-from torsh_jax.demo.model import LMConfig, init_params, layered_model, loss_fn, synthetic_tokens
+from torsh_jax.demo.model import LMConfig, init_params, layered_model, synthetic_tokens
 from torsh_jax.plan import load_plan, plan_from_dict
 from torsh_jax.runtime.inspect import inspect_step
 from torsh_jax.runtime.mesh import build_mesh
@@ -42,7 +44,7 @@ CASES = [
 
 @pytest.mark.parametrize("plan", CASES)
 def test_zero_matches_single_device_twin(plan):
-    report, train = twin_report(plan, steps=5)
+    report, train = twin_report(plan, steps=5, mlp=True)  # ZeRO shards what the layers hold, not their math
     assert train.mesh.shape["fsdp"] > 1
     assert_matches_twin(report)
     assert report.losses[-1] < report.losses[0]
@@ -53,13 +55,15 @@ def test_zero3_with_a_plain_loss_gathers_per_top_level_entry():
     plan = zero_plan(3)
     mesh = build_mesh(plan)
     optimizer = recording_optimizer()
+    from torsh_jax.runtime.layered import layered_loss
     from torsh_jax.runtime.twin import make_reference_step
     from torsh_jax.runtime.verify import compare_with_twin
 
-    params = init_params(SMALL, jax.random.key(0))
-    train = make_train_step(loss_fn(SMALL), optimizer, plan, mesh, params)
-    twin = make_reference_step(loss_fn(SMALL), optimizer, plan)
-    exact = make_reference_step(loss_fn(SMALL), optimizer, plan, dtype="float64")
+    loss = layered_loss(mlp_model(SMALL))  # a plain loss over {"embed", "layers", "head"}
+    params = mlp_params(SMALL, jax.random.key(0))
+    train = make_train_step(loss, optimizer, plan, mesh, params)
+    twin = make_reference_step(loss, optimizer, plan)
+    exact = make_reference_step(loss, optimizer, plan, dtype="float64")
     batches = [synthetic_tokens(SMALL, batch_size=train.global_batch_size, seed=i) for i in range(3)]
     assert_matches_twin(compare_with_twin(tuple(train), twin, params, batches, exact=exact))
 
@@ -73,6 +77,12 @@ def test_bf16_compute_within_stated_tolerance(stage):
     assert_matches_twin(report)  # a bf16 twin is 0.26 from float64: too loose alone, hence:
     assert report.max_loss_rel_err <= 2e-3
     assert report.max_grad_rel_err <= 0.15
+
+
+@functools.cache
+def _compiled_preset(name: str, layers: int):
+    """:func:`_compiled` of preset ``name``, compiled once per module (its tests only read it)."""
+    return _compiled(load_plan(name), layers)
 
 
 def _compiled(plan, layers: int):
@@ -95,7 +105,7 @@ def _per_device_bytes(tree, shardings) -> int:
 
 
 def test_stage3_per_device_state_is_an_eighth():
-    train, state, compiled, _ = _compiled(load_plan("zero3"), layers=8)
+    train, state, compiled, _ = _compiled_preset("zero3", layers=8)
     shardings = compiled.input_shardings[0][0]
     per_device = _per_device_bytes(state.params, shardings.params) + _per_device_bytes(
         state.opt_state, shardings.opt_state
@@ -105,7 +115,7 @@ def test_stage3_per_device_state_is_an_eighth():
 
 
 def test_stage1_shards_optimizer_state_only():
-    train, state, compiled, _ = _compiled(load_plan("zero1"), layers=8)
+    train, state, compiled, _ = _compiled_preset("zero1", layers=8)
     shardings = compiled.input_shardings[0][0]
     assert _per_device_bytes(state.opt_state, shardings.opt_state) <= 1.02 * _bytes(state.opt_state) / 8
     assert _per_device_bytes(state.params, shardings.params) == _bytes(state.params)
@@ -115,8 +125,7 @@ def test_stage3_temp_memory_does_not_grow_with_gathered_layers():
     """Going from 8 to 16 layers adds only what must grow with depth (one saved
     activation carry and one gradient shard per layer); gathered parameters add
     less than one layer's full parameters."""
-    plan = load_plan("zero3")
-    (t8, s8, c8, cfg), (_, _, c16, _) = _compiled(plan, 8), _compiled(plan, 16)
+    (t8, s8, c8, cfg), (_, _, c16, _) = _compiled_preset("zero3", 8), _compiled_preset("zero3", 16)
     layer_bytes = _bytes(s8.params["layers"]) / 8
     local_batch = t8.global_batch_size // 8
     carry_bytes = local_batch * cfg.seq_len * cfg.d_model * 4
@@ -128,8 +137,9 @@ def test_stage3_temp_memory_does_not_grow_with_gathered_layers():
 
 @pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "hsdp"])
 def test_wire_bytes_equal_theory(name):
-    train, state, _, cfg = _compiled(load_plan(name), layers=8)
-    summary = inspect_step(train, state, synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=0))
+    train, state, compiled, cfg = _compiled_preset(name, layers=8)
+    batch = synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=0)
+    summary = inspect_step(train, state, batch, compiled=compiled)
     theory = summary["theory"]
     assert theory["wire_ratio"] == pytest.approx(1.0, abs=0.02)
     for kind, ratio in theory["payload_ratio_by_kind"].items():
@@ -138,8 +148,9 @@ def test_wire_bytes_equal_theory(name):
 
 def test_stage3_without_regather_gathers_once():
     plan = zero_plan(3, zero={"reshard_after_forward": False})
-    train, state, _, cfg = _compiled(plan, layers=4)
-    summary = inspect_step(train, state, synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=0))
+    train, state, compiled, cfg = _compiled(plan, layers=4)
+    batch = synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=0)
+    summary = inspect_step(train, state, batch, compiled=compiled)
     gathered = summary["totals"]["by_kind"]["all-gather"]["payload_bytes"]
     assert gathered == pytest.approx(_bytes(state.params), rel=0.02)
 
