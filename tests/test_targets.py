@@ -135,7 +135,19 @@ def test_zero3_fits_v5e_16_with_the_compilers_memory(capsys):
     assert target["hbm_limit_bytes"] == CHIPS["v5e"].compiler_hbm_bytes
     assert target["margin_bytes"] == target["hbm_limit_bytes"] - memory["peak"]
     assert target["flops"] > 0 and target["roofline_step_s"] >= target["flops"] / CHIPS["v5e"].peak_bf16_flops
-    assert target["overlap"] is None and target["compiler_message"] is None
+    assert target["compiler_message"] is None
+    overlap = target["overlap"]  # from the TPU compiler's schedule
+    assert overlap["scheduled"] is True and overlap["count"] > 0 and 0.0 <= overlap["fraction"] <= 1.0
+    assert set(overlap["by_kind"]) >= {"all-gather"} and set(overlap["by_axes"]) == {"fsdp"}
+
+
+def test_demo_compiles_for_a_target_only(capsys):
+    _needs("v5e-16")
+    code = main(["demo", "--plan", "zero3", "--compile-only", "--target", "v5e-16", *SMALL, "--json"])
+    target = json.loads(capsys.readouterr().out)["target"]
+    assert code == 0 and (target["name"], target["fits"]) == ("v5e-16", True)
+    assert main(["demo", "--plan", "zero3", "--target", "v5e-16"]) == 2
+    assert "add --compile-only" in capsys.readouterr().err
 
 
 def test_step_over_hbm_is_a_result_with_the_compilers_figures(capsys):

@@ -122,6 +122,12 @@ TP_PLANS = [
         id="zero3-tp-sp-accum",
     ),
     pytest.param(
+        plan_from_dict({"mesh": {"data": 1, "fsdp": -1, "tensor": 2},
+                        "zero": {"stage": 3, "prefetch_layers": 1},
+                        "tensor": {"sequence_parallel": True}, "batch": {"micro_batch_size": 2}}),
+        id="zero3-prefetch-tp-sp",
+    ),
+    pytest.param(
         plan_from_dict({"mesh": {"data": 1, "fsdp": 2, "tensor": 4}, "zero": {"stage": 3},
                         "batch": {"micro_batch_size": 8}}),
         id="fsdp2-tp4-zero3",

@@ -11,6 +11,7 @@ import pytest
 from helpers import SMALL, assert_matches_twin, mlp_model, mlp_params, recording_optimizer, twin_report
 
 from torsh_jax.demo.model import LMConfig, init_params, layered_model, synthetic_tokens
+from torsh_jax.errors import NotSupportedYetError
 from torsh_jax.plan import load_plan, plan_from_dict
 from torsh_jax.runtime.inspect import inspect_step
 from torsh_jax.runtime.mesh import build_mesh
@@ -34,6 +35,8 @@ CASES = [
     pytest.param(zero_plan(3), id="zero3"),
     pytest.param(zero_plan(3, **ACCUM), id="zero3-accum"),
     pytest.param(zero_plan(3, zero={"reshard_after_forward": False}), id="zero3-keep-gathered"),
+    pytest.param(zero_plan(3, zero={"prefetch_layers": 1}), id="zero3-prefetch"),
+    pytest.param(zero_plan(3, zero={"prefetch_layers": 1}, **ACCUM), id="zero3-prefetch-accum"),
     pytest.param(load_plan("hsdp"), id="hsdp-2x4"),
     pytest.param(
         plan_from_dict({"mesh": {"data": {"ici": 1, "dcn": 2}, "fsdp": -1}, "zero": {"stage": 2}, **ACCUM}),
@@ -242,3 +245,11 @@ def test_bf16_reduction_matches_twin_within_bf16_roundoff(plan):
     report = compare_with_twin(tuple(train), twin, params, batches, lockstep=True)
     assert report.max_loss_rel_err <= 1e-5, report
     assert 0 < report.max_grad_rel_err <= 4 * BF16_ROUNDOFF, report
+
+
+def test_prefetching_more_than_one_layer_is_refused_before_compiling():
+    plan = zero_plan(3, zero={"prefetch_layers": 2})
+    with pytest.raises(NotSupportedYetError, match="zero.prefetch_layers = 2.*set zero.prefetch_layers = 1"):
+        make_train_step(
+            mlp_model(SMALL), optax.adamw(1e-3), plan, build_mesh(plan), mlp_params(SMALL, jax.random.key(0))
+        )

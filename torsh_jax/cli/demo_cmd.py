@@ -2,11 +2,14 @@
 
 Results go to stdout (a summary table, or ``--json`` lines); progress goes to
 stderr: a live bar on a terminal, plain lines otherwise, nothing with
-``--json``. ``--steps 0`` builds and compiles the step, reports its memory and
-wire bytes, and trains nothing.
+``--json``. ``--steps 0`` (or ``--compile-only``) builds and compiles the step, reports its
+memory and wire bytes, and trains nothing; ``--compile-only --target v5e-16``
+compiles it for an accelerator this machine does not have and prints what
+``torsh-jax inspect --target`` prints.
 
 Example:
     $ torsh-jax demo --plan ddp --devices 8 --steps 20 --verify
+    $ torsh-jax demo --plan zero3 --compile-only --target v5e-16 --json
 """
 
 from __future__ import annotations
@@ -32,6 +35,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--steps", type=count_type(0, MAX_STEPS, fix="pass --steps 20"), default=20,
         help="optimizer steps; 0 compiles and reports without training [20]",
     )  # fmt: skip
+    parser.add_argument("--compile-only", action="store_true",
+                        help="build and compile the step, train nothing (--steps 0); with --target, "
+                             "for that target")  # fmt: skip
+    parser.add_argument("--target", default=None,
+                        help="with --compile-only: compile for v5e-16, v4-32, h100-8, ... "
+                             "(docs/targets.md)")  # fmt: skip
+    parser.add_argument("--slices", type=count_type(1, 64, fix="pass --slices 2"), default=1,
+                        help="TPU slices of --target joined over the data-center network [1]")  # fmt: skip
     parser.add_argument("--verify", action="store_true",
                         help="also run the single-device twin in float32 and float64; compare")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="one JSON object per step, then a summary object")
@@ -123,11 +134,13 @@ def run(args: argparse.Namespace) -> int:
     from torsh_jax.demo.run import DemoConfig, run_demo
     from torsh_jax.plan.io import load_plan
 
+    if args.target is not None or args.slices != 1:
+        return _compile_for_target(args)
     plan = load_plan(args.plan, key="--plan")  # before any output or JAX start-up
     config = DemoConfig(
         plan=plan,
         devices=args.devices,
-        steps=args.steps,
+        steps=0 if args.compile_only else args.steps,
         verify=args.verify,
         seed=args.seed,
         layers=args.layers,
@@ -145,3 +158,30 @@ def run(args: argparse.Namespace) -> int:
     _print_summary(summary)
     sys.stdout.flush()
     return 0
+
+
+def _compile_for_target(args: argparse.Namespace) -> int:
+    """``--compile-only --target``: the demo model's step compiled for the target, reported as
+    ``torsh-jax inspect --target`` reports it (same keys)."""
+    from torsh_jax.cli import inspect_cmd
+    from torsh_jax.errors import TargetError
+
+    if not args.compile_only:
+        raise TargetError(
+            "a target is compiled for, not trained on, here", key="--target", fix="add --compile-only"
+        )
+    if args.target is None:
+        raise TargetError(
+            "slices need a TPU target", key="--slices", fix="add --target v5e-16, or drop --slices"
+        )
+    if args.verify or args.checkpoint_dir or args.resume:
+        raise TargetError(
+            "--verify and checkpoints need a run",
+            key="--target",
+            fix="drop them with --compile-only --target",
+        )
+    inspect_args = argparse.Namespace(
+        plan=args.plan, devices=None, target=args.target, slices=args.slices, json=args.json,
+        layers=args.layers, d_model=args.d_model, vocab=256, seq_len=32, micro_batch=None,
+    )  # fmt: skip
+    return inspect_cmd.run(inspect_args)

@@ -182,9 +182,23 @@ def _target_text(summary: dict) -> str:
         )  # fmt: skip
     elif section["compiler_message"] is None:
         lines.append("roofline: the compiler reports no cost analysis for this target")
+    lines += _overlap_lines(section.get("overlap"))
     if section["compiler_message"]:
         lines.append(f"compiler: {section['compiler_message']}")
     return "\n".join(lines) + "\n"
+
+
+def _overlap_lines(overlap: dict | None) -> list[str]:
+    """``collectives overlapping compute: 0.93 of 1.2 GiB (all-gather 1.00, reduce-scatter 0.86)``."""
+    from torsh_jax.units import format_bytes
+
+    if not overlap or not overlap["bytes"]:
+        return []
+    kinds = ", ".join(
+        f"{kind} {group['fraction']:.2f}" for kind, group in overlap["by_kind"].items() if group["bytes"]
+    )
+    return [f"collectives overlapping compute: {overlap['fraction']:.2f} of {format_bytes(overlap['bytes'])} "
+            f"per step ({kinds}; {overlap['async']} of {overlap['count']} asynchronous)"]  # fmt: skip
 
 
 def _notes(summary: dict) -> str:

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from torsh_jax.errors import NotSupportedYetError
 from torsh_jax.plan.spec import DATA_AXES, CompressorSpec, ParallelPlan
 
 __all__ = ["Roles", "compose", "SHARD_AXIS", "TENSOR_AXIS"]
@@ -69,6 +70,8 @@ class Roles:
             ``per_micro_step`` (every accumulation micro-step, reduce-scattered: ZeRO-2 and
             ``per_stage`` without compression) or ``in_backward`` (``on_use``: in the gather's
             backward pass; compressed replica axes are still synchronised once per step).
+        prefetch_layers: layers gathered ahead of use in the layer scan, and reduced one layer
+            late (``on_use`` outside a pipeline with ``zero.reshard_after_forward``): 0 or 1.
     """
 
     mesh_shape: Mapping[str, int]
@@ -82,6 +85,7 @@ class Roles:
     stage_axis: str | None = None
     gather: Literal["stored", "on_use", "per_stage"] = "stored"
     reduce: Literal["per_step", "per_micro_step", "in_backward"] = "per_step"
+    prefetch_layers: int = 0
 
     @property
     def kind(self) -> str:
@@ -177,6 +181,7 @@ def compose(plan: ParallelPlan, mesh_shape: Mapping[str, int]) -> Roles:
         stage_axis=STAGE_AXIS if pipelined else None,
         gather=gather,
         reduce=_reduce(stage, gather, compressed),
+        prefetch_layers=_prefetch(plan, gather, pipelined),
     )
 
 
@@ -184,6 +189,17 @@ def _gather(stage: int, pipelined: bool, pipeline_gather: str) -> str:
     if stage != 3:
         return "stored"
     return "per_stage" if pipelined and pipeline_gather == "once" else "on_use"
+
+
+def _prefetch(plan: ParallelPlan, gather: str, pipelined: bool) -> int:
+    if gather != "on_use" or pipelined or not plan.zero.reshard_after_forward:
+        return 0
+    if plan.zero.prefetch_layers > 1:
+        raise NotSupportedYetError(
+            f"zero.prefetch_layers = {plan.zero.prefetch_layers}: gathering more than one layer ahead "
+            "is not built yet; set zero.prefetch_layers = 1 (or 0)"
+        )
+    return plan.zero.prefetch_layers
 
 
 def _reduce(stage: int, gather: str, compressed: bool) -> str:

@@ -176,7 +176,8 @@ class ZeroSpec:
             pass (lowest memory) instead of keeping the gathered layer.
         offload_optimizer: keep optimizer state in host memory.
         offload_params: keep parameters in host memory (stage 3).
-        prefetch_layers: stage 3: layers gathered ahead of use.
+        prefetch_layers: stage 3: layers gathered ahead of use by a hand-written layer scan
+            (0 or 1; 0: the compiler schedules the plain scan's gathers, see docs/strategies.md).
         persistence_threshold: stage 3: parameters with fewer elements stay
             replicated (DeepSpeed's ``stage3_param_persistence_threshold``).
     """
@@ -185,7 +186,7 @@ class ZeroSpec:
     reshard_after_forward: bool = True
     offload_optimizer: bool = False
     offload_params: bool = False
-    prefetch_layers: int = 1
+    prefetch_layers: int = 0
     persistence_threshold: int = 0
 
     def __post_init__(self):

@@ -38,6 +38,7 @@ from torsh_jax.plan.roles import SHARD_AXIS, Roles, compose
 from torsh_jax.plan.spec import CompressorSpec, ParallelPlan
 from torsh_jax.runtime.compiler_axes import manual_over
 from torsh_jax.runtime.layered import LayeredModel, scan_layers, split_params
+from torsh_jax.runtime.prefetch import prefetched_scan
 from torsh_jax.runtime.specs import logical_dims, param_specs, path_str
 from torsh_jax.runtime.sync import SyncSpec, sync_leaf
 from torsh_jax.tensor.axis import vary_over
@@ -128,7 +129,7 @@ def _compressed_gather(shard: jax.Array, dim: int, spec: CompressorSpec, impleme
     return jnp.moveaxis(full, 0, dim)
 
 
-def make_gather(
+def gather_and_reduce(
     dim: int | None,
     plan: ParallelPlan,
     backward: SyncSpec,
@@ -137,13 +138,13 @@ def make_gather(
     compiler: tuple[str, ...] = (),
     spec: P | None = None,
     implementation: str = "reference",
-):
-    """Gather-on-use of a parameter sharded along ``dim`` (``None``: replicated).
+) -> tuple[Callable, Callable]:
+    """The two collectives of a parameter sharded along ``dim`` (``None``: replicated).
 
-    Forward: ``W_shard -> W`` in the compute dtype (compressed when ``weights``).
-    Backward: ``dW`` in the reduction dtype through :func:`~torsh_jax.runtime.sync.sync_leaf`
-    (reduce-scatter over ``fsdp``, sum over the other non-deferred axes), returned in the parameter dtype.
-    Both run per shard of the ``compiler`` axes the parameter is split over by ``spec``
+    ``gather``: ``W_shard -> W`` in the compute dtype (compressed when ``weights``).
+    ``reduce``: ``dW`` in the reduction dtype through :func:`~torsh_jax.runtime.sync.sync_leaf`
+    (reduce-scatter over ``fsdp``, sum over the other non-deferred axes), returned in the parameter
+    dtype. Both run per shard of the ``compiler`` axes the parameter is split over by ``spec``
     (see :mod:`~torsh_jax.runtime.compiler_axes`). ``implementation``: the compressed gather's
     kernels (``pallas`` or ``reference``).
     """
@@ -151,7 +152,7 @@ def make_gather(
     sync = backward if dim is not None else backward._replace(scatter_axis=None)
     replicas = tuple(a for a in backward.axes if a != FSDP)
 
-    def forward(shard: jax.Array) -> jax.Array:
+    def gather(shard: jax.Array) -> jax.Array:
         full = shard.astype(precision.compute_dtype)
         if dim is None:
             return vary_over(full, backward.axes)
@@ -162,12 +163,17 @@ def make_gather(
             )
         return vary_over(jax.lax.all_gather(full, FSDP, axis=dim, tiled=True), replicas)
 
-    def grad(g: jax.Array) -> jax.Array:
+    def reduce(g: jax.Array) -> jax.Array:
         return sync_leaf(g.astype(precision.reduce_dtype), dim, sync).astype(precision.param_dtype)
 
     spec = P() if spec is None else spec
-    forward = manual_over(forward, compiler, (spec,), spec)
-    grad = manual_over(grad, compiler, (spec,), spec)
+    return manual_over(gather, compiler, (spec,), spec), manual_over(reduce, compiler, (spec,), spec)
+
+
+def make_gather(dim: int | None, plan: ParallelPlan, backward: SyncSpec, weights, **options) -> Callable:
+    """Gather-on-use of a parameter sharded along ``dim``: the gather of :func:`gather_and_reduce`
+    whose transpose is its reduction (same arguments)."""
+    forward, grad = gather_and_reduce(dim, plan, backward, weights, **options)
 
     @jax.custom_vjp
     def gather(shard):
@@ -195,6 +201,38 @@ def _gather_tree(
         return checkpoint_name(gather(shard), GATHERED)
 
     return jax.tree.map(one, shards, dims, specs, is_leaf=lambda x: x is None)
+
+
+def _tree_collectives(dims: PyTree, specs: PyTree, decided: StepPlan, compiler: tuple[str, ...]):
+    """``(gather, reduce)`` over a tree of shards (see :func:`gather_and_reduce`)."""
+    plan = decided.plan
+    options = {"compiler": compiler, "implementation": decided.kernels.get(FSDP, "reference")}
+    dim_leaves, treedef = jax.tree.flatten(dims, is_leaf=lambda x: x is None)
+    spec_leaves = treedef.flatten_up_to(specs)
+    pairs = [
+        gather_and_reduce(dim, plan, decided.backward, _weights(plan), spec=spec, **options)
+        for dim, spec in zip(dim_leaves, spec_leaves, strict=True)
+    ]
+
+    def over_tree(k: int) -> Callable:
+        return lambda tree: treedef.unflatten(
+            [pair[k](leaf) for pair, leaf in zip(pairs, treedef.flatten_up_to(tree), strict=True)]
+        )
+
+    return over_tree(0), over_tree(1)
+
+
+def _layer_scan(decided: StepPlan, one_layer: tuple[PyTree, PyTree], gather: Callable) -> Callable:
+    """``scan(stacked_shards, hidden)`` of the step's layers, gathering each on use; with
+    ``roles.prefetch_layers`` the next layer is gathered while one computes
+    (:func:`~torsh_jax.runtime.prefetch.prefetched_scan`)."""
+    model = decided.model
+    if decided.roles.prefetch_layers:
+        collectives = _tree_collectives(*one_layer, decided, decided.compiler_axes)
+        gather_layer, reduce_layer = collectives
+        return prefetched_scan(model.layer, gather=gather_layer, reduce=reduce_layer)
+    layer = _remat(lambda s, h: model.layer(gather(s, *one_layer), h), decided.plan)
+    return lambda stacked, hidden: scan_layers(layer, stacked, hidden)
 
 
 def _remat(fn: Callable, plan: ParallelPlan) -> Callable:
@@ -250,8 +288,7 @@ def gathered_loss(decided: StepPlan, dims: PyTree, *, specs: PyTree) -> Callable
         hidden = model.embed(embed, batch)
         if model.stacked:
             one_layer = _layer_dims(stacked_d), _layer_specs(stacked_p)
-            layer = _remat(lambda s, h: model.layer(gather(s, *one_layer), h), decided.plan)
-            hidden = scan_layers(layer, stacked_s, hidden)
+            hidden = _layer_scan(decided, one_layer, gather)(stacked_s, hidden)
         return model.head(_head_params(model, embed, head_s, head_d, head_p, gather), hidden, batch)
 
     return loss

@@ -12,11 +12,12 @@ Example:
 """
 
 from torsh_jax.targets.catalog import CHIPS, FAMILIES, Chip, Target, parse_target, target_names
-from torsh_jax.targets.devices import missing_compiler, target_devices
+from torsh_jax.targets.devices import TPU_OVERLAP_FLAGS, missing_compiler, target_devices, tpu_init_args
 from torsh_jax.targets.report import TargetReport, compile_for_target, parse_out_of_memory
 
 __all__ = [
     "CHIPS",
+    "TPU_OVERLAP_FLAGS",
     "FAMILIES",
     "Chip",
     "Target",
@@ -27,4 +28,5 @@ __all__ = [
     "parse_target",
     "target_devices",
     "target_names",
+    "tpu_init_args",
 ]

@@ -10,6 +10,10 @@ What the target's compiler reports for one device (:class:`TargetReport`):
   (15.75G)``): that is a result, ``fits`` false with the compiler's figures (``temp`` and the
   limit; ``margin_bytes`` then counts the temporaries alone, so the program is over by at least
   that much). It does not check arguments and outputs: ``fits`` does, from the peak.
+* **overlap** from the compiled schedule (:func:`~torsh_jax.analysis.overlap.collective_overlap`):
+  which collectives are asynchronous and have compute scheduled between their start and done, by
+  bytes, per kind and per mesh-axis set. A multi-slice TPU program's cross-slice collectives are
+  runtime calls, not collectives of the program; its figures cover the in-slice ones.
 * **cost** from ``compiled.cost_analysis()``: FLOPs and bytes accessed of one device's program
   after partitioning and optimisation (checked on TPU v5e: a ``[8192, 4096] @ [4096, 8192]`` bf16
   matmul split 16 ways reports exactly ``2*512*4096*8192`` FLOPs per device; its bytes accessed
@@ -38,6 +42,7 @@ from typing import Any
 import jax
 
 from torsh_jax.analysis.memory import memory_report
+from torsh_jax.analysis.overlap import collective_overlap
 from torsh_jax.targets.catalog import Target
 
 __all__ = ["TargetReport", "compile_for_target", "parse_out_of_memory"]
@@ -87,6 +92,7 @@ class TargetReport:
     mfu_bound: float | None = None
     compiler_estimate_s: float | None = None
     while_loops: int | None = None
+    overlap: dict[str, Any] | None = None
     compiler_message: str | None = None
     compiled: Any = field(default=None, repr=False, compare=False)
 
@@ -115,7 +121,7 @@ class TargetReport:
             "mfu_bound": self.mfu_bound,
             "compiler_estimate_s": self.compiler_estimate_s,
             "while_loops": self.while_loops,
-            "overlap": None,
+            "overlap": self.overlap,
             "compiler_message": self.compiler_message,
             "chip_source": chip.source,
         }
@@ -185,6 +191,8 @@ def compile_for_target(train: Any, batch: Any, /, *, target: Target) -> TargetRe
             raise
         return _refused(target, str(err), figures)
     memory, cost, loops = _memory(compiled), _cost(compiled), _while_loops(compiled)
+    # A multi-slice program is one slice's: its collectives' axes cannot be named from the mesh.
+    overlap = collective_overlap(compiled, train.mesh if target.slices == 1 else None).to_dict()
     limit = target.chip.usable_hbm_bytes
     peak = memory["peak"]
     return TargetReport(
@@ -196,5 +204,6 @@ def compile_for_target(train: Any, batch: Any, /, *, target: Target) -> TargetRe
         **_roofline(cost, target, loops=loops),
         compiler_estimate_s=cost.get("optimal_seconds"),
         while_loops=loops,
+        overlap=overlap,
         compiled=compiled,
     )

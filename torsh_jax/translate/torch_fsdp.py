@@ -215,7 +215,7 @@ def _note_prefetch(name: str, value: Any, key: str, st: _Settings, book: NoteBoo
             f"unknown backward prefetch {value!r}", key=key, fix="use BACKWARD_PRE or BACKWARD_POST"
         )
     st.set("prefetch", 1, key)
-    book.approximated(key, value, "zero.prefetch_layers = 1; XLA orders the gathers within the step")
+    book.approximated(key, value, "zero.prefetch_layers = 1: the next layer is gathered ahead (backward too)")
 
 
 def _note_argument(name: str, value: Any, key: str, st: _Settings, book: NoteBook) -> None:
