@@ -14,14 +14,22 @@ whose start and done have compute between them, see :mod:`torsh_jax.analysis.ove
 pairs and synchronous collectives), compile seconds; then per plan and baseline the ratios
 ours / baseline (``temp_ratio``, ``wire_ratio``) and both overlap fractions.
 
+``--every-preset`` compiles every plan preset (``meshes/``) for ``--target`` (``--slices`` N: N
+slices over DCN) through ``torsh-jax inspect --target`` on the demo model at its smallest
+(``--layers`` as the preset needs, ``--d-model 16``) and prints one ``target_preset`` row each:
+``compiled``, ``fits``, ``temp_bytes``, ``overlap``, ``compile_s`` (``error``: the message);
+the exit code is 1 if any preset did not compile.
+
 Usage:
     python benchmarks/bench_target.py [--target v5e-16] [--layers 8] [--d-model 512] [--plans zero3,fsdp_tp]
+    python benchmarks/bench_target.py --every-preset --target v5e-8 --slices 2
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import common
@@ -46,6 +54,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--plans", type=split, default=PLANS)
     parser.add_argument("--baselines", type=split, default=BASELINES)
+    parser.add_argument("--every-preset", action="store_true", help="compile every plan preset (smoke)")
+    parser.add_argument("--slices", type=int, default=1, help="with --every-preset: TPU slices [1]")
     return parser.parse_args()
 
 
@@ -133,13 +143,23 @@ def run_plan(name: str, args, devices, cfg, shapes) -> None:
     plan = load_plan(name)
     mesh = build_mesh(plan, devices)
     fields = {"plan": name, "target": args.target, "layers": cfg.layers, "d_model": cfg.d_model}
-    compiled, batch_size, seconds = compile_ours(plan, mesh, cfg, shapes)
+    try:
+        compiled, batch_size, seconds = compile_ours(plan, mesh, cfg, shapes)
+    except Exception as err:  # the compiler refused it: a result (libtpu's out-of-memory)
+        common.emit({"name": "target_program", "program": "ours", **fields, "compiled": False,
+                     "error": _first_line(err)})  # fmt: skip
+        return
     ours = measure(compiled, mesh, seconds)
     common.emit({"name": "target_program", "program": "ours", **fields, "batch": batch_size, **ours})
     if mesh.shape["stage"] > 1:
         return  # no GSPMD pipeline to compare with
     for kind in args.baselines:
-        compiled, seconds = compile_baseline(kind, mesh, cfg, shapes, batch_size)
+        try:
+            compiled, seconds = compile_baseline(kind, mesh, cfg, shapes, batch_size)
+        except Exception as err:  # the compiler refused it: a result (libtpu's out-of-memory)
+            common.emit({"name": "target_program", "program": f"jit_{kind}", **fields, "batch": batch_size,
+                         "compiled": False, "error": _first_line(err)})  # fmt: skip
+            continue
         base = measure(compiled, mesh, seconds)
         common.emit(
             {"name": "target_program", "program": f"jit_{kind}", **fields, "batch": batch_size, **base}
@@ -157,12 +177,65 @@ def run_plan(name: str, args, devices, cfg, shapes) -> None:
         )
 
 
+def _first_line(err: Exception) -> str:
+    return f"{type(err).__name__}: {' '.join(str(err).strip().splitlines()[0].split())}"[:300]
+
+
 def _ratio(a, b):
     return round(a / b, 3) if a is not None and b else None
 
 
-def main() -> None:
+def compile_preset(name: str, target: str, slices: int) -> dict:
+    """``torsh-jax inspect --plan name --target target --json`` on the smallest demo model: a row."""
+    import contextlib
+    import io
+    import json
+
+    from torsh_jax.cli.main import main as cli
+
+    argv = [
+        "inspect",
+        "--plan",
+        name,
+        "--target",
+        target,
+        "--slices",
+        str(slices),
+        "--d-model",
+        "16",
+        "--json",
+    ]
+    out, err = io.StringIO(), io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli(argv)
+        except Exception as failure:  # a compiler error: the smoke reports it and goes on
+            print(_first_line(failure), file=sys.stderr)
+            code = 1
+    row = {"name": "target_preset", "plan": name, "target": target, "slices": slices,
+           "compile_s": round(time.perf_counter() - start, 1), "compiled": code == 0}  # fmt: skip
+    if code != 0:
+        return {**row, "error": err.getvalue().strip().splitlines()[-1:]}
+    report = json.loads(out.getvalue())["target"]
+    overlap = report["overlap"] or {}
+    return {**row, "fits": report["fits"], "temp_bytes": report["memory"]["temp"],
+            "overlap": overlap.get("fraction"), "compiler_message": report["compiler_message"]}  # fmt: skip
+
+
+def every_preset(args) -> int:
+    from torsh_jax.plan import presets
+
+    rows = [compile_preset(name, args.target, args.slices) for name in presets.names("meshes")]
+    for row in rows:
+        common.emit(row)
+    return 0 if all(row["compiled"] for row in rows) else 1
+
+
+def main() -> int:
     args = parse_args()
+    if args.every_preset:
+        return every_preset(args)
     for key, value in TPU_ENV.items():
         os.environ.setdefault(key, value)
     import jax
@@ -175,7 +248,8 @@ def main() -> None:
     shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     for name in args.plans:
         run_plan(name, args, devices, cfg, shapes)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -196,8 +196,9 @@ def _prefetch(plan: ParallelPlan, gather: str, pipelined: bool) -> int:
         return 0
     if plan.zero.prefetch_layers > 1:
         raise NotSupportedYetError(
-            f"zero.prefetch_layers = {plan.zero.prefetch_layers}: gathering more than one layer ahead "
-            "is not built yet; set zero.prefetch_layers = 1 (or 0)"
+            f"{plan.zero.prefetch_layers} layers ahead: gathering more than one layer ahead is not built yet",
+            key="zero.prefetch_layers",
+            fix="set zero.prefetch_layers = 1 (or 0)",
         )
     return plan.zero.prefetch_layers
 
