@@ -14,15 +14,16 @@ whose start and done have compute between them, see :mod:`torsh_jax.analysis.ove
 pairs and synchronous collectives), compile seconds; then per plan and baseline the ratios
 ours / baseline (``temp_ratio``, ``wire_ratio``) and both overlap fractions.
 
-``--every-preset`` compiles every plan preset (``meshes/``) for ``--target`` (``--slices`` N: N
-slices over DCN) through ``torsh-jax inspect --target`` on the demo model at its smallest
-(``--layers`` as the preset needs, ``--d-model 16``) and prints one ``target_preset`` row each:
-``compiled``, ``fits``, ``temp_bytes``, ``overlap``, ``compile_s`` (``error``: the message);
-the exit code is 1 if any preset did not compile.
+``--every-preset`` compiles every plan preset (``meshes/``) for the first of ``--targets`` its mesh
+resolves for (``v5e-16x2``: two slices over DCN; a preset written for 8 devices resolves for
+``v5e-8``) through ``torsh-jax inspect --target`` on the demo model at its smallest (``--layers`` as
+the preset needs, ``--d-model 64``) and prints one ``target_preset`` row each: ``compiled``,
+``fits``, ``temp_bytes``, ``overlap``, ``compile_s`` (``error``: the message); the exit code is 1
+if a preset resolves for none of the targets or fails to compile.
 
 Usage:
     python benchmarks/bench_target.py [--target v5e-16] [--layers 8] [--d-model 512] [--plans zero3,fsdp_tp]
-    python benchmarks/bench_target.py --every-preset --target v5e-8 --slices 2
+    python benchmarks/bench_target.py --every-preset [--targets v5e-16,v5e-16x2,v5e-8]
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--plans", type=split, default=PLANS)
     parser.add_argument("--baselines", type=split, default=BASELINES)
     parser.add_argument("--every-preset", action="store_true", help="compile every plan preset (smoke)")
-    parser.add_argument("--slices", type=int, default=1, help="with --every-preset: TPU slices [1]")
+    parser.add_argument(
+        "--targets",
+        default="v5e-16,v5e-16x2,v5e-8,v5e-4x2",
+        help="with --every-preset: targets, NAMExSLICES for slices [v5e-16,v5e-16x2,v5e-8,v5e-4x2]",
+    )
     return parser.parse_args()
 
 
@@ -202,7 +207,7 @@ def compile_preset(name: str, target: str, slices: int) -> dict:
         "--slices",
         str(slices),
         "--d-model",
-        "16",
+        "64",
         "--json",
     ]
     out, err = io.StringIO(), io.StringIO()
@@ -223,13 +228,43 @@ def compile_preset(name: str, target: str, slices: int) -> dict:
             "overlap": overlap.get("fraction"), "compiler_message": report["compiler_message"]}  # fmt: skip
 
 
+def _target_list(text: str) -> list[tuple[str, int]]:
+    """``v5e-16,v5e-16x2`` -> ``[("v5e-16", 1), ("v5e-16", 2)]`` (``xN``: N slices)."""
+    out = []
+    for item in filter(None, text.split(",")):
+        name, _, slices = item.partition("x")
+        out.append((name, int(slices or 1)))
+    return out
+
+
+def _resolves(name: str, target: str, slices: int) -> bool:
+    """The preset's mesh resolves for the target's chips and slices (else it is not for it)."""
+    from torsh_jax.errors import MeshError
+    from torsh_jax.plan import load_plan
+    from torsh_jax.runtime.mesh import resolve_mesh
+    from torsh_jax.targets import parse_target
+
+    try:
+        resolve_mesh(load_plan(name), parse_target(target, slices=slices).devices, num_slices=slices)
+    except MeshError:
+        return False
+    return True
+
+
 def every_preset(args) -> int:
+    """Each preset compiled for the first of ``--targets`` its mesh resolves for; 1 if a preset
+    resolves for none or fails to compile."""
     from torsh_jax.plan import presets
 
-    rows = [compile_preset(name, args.target, args.slices) for name in presets.names("meshes")]
-    for row in rows:
-        common.emit(row)
-    return 0 if all(row["compiled"] for row in rows) else 1
+    failed = False
+    for name in presets.names("meshes"):
+        places = [(t, n) for t, n in _target_list(args.targets) if _resolves(name, t, n)]
+        rows = [compile_preset(name, t, n) for t, n in places[:1]]
+        for row in rows or [{"name": "target_preset", "plan": name, "compiled": False,
+                             "error": f"the mesh resolves for none of {args.targets}"}]:  # fmt: skip
+            common.emit(row)
+        failed |= not rows or not all(row["compiled"] for row in rows)
+    return 1 if failed else 0
 
 
 def main() -> int:
