@@ -69,7 +69,7 @@ def _zeros_like_from(anchor: PyTree, tree: PyTree) -> PyTree:
     over no more mesh axes than the leaf (summed over the others: a scalar all-reduce), so adding
     it changes neither a shard's value nor its type. ``None`` for other leaves."""
     first = jnp.ravel(jax.tree.leaves(anchor)[0])[0] * 0
-    made: dict[frozenset, jax.Array] = {}
+    made: dict[tuple[str, ...], jax.Array] = {}
 
     def one(x):
         if not jnp.issubdtype(x.dtype, jnp.inexact):
