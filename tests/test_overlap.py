@@ -14,7 +14,8 @@ import pytest
 from helpers import load_common
 
 from torsh_jax.analysis._hlo_text import element_bits
-from torsh_jax.analysis.overlap import EXPOSED, OVERLAPPED, collective_overlap
+from torsh_jax.analysis.hlo import collectives
+from torsh_jax.analysis.overlap import EXPOSED, OVERLAPPED, collective_overlap, collectives_once
 from torsh_jax.demo.model import LMConfig, init_params, layered_model
 from torsh_jax.errors import MeshError
 from torsh_jax.plan import plan_from_dict
@@ -258,6 +259,16 @@ def test_zero3_on_tpu_gathers_every_layer_weight_once_forward_and_once_backward(
     assert any(o.status == OVERLAPPED for o in in_scan)
     assert {o.collective.axes for o in report.collectives} == {("fsdp",)}
     print(f"zero3 v5e-16 ({CFG.layers} layers, d_model {CFG.d_model}): overlapped fraction {fraction:.3f}")
+
+
+def test_tpu_collectives_are_counted_once_not_once_per_fusion_that_carries_them():
+    """libtpu copies an async collective into the compute fusions that carry it (same channel id):
+    the inspect report's list counts it once, as the overlap report does."""
+    compiled, mesh, _ = _zero3_on_tpu()
+    every, once = collectives(compiled, mesh), collectives_once(compiled, mesh)
+    entries = collective_overlap(compiled, mesh).collectives
+    assert len(once) == len(entries) < len(every)
+    assert sum(c.payload_bytes_per_step for c in once) == sum(o.bytes_per_step for o in entries)
 
 
 def test_gspmd_fsdp_gathered_step_on_tpu_is_measured_the_same_way():

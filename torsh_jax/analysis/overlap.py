@@ -51,9 +51,9 @@ from dataclasses import dataclass
 
 from torsh_jax.analysis._calls import computation_executions, trip_count
 from torsh_jax.analysis._hlo_text import ArrayShape, HloModuleText, Instruction, flat_arrays, parse_module
-from torsh_jax.analysis.hlo import KINDS, Collective, _collect, _mesh_positions, check_devices
+from torsh_jax.analysis.hlo import KINDS, Collective, _collect, _mesh_positions, check_devices, collectives
 
-__all__ = ["CollectiveOverlap", "OverlapReport", "collective_overlap"]
+__all__ = ["CollectiveOverlap", "OverlapReport", "collective_overlap", "collectives_once"]
 
 _STARTS = {f"{kind}-start" for kind in KINDS} | {"async-start"}
 _DONES = {f"{kind}-done" for kind in KINDS} | {"async-done"}
@@ -212,6 +212,24 @@ def collective_overlap(
     for computation in _scheduled_computations(module):
         found.extend(_Schedule(module, computation, records, flops).overlaps())
     return OverlapReport(tuple(found), scheduled)
+
+
+def collectives_once(compiled, mesh) -> list[Collective]:
+    """:func:`~torsh_jax.analysis.hlo.collectives` with each collective once.
+
+    TPU programs split an asynchronous collective over its start fusion and the compute fusions
+    that carry its progress, each holding a copy of the instruction (with the same channel id);
+    the copies in carrying fusions are dropped. Elsewhere (CPU, GPU) nothing is dropped.
+    """
+    found = collectives(compiled, mesh)
+    module = parse_module(compiled.as_text())
+    scheduled = set(_scheduled_computations(module))
+    if all(c.computation in scheduled for c in found):
+        return found
+    counted = {
+        (o.collective.computation, o.collective.name) for o in collective_overlap(compiled, mesh).collectives
+    }
+    return [c for c in found if c.computation in scheduled or (c.computation, c.name) in counted]
 
 
 def _scheduled_computations(module: HloModuleText) -> list[str]:

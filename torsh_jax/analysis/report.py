@@ -25,8 +25,9 @@ import io
 from rich.console import Console
 from rich.table import Table
 
-from torsh_jax.analysis.hlo import Collective, collectives
+from torsh_jax.analysis.hlo import Collective
 from torsh_jax.analysis.memory import memory_report
+from torsh_jax.analysis.overlap import collectives_once
 from torsh_jax.analysis.theory import Theory, ring_wire_bytes
 from torsh_jax.units import format_bytes
 
@@ -223,7 +224,7 @@ def summarize(
         ``wire_bytes``, and the same per ``by_axis`` and ``by_kind`` entry
         (with ``count`` = executions per step).
     """
-    found = collectives(compiled, mesh)
+    found = collectives_once(compiled, mesh)
     totals = _totals(found)
     section = _theory_section(theory, totals, found)
     if section is not None and axis_theories:
