@@ -228,8 +228,7 @@ def _layer_scan(decided: StepPlan, one_layer: tuple[PyTree, PyTree], gather: Cal
     (:func:`~torsh_jax.runtime.prefetch.prefetched_scan`)."""
     model = decided.model
     if decided.roles.prefetch_layers:
-        collectives = _tree_collectives(*one_layer, decided, decided.compiler_axes)
-        gather_layer, reduce_layer = collectives
+        gather_layer, reduce_layer = _tree_collectives(*one_layer, decided, decided.compiler_axes)
         return prefetched_scan(model.layer, gather=gather_layer, reduce=reduce_layer)
     layer = _remat(lambda s, h: model.layer(gather(s, *one_layer), h), decided.plan)
     return lambda stacked, hidden: scan_layers(layer, stacked, hidden)
