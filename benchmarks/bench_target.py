@@ -9,7 +9,8 @@ the plans whose mesh they fit (data and fsdp axes; the pipeline has none).
 Prints one JSON object per plan and program: ``overlap`` (fraction of collective payload bytes
 whose start and done have compute between them, see :mod:`torsh_jax.analysis.overlap`),
 ``overlap_all_gather`` / ``overlap_reduce`` (the same for gathers and for reductions),
-``overlap_by_axes`` (per mesh-axis set),
+``overlap_by_axes`` (per mesh-axis set), ``overlap_by_place`` (collectives in loop bodies, e.g. a layer
+scan's, and outside them),
 ``temp_bytes`` (``memory_analysis``), ``wire_bytes`` (ring-algorithm bytes per step of the async
 pairs and synchronous collectives), compile seconds; then per plan and baseline the ratios
 ours / baseline (``temp_ratio``, ``wire_ratio``) and both overlap fractions.
@@ -54,7 +55,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--plans", type=split, default=PLANS)
-    parser.add_argument("--baselines", type=split, default=BASELINES)
+    parser.add_argument(
+        "--baselines", type=split, default=BASELINES, help=f"of {', '.join(common.BASELINE_KINDS)}"
+    )
     parser.add_argument("--every-preset", action="store_true", help="compile every plan preset (smoke)")
     parser.add_argument(
         "--targets",
@@ -95,6 +98,7 @@ def measure(compiled, mesh, seconds: float) -> dict:
         if reduce_bytes
         else None,
         "overlap_by_axes": {axes: group["fraction"] for axes, group in report.by_axes().items()},
+        "overlap_by_place": {place: group["fraction"] for place, group in report.by_place().items()},
         "collectives": len(report.collectives),
         "async": sum(o.is_async for o in report.collectives),
         "wire_bytes": sum(o.collective.wire_bytes_per_step for o in report.collectives),

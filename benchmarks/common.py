@@ -183,6 +183,8 @@ def gathered_model(model, mesh):
     )
 
 
+#: The GSPMD baselines: state replicated; state sharded over ``fsdp``; the same with weights gathered.
+BASELINE_KINDS = ("replicated", "fsdp", "fsdp_gathered")
 #: Compiled-once baseline programs by (kind, model config, mesh devices): stages share them.
 _BASELINE_CACHE: dict[tuple, tuple[Callable, Callable]] = {}
 
@@ -195,6 +197,8 @@ def _baseline_functions(model, optimizer, params, mesh, *, kind: str, key: Any) 
 
     from torsh_jax.runtime.layered import layered_loss
 
+    if kind not in BASELINE_KINDS:
+        raise ValueError(f"baseline {kind!r} is not one of {', '.join(BASELINE_KINDS)}")
     cache_key = (kind, key, mesh.devices.tobytes(), tuple(mesh.shape.items()))
     if cache_key not in _BASELINE_CACHE:
         abstract = jax.eval_shape(lambda p: (p, optimizer.init(p)), params)

@@ -201,6 +201,24 @@ def test_a_collective_pipelined_across_iterations_overlaps_the_ops_around_the_lo
     assert gather.collective.executions == 5 and gather.collective.axes is None
 
 
+def test_collectives_in_a_loop_body_and_outside_are_summed_apart():
+    # the pipelined gather in the loop body overlaps; a synchronous all-reduce after the loop does not
+    text = PIPELINED.replace(
+        "  ROOT %out = f32[8,8]{1,0} get-tuple-element(%w), index=2",
+        "  %o = f32[8,8]{1,0} get-tuple-element(%w), index=2\n"
+        "  ROOT %out = f32[8,8]{1,0} all-reduce(%o), channel_id=2, replica_groups=[1,4]<=[4], "
+        "use_global_device_ids=true, to_apply=%cond",
+    )
+    report = collective_overlap(text)
+    assert {(o.collective.kind, o.in_loop) for o in report.collectives} == {
+        ("all-gather", True),
+        ("all-reduce", False),
+    }
+    places = report.to_dict()["by_place"]
+    assert (places["in_loops"]["fraction"], places["outside_loops"]["fraction"]) == (1.0, 0.0)
+    assert places["in_loops"]["bytes"] == 5 * 16 * 32 * 4  # five iterations of the gathered f32[16,32]
+
+
 def test_a_mesh_of_another_size_is_refused():
     mesh = jax.make_mesh((8,), ("fsdp",), devices=jax.devices()[:8])
     with pytest.raises(MeshError, match="runs on 4 devices but the mesh has 8"):

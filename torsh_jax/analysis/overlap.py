@@ -90,6 +90,7 @@ class CollectiveOverlap:
             through it not counted).
         other_collectives: collective starts, dones and synchronous collectives in between.
         wraps_loop: the done is in the next iteration of the enclosing loop.
+        in_loop: the collective is scheduled inside a loop body (a layer scan's iteration).
     """
 
     collective: Collective
@@ -101,6 +102,7 @@ class CollectiveOverlap:
     compute_bytes: int = 0
     other_collectives: int = 0
     wraps_loop: bool = False
+    in_loop: bool = False
 
     @property
     def status(self) -> str:
@@ -156,15 +158,25 @@ class OverlapReport:
         """Summary per mesh-axis set (``"fsdp"``, ``"data+fsdp"``; ``"?"``: axes unknown)."""
         return {k: _group_summary(v) for k, v in _grouped(self.collectives, _axes_label).items()}
 
+    def by_place(self) -> dict[str, dict]:
+        """Summary for collectives inside loop bodies (``"in_loops"``: a layer scan's gathers and
+        reductions) and outside them (``"outside_loops"``: the step's own, e.g. embedding's)."""
+        return {k: _group_summary(v) for k, v in _grouped(self.collectives, _place_label).items()}
+
     def to_dict(self) -> dict:
-        """A JSON-ready summary: totals, per kind and per axes."""
+        """A JSON-ready summary: totals, per kind, per axes and per place (in or outside loops)."""
         return {
             "model": "static schedule: compute ops between each async start and done",
             "scheduled": self.scheduled,
             **_group_summary(list(self.collectives)),
             "by_kind": self.by_kind(),
             "by_axes": self.by_axes(),
+            "by_place": self.by_place(),
         }
+
+
+def _place_label(o: CollectiveOverlap) -> str:
+    return "in_loops" if o.in_loop else "outside_loops"
 
 
 def _axes_label(o: CollectiveOverlap) -> str:
@@ -208,9 +220,10 @@ def collective_overlap(
     records = {(c.computation, c.name): c for c in _collect(module, axis_sizes, positions)}
     flops: dict[str, int] = {}  # computation -> FLOPs, filled on use
     scheduled = bool(re.search(r"\bis_scheduled=true\b", text.split("\n", 1)[0]))
-    found = []
+    found, executions = [], computation_executions(module)
     for computation in _scheduled_computations(module):
-        found.extend(_Schedule(module, computation, records, flops).overlaps())
+        in_loop = executions[computation].in_loop
+        found.extend(_Schedule(module, computation, records, flops, in_loop).overlaps())
     return OverlapReport(tuple(found), scheduled)
 
 
@@ -267,8 +280,11 @@ def _dims(text: str | None) -> list[int]:
 class _Schedule:
     """One computation's instruction sequence: its collectives, paired, and the ops between them."""
 
-    def __init__(self, module: HloModuleText, computation: str, records: dict, flops: dict[str, int]):
+    def __init__(
+        self, module: HloModuleText, computation: str, records: dict, flops: dict[str, int], in_loop: bool
+    ):
         self.module, self.computation, self.records, self.flops = module, computation, records, flops
+        self.in_loop = in_loop
         self.instructions = module.computations[computation]
         self.index = {ins.name: i for i, ins in enumerate(self.instructions)}
         self.chained: set[str] = set()  # carriers on the way from a done to its start
@@ -380,7 +396,7 @@ class _Schedule:
             if record is None:
                 continue
             if role == "sync":
-                found.append(CollectiveOverlap(record, ins.name, None, is_async=False))
+                found.append(CollectiveOverlap(record, ins.name, None, is_async=False, in_loop=self.in_loop))
                 continue
             done = pairs.get(ins.name)
             between = self._between(ins.name, done, ins.name in wraps)
@@ -396,6 +412,7 @@ class _Schedule:
                     compute_bytes=sum(nbytes for _, nbytes in work),
                     other_collectives=sum(roles.get(b.name) in ("start", "done", "sync") for b in between),
                     wraps_loop=ins.name in wraps,
+                    in_loop=self.in_loop,
                 )
             )
         return found

@@ -197,8 +197,13 @@ def _overlap_lines(overlap: dict | None) -> list[str]:
     kinds = ", ".join(
         f"{kind} {group['fraction']:.2f}" for kind, group in overlap["by_kind"].items() if group["bytes"]
     )
+    places = ", ".join(
+        f"{place.replace('_', ' ')} {group['fraction']:.2f} of {format_bytes(group['bytes'])}"
+        for place, group in overlap.get("by_place", {}).items() if group["bytes"]
+    )  # fmt: skip
     return [f"collectives overlapping compute: {overlap['fraction']:.2f} of {format_bytes(overlap['bytes'])} "
-            f"per step ({kinds}; {overlap['async']} of {overlap['count']} asynchronous)"]  # fmt: skip
+            f"per step ({kinds}; {overlap['async']} of {overlap['count']} asynchronous)",
+            f"  by place: {places}"]  # fmt: skip
 
 
 def _notes(summary: dict) -> str:
