@@ -1,0 +1,181 @@
+"""The planner's predictions against measured steps on this machine (held out from its calibration).
+
+``torsh_jax.planner.calibrate`` measures the simulated devices first (the model's forward and
+backward pass on every device with no collective, ``psum``/``all_gather`` at several sizes, an
+empty step); none of the plans below is part of it. Then for each model size and plan the demo
+model's train step runs (``--steps`` timed steps after two warm-up steps, median) and the
+planner predicts it (:func:`torsh_jax.planner.cost.predict` with the calibrated machine).
+
+Prints one ``planner_plan`` row per plan and model (``predicted_s``, ``measured_s``, ``error``,
+``predicted_memory``, ``compiled_peak``, ``memory_error``) and one ``planner_summary`` row per model
+and overall: ``mape`` (mean absolute percentage error of the step time), ``kendall_tau`` (rank
+agreement of predicted and measured times), ``pick_ratio`` (measured time of the plan the
+planner ranks first / the fastest measured), ``memory_mape``.
+
+Usage:
+    python benchmarks/bench_planner.py [--steps 5] [--quick]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import statistics
+import time
+
+import common
+
+#: Model sizes validated (demo model; heads of 64 -> d_model / 64 heads).
+MODELS = {
+    "small": "demo:d_model=128,layers=4,vocab=1024,seq_len=128",
+    "medium": "demo:d_model=256,layers=8,vocab=2048,seq_len=128",
+}
+QUICK_MODELS = {"tiny": "demo:d_model=128,layers=4,vocab=256,seq_len=32"}
+#: Plans by the planner's labels (8 devices, global batch 32); ``+int8`` adds int8 gradients over data.
+PLANS = (
+    "ddp data=8 acc=1",
+    "ddp data=8 acc=1 +int8",
+    "zero1 fsdp=8 acc=1",
+    "zero2 fsdp=8 acc=1",
+    "zero3 fsdp=8 acc=1",
+    "zero3 data=2 fsdp=4 acc=1",
+    "zero3 data=2 fsdp=4 acc=1 +int8",
+    "ddp data=4 tensor=2 acc=1",
+    "zero3 fsdp=4 tensor=2 acc=1",
+    "pp data=2 stage=4 m=4 acc=1",
+    "pp data=2 stage=4 m=8 acc=1",
+    "pp fsdp=2 stage=4 m=4 zero2 acc=1",
+    "zero2 fsdp=8 acc=2",
+)
+GLOBAL_BATCH = 32
+
+
+def parse_args():
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per plan")
+    parser.add_argument("--quick", action="store_true", help="one tiny model, two steps (a smoke run)")
+    return parser.parse_args()
+
+
+def plans_for(shape) -> list:
+    from torsh_jax.plan import AxisCompression, CompressorSpec
+    from torsh_jax.planner.space import candidates
+
+    by_label = {c.label: c for c in candidates(shape, devices=8, global_batch=GLOBAL_BATCH)}
+    chosen = []
+    for label in PLANS:
+        base, _, extra = label.partition(" +")
+        candidate = by_label[base]
+        if extra == "int8":
+            int8 = (AxisCompression(axis="data", gradients=CompressorSpec(method="int8")),)
+            candidate = dataclasses.replace(
+                candidate, plan=dataclasses.replace(candidate.plan, compression=int8), label=label
+            )
+        chosen.append(candidate)
+    return chosen
+
+
+def measure(candidate, shape, devices, steps: int) -> tuple[float, int]:
+    """(median step seconds, compiled peak bytes) of the demo model's step under the candidate."""
+    import jax
+
+    from torsh_jax.analysis.memory import memory_report
+    from torsh_jax.demo.model import init_params, synthetic_tokens
+    from torsh_jax.planner.rank import demo_train_step
+    from torsh_jax.planner.shape import demo_config
+
+    cfg = demo_config(
+        "custom", d_model=shape.d_model, layers=shape.layers, vocab=shape.vocab, seq_len=shape.seq_len
+    )
+    train, _ = demo_train_step(candidate.plan, cfg, devices)
+    state = train.init(init_params(cfg, jax.random.key(0)))
+    batches = [synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=i) for i in range(steps + 2)]
+    peak = memory_report(train.lower(state, batches[0]).compile()).peak_estimate_bytes
+    times = []
+    for i, batch in enumerate(batches):
+        start = time.perf_counter()
+        state, metrics = train.step(state, batch)
+        jax.block_until_ready(metrics["loss"])
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times), peak
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a of two rankings (ties count as neither agreeing nor disagreeing)."""
+    pairs = list(itertools.combinations(range(len(a)), 2))
+    sign = lambda x: (x > 0) - (x < 0)
+    agree = sum(sign(a[i] - a[j]) * sign(b[i] - b[j]) for i, j in pairs)
+    return agree / len(pairs)
+
+
+def summary(rows: list[dict], name: str) -> dict:
+    predicted = [r["predicted_s"] for r in rows]
+    measured = [r["measured_s"] for r in rows]
+    best = min(range(len(rows)), key=lambda i: predicted[i])
+    return {
+        "name": "planner_summary",
+        "model": name,
+        "plans": len(rows),
+        "mape": statistics.mean(abs(r["error"]) for r in rows),
+        "kendall_tau": kendall_tau(predicted, measured),
+        "pick": rows[best]["plan"],
+        "pick_ratio": measured[best] / min(measured),
+        "memory_mape": statistics.mean(abs(r["memory_error"]) for r in rows),
+    }
+
+
+def main() -> int:
+    args = parse_args()
+    common.setup_devices(8)
+    import jax
+
+    from torsh_jax.planner.calibrate import calibrate
+    from torsh_jax.planner.cost import optimizer_state_factor, predict
+    from torsh_jax.planner.shape import parse_model
+
+    devices = jax.devices()[:8]
+    models = QUICK_MODELS if args.quick else MODELS
+    steps = 2 if args.quick else args.steps
+    every = []
+    for name, text in models.items():
+        shape = parse_model(text)
+        machine = calibrate(devices, shape, repeats=steps)
+        common.emit(
+            {
+                "name": "planner_machine",
+                "model": name,
+                "flops_per_s": machine.flops_per_s,
+                "alpha_s": machine.link("ici").alpha_s,
+                "bytes_per_s": machine.link("ici").bytes_per_s,
+                "step_overhead_s": machine.step_overhead_s,
+            }
+        )
+        rows = []
+        for candidate in plans_for(shape):
+            p = predict(candidate, shape, machine, opt_factor=optimizer_state_factor(candidate.plan))
+            seconds, peak = measure(candidate, shape, devices, steps)
+            row = {
+                "name": "planner_plan",
+                "model": name,
+                "plan": candidate.label,
+                "predicted_s": p.step_s,
+                "measured_s": seconds,
+                "error": p.step_s / seconds - 1,
+                "predicted_memory": p.memory["total"],
+                "compiled_peak": peak,
+                "memory_error": p.memory["total"] / peak - 1,
+            }
+            common.emit(row)
+            rows.append(row)
+        common.emit(summary(rows, name))
+        every += rows
+    if len(models) > 1:
+        common.emit({**summary(every, "all"), "pick": None, "pick_ratio": None})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,217 @@
+"""The planner (``torsh_jax.planner``, ``torsh-jax plan``): candidates, predictions, ranking, CLI.
+
+Candidates are complete plans for the devices and the global batch; the planner's collectives are
+the ones ``inspect`` compares with the compiled program (same theory functions, checked here on the
+demo model's train step); the ranking orders plans that fit by predicted step time; the CLI's JSON
+keys and its plan file are what scripts read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from conftest import require_devices
+
+from torsh_jax.cli.main import main
+from torsh_jax.errors import PlanError
+from torsh_jax.plan import load_plan
+from torsh_jax.planner.cost import predict, theories
+from torsh_jax.planner.machine import Link, Machine
+from torsh_jax.planner.rank import demo_train_step, search, verify
+from torsh_jax.planner.shape import ModelShape, demo_config, parse_model
+from torsh_jax.planner.space import candidates
+
+TINY = "demo:d_model=256,layers=4,vocab=256,seq_len=32"
+#: A machine file's figures (as ``calibrate`` would write them): nothing overlaps, 8 devices.
+CPU8 = Machine("cpu-8", 8, 1, 1e9, 2**30, {"ici": Link(20e-6, 1e9)}, overlaps=False, platform="cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny() -> ModelShape:
+    return parse_model(TINY)
+
+
+def test_the_demo_shape_counts_the_demo_models_parameters_exactly():
+    import jax
+
+    from torsh_jax.demo.model import init_params, param_count
+
+    shape = ModelShape.demo("150m")
+    cfg = demo_config("150m")
+    assert shape.param_count == param_count(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
+    assert (shape.layers, shape.d_model, shape.vocab, shape.heads) == (8, 1024, 32_000, 16)
+    assert shape.head_params == 1024 * 32_000 + 1024  # the head's projection and final norm
+
+
+@pytest.mark.parametrize("text", ["gpt2", "demo:huge", "demo:d_model=64,depth=2"])
+def test_a_model_it_cannot_read_is_one_error_naming_the_key(text):
+    with pytest.raises(PlanError, match="model"):
+        parse_model(text)
+
+
+def test_every_candidate_is_a_whole_plan_for_the_devices_and_batch(tiny):
+    found = candidates(tiny, devices=8, global_batch=64)
+    assert {c.label.split(" ")[0] for c in found} == {"ddp", "zero1", "zero2", "zero3", "pp"}
+    assert {c.sizes["tensor"] for c in found} == {1, 2, 4}  # 4 heads
+    for c in found:
+        assert c.plan.mesh.resolve(8).shape == c.sizes and math.prod(c.sizes.values()) == 8
+        assert c.plan.batch.global_batch_size(c.sizes["data"] * c.sizes["fsdp"]) == 64
+        assert tiny.heads % c.sizes["tensor"] == 0 and tiny.layers % c.sizes["stage"] == 0
+        if c.sizes["stage"] > 1:
+            assert c.plan.batch.micro_batch_size % c.plan.pipeline.microbatches == 0
+
+
+def test_slices_go_to_data_or_stage_and_compression_is_tried_across_them(tiny):
+    found = candidates(tiny, devices=16, global_batch=64, slices=2)
+    assert {tuple(c.dcn) for c in found} == {("data",), ("stage",)}
+    compressed = [c for c in found if c.plan.compression]
+    assert compressed and all(c.dcn == {"data": 2} for c in compressed)
+    assert all(c.plan.mesh.resolve(16, num_slices=2).shape == c.sizes for c in found)
+
+
+def test_a_batch_no_plan_divides_is_one_error(tiny):
+    with pytest.raises(PlanError, match="global_batch"):
+        candidates(tiny, devices=8, global_batch=3)
+
+
+@pytest.mark.parametrize(
+    "label", ["zero3 fsdp=8 acc=1", "ddp data=2 tensor=4 acc=1", "pp data=2 stage=4 m=4 acc=1"]
+)
+def test_the_planners_collectives_are_the_ones_inspect_compares(tiny, label):
+    from torsh_jax.runtime.inspect import data_theory, stage_theory, tensor_theory
+
+    by_label = {c.label: c for c in candidates(tiny, devices=8, global_batch=64)}
+    if label not in by_label:  # the label names the plan: a typo here must not pass
+        pytest.fail(f"no candidate {label!r}: {sorted(by_label)[:5]} ...")
+    candidate = by_label[label]
+    cfg = demo_config("custom", d_model=256, layers=4, vocab=256, seq_len=32)
+    train, batch = demo_train_step(candidate.plan, cfg, require_devices(8))
+    step = [data_theory(train), tensor_theory(train, batch), stage_theory(train, batch)]
+    expected = {c.axes: 0.0 for t in step if t is not None for c in t.collectives}
+    for t in step:
+        for c in t.collectives if t is not None else ():
+            expected[c.axes] += c.wire_bytes
+    planned = {c.axes: 0.0 for t in theories(candidate, tiny) for c in t.collectives}
+    for t in theories(candidate, tiny):
+        for c in t.collectives:
+            planned[c.axes] += c.wire_bytes
+    assert planned == pytest.approx(expected, rel=0.02)  # the stage's shared gradients: norms rounded
+
+
+def test_the_ranking_puts_fitting_plans_first_by_predicted_step_time(tiny):
+    ranked = search(tiny, CPU8, global_batch=64)
+    fits = [p.fits for p in ranked]
+    assert fits == sorted(fits, reverse=True) and any(fits)
+    times = [p.step_s for p in ranked if p.fits]
+    assert times == sorted(times)
+    assert len({p.candidate.family for p in ranked}) == len(ranked)  # one per family
+
+
+def test_too_little_memory_leaves_no_plan_fitting_and_ranks_by_memory(tiny):
+    small = Machine("small", 8, 1, 1e9, 1024, {"ici": Link(20e-6, 1e9)}, overlaps=False, platform="cpu")
+    ranked = search(tiny, small, global_batch=64)
+    assert not any(p.fits for p in ranked)
+    memory = [p.memory["total"] for p in ranked]
+    assert memory == sorted(memory)
+
+
+def test_exposed_communication_is_all_of_it_where_nothing_overlaps(tiny):
+    [zero3] = [c for c in candidates(tiny, devices=8, global_batch=64) if c.label == "zero3 fsdp=8 acc=1"]
+    p = predict(zero3, tiny, CPU8)
+    assert p.exposed_s == pytest.approx(sum(p.comm_s.values())) and p.comm_s["fsdp"] > 0
+    tpu = Machine.from_target("v5e-8")
+    q = predict(zero3, tiny, tpu)
+    assert q.exposed_s < sum(q.comm_s.values())
+
+
+def test_verify_puts_the_compilers_memory_next_to_the_prediction(tiny):
+    require_devices(8)
+    [best] = search(tiny, CPU8, global_batch=64)[:1]
+    compiled = verify(best, tiny, require_devices(8))
+    assert compiled["peak"] > 0 and compiled["temp"] > 0
+    assert compiled["memory_error"] == pytest.approx(best.memory["total"] / compiled["peak"] - 1)
+
+
+def test_a_machine_file_round_trips_and_a_bad_one_is_one_error(tmp_path):
+    path = tmp_path / "machine.json"
+    path.write_text(CPU8.to_json())
+    assert Machine.load(path) == CPU8
+    path.write_text('{"name": "x"}')
+    with pytest.raises(PlanError, match="not a machine file"):
+        Machine.load(path)
+
+
+def test_plan_cli_prints_the_ranking_and_writes_the_best_plan(tmp_path, capsys):
+    out = tmp_path / "best.toml"
+    code = main(
+        [
+            "plan",
+            "--model",
+            TINY,
+            "--target",
+            "v5e-8",
+            "--global-batch",
+            "64",
+            "--top",
+            "3",
+            "--json",
+            "-o",
+            str(out),
+        ]
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["candidates"] >= report["fitting"] > 0 and len(report["plans"]) == 3
+    best = report["plans"][0]
+    assert set(best) >= {"label", "step_s", "compute_s", "bubble_s", "comm_s", "exposed_s", "memory", "fits"}
+    written = load_plan(str(out))
+    assert written.mesh.resolve(8).shape == best["sizes"] and report["output"] == str(out)
+
+
+def test_plan_cli_without_a_machine_is_one_line(capsys):
+    assert main(["plan", "--model", TINY, "--global-batch", "64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--target" in err[0]
+
+
+def test_calibrate_measures_this_machine_and_plan_reads_its_file(tmp_path, capsys):
+    require_devices(8)
+    path = tmp_path / "machine.json"
+    code = main(
+        [
+            "calibrate",
+            "--devices",
+            "8",
+            "--model",
+            "demo:d_model=64,layers=2,vocab=64,seq_len=16",
+            "--repeats",
+            "2",
+            "-o",
+            str(path),
+        ]
+    )
+    assert code == 0 and "GFLOP/s per device" in capsys.readouterr().out
+    machine = Machine.load(path)
+    assert machine.devices == 8 and machine.flops_per_s > 0 and machine.link("ici").bytes_per_s > 0
+    assert (machine.overlaps, machine.shared_cores) == (False, True)  # simulated CPU devices
+    assert main(["plan", "--model", TINY, "--machine", str(path), "--global-batch", "64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["machine"]["devices"] == 8
+
+
+def test_the_link_fit_recovers_alpha_and_beta_from_exact_times():
+    from torsh_jax.analysis.theory import ring_wire_bytes
+    from torsh_jax.planner.calibrate import fit_alpha_beta
+
+    alpha, beta, n = 30e-6, 2e9, 8
+    samples = []
+    for nbytes in (4096, 65536, 1 << 20):
+        samples.append(
+            ("all-reduce", nbytes, 2 * (n - 1) * alpha + ring_wire_bytes("all-reduce", nbytes, n) / beta)
+        )
+        wire = ring_wire_bytes("all-gather", nbytes * n, n)
+        samples.append(("all-gather", nbytes, (n - 1) * alpha + wire / beta))
+    link = fit_alpha_beta(samples, n)
+    assert link.alpha_s == pytest.approx(alpha, rel=1e-6) and link.bytes_per_s == pytest.approx(
+        beta, rel=1e-6
+    )

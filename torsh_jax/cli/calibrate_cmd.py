@@ -1,0 +1,64 @@
+"""``torsh-jax calibrate``: measure this machine's compute rate and links for ``torsh-jax plan``.
+
+Example:
+    $ torsh-jax calibrate --devices 8 -o machine.json
+    $ torsh-jax calibrate --devices 8 --model demo:d_model=256,layers=4,vocab=1024,seq_len=128 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from torsh_jax.cli.args import MAX_DEVICES, count_type
+
+__all__ = ["register"]
+
+#: The model the compute rate is measured on unless --model says otherwise.
+DEFAULT_MODEL = "demo:d_model=256,layers=4,vocab=1024,seq_len=128"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("calibrate", help="measure compute rate and link alpha-beta for torsh-jax plan")
+    parser.add_argument(
+        "--devices",
+        type=count_type(1, MAX_DEVICES, fix="pass --devices 8"),
+        default=8,
+        help="devices; simulated on CPU [8]",
+    )
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"model the compute rate is measured on [{DEFAULT_MODEL}]"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=count_type(1, 100, fix="pass --repeats 5"),
+        default=5,
+        help="timed runs per measurement (the median counts) [5]",
+    )
+    parser.add_argument("-o", "--output", default=None, help="write the machine file (JSON) here")
+    parser.add_argument("--json", action="store_true", help="print the machine as JSON")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from torsh_jax.demo.devices import select_devices
+    from torsh_jax.planner.calibrate import calibrate
+    from torsh_jax.planner.shape import parse_model
+    from torsh_jax.units import format_bytes
+
+    shape = parse_model(args.model)
+    machine = calibrate(select_devices(args.devices), shape, repeats=args.repeats)
+    if args.output:
+        Path(args.output).write_text(machine.to_json() + "\n")
+    if args.json:
+        print(machine.to_json())
+        return 0
+    link = machine.link("ici")
+    print(
+        f"{machine.name}: {machine.flops_per_s / 1e9:.2f} GFLOP/s per device, link alpha "
+        f"{link.alpha_s * 1e6:.1f} us, beta {link.bytes_per_s / 1e9:.3f} GB/s, step overhead "
+        f"{machine.step_overhead_s * 1e3:.2f} ms, {format_bytes(machine.memory_bytes)} per device"
+        + (f"; wrote {args.output}" if args.output else "")
+    )
+    return 0

@@ -1,0 +1,161 @@
+"""``torsh-jax plan``: rank the plans for a model, a global batch and a machine by predicted step time.
+
+Example:
+    $ torsh-jax plan --model demo:1b --target v5e-256 --global-batch 512
+    $ torsh-jax plan --model demo:150m --target v5e-16 --global-batch 128 --verify 1 --json -o plan.toml
+    $ torsh-jax plan --model demo:d_model=128,layers=4 --machine machine.json --global-batch 64
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from torsh_jax.cli.args import count_type
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("plan", help="rank parallel plans for a model and machine by predicted step time")
+    parser.add_argument(
+        "--model",
+        default="demo:150m",
+        help="demo:150m, demo:1b, ... or demo:d_model=N,layers=N[,vocab=N,seq_len=N] [demo:150m]",
+    )
+    parser.add_argument(
+        "--global-batch",
+        type=count_type(1, 2**31 - 1, fix="pass --global-batch 512"),
+        required=True,
+        help="examples per optimizer step",
+    )
+    parser.add_argument("--target", default=None, help="v5e-256, v5p-128, h100-16, ... (docs/targets.md)")
+    parser.add_argument(
+        "--slices",
+        type=count_type(1, 64, fix="pass --slices 2"),
+        default=1,
+        help="TPU slices of --target joined over DCN [1]",
+    )
+    parser.add_argument(
+        "--machine", default=None, help="a machine file (JSON, docs/planner.md) instead of --target"
+    )
+    parser.add_argument(
+        "--base", default=None, help="plan preset or file whose precision and optimizer the candidates keep"
+    )
+    parser.add_argument(
+        "--top", type=count_type(1, 1000, fix="pass --top 10"), default=10, help="plans to print [10]"
+    )
+    parser.add_argument(
+        "--verify",
+        type=count_type(0, 100, fix="pass --verify 1"),
+        default=0,
+        help="compile the best N plans and report the compiler's memory [0]",
+    )
+    parser.add_argument("--json", action="store_true", help="print the ranking as JSON")
+    parser.add_argument("-o", "--output", default=None, help="write the best plan as TOML to this file")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from torsh_jax.cli.output import json_text
+    from torsh_jax.plan.io import load_plan, save_plan
+    from torsh_jax.planner.rank import search
+    from torsh_jax.planner.shape import parse_model
+
+    machine, target = _machine(args)
+    shape = parse_model(args.model)
+    base = load_plan(args.base, key="--base") if args.base else None
+    ranked = search(shape, machine, global_batch=args.global_batch, base=base)
+    shown = ranked[: args.top]
+    compiled = [_verify(p, shape, target, machine) for p in shown[: args.verify]]
+    shown = [p.__class__(**{**p.__dict__, "compiled": c}) for p, c in zip(shown, compiled)] + shown[
+        len(compiled) :
+    ]
+    if args.output and shown and shown[0].fits:
+        save_plan(shown[0].candidate.plan, args.output)
+    report = {
+        "model": {
+            "name": shape.name,
+            "params": shape.param_count,
+            "layers": shape.layers,
+            "d_model": shape.d_model,
+        },
+        "machine": {
+            "name": machine.name,
+            "devices": machine.devices,
+            "slices": machine.slices,
+            "flops_per_s": machine.flops_per_s,
+            "memory_bytes": machine.memory_bytes,
+            "source": machine.source,
+        },
+        "global_batch": args.global_batch,
+        "candidates": len(ranked),
+        "fitting": sum(p.fits for p in ranked),
+        "plans": [p.to_dict() for p in shown],
+        "output": args.output if args.output and shown and shown[0].fits else None,
+    }
+    print(json_text(report) if args.json else _table(report))
+    return 0
+
+
+def _machine(args: argparse.Namespace):
+    from torsh_jax.errors import TargetError
+    from torsh_jax.planner.machine import Machine
+    from torsh_jax.targets import parse_target
+
+    if (args.target is None) == (args.machine is None):
+        raise TargetError(
+            "give the machine once",
+            key="--target",
+            fix="pass --target v5e-256 (published figures) or --machine machine.json",
+        )
+    if args.machine is not None:
+        return Machine.load(args.machine), None
+    return Machine.from_target(args.target, slices=args.slices), parse_target(args.target, slices=args.slices)
+
+
+def _verify(prediction, shape, target, machine) -> dict:
+    from torsh_jax.planner.rank import verify
+
+    if target is None:
+        from torsh_jax.demo.devices import select_devices
+
+        return verify(prediction, shape, select_devices(machine.devices))
+    from torsh_jax.errors import TargetError
+    from torsh_jax.targets import missing_compiler, target_devices
+
+    missing = missing_compiler(target.name)
+    if missing is not None:
+        raise TargetError(missing, key="--verify", fix="install it, or drop --verify")
+    return verify(prediction, shape, target_devices(target), target=target)
+
+
+def _table(report: dict) -> str:
+    from torsh_jax.units import format_bytes
+
+    m = report["machine"]
+    lines = [
+        f"{report['model']['name']} ({report['model']['params'] / 1e6:,.0f} M parameters), global batch "
+        f"{report['global_batch']}, on {m['name']} ({m['devices']} devices, "
+        f"{format_bytes(m['memory_bytes'])} each)",
+        f"{report['candidates']} plans considered, {report['fitting']} fit; predicted per step:",
+        f"{'plan':<44} {'step':>9} {'compute':>9} {'bubble':>8} {'exposed':>9} {'memory':>10}  compiled",
+    ]
+    for p in report["plans"]:
+        compiled = p["compiled"] or {}
+        peak = (
+            f"{format_bytes(compiled['peak'])} ({compiled['memory_error']:+.0%})"
+            if compiled.get("peak")
+            else ""
+        )
+        fits = "" if p["fits"] else " (does not fit)"
+        lines.append(
+            f"{p['label'] + fits:<44} {_ms(p['step_s']):>9} {_ms(p['compute_s']):>9} {_ms(p['bubble_s']):>8} "
+            f"{_ms(p['exposed_s']):>9} {format_bytes(p['memory']['total']):>10}  {peak}"
+        )
+    if report["output"]:
+        lines.append(f"wrote {report['output']}")
+    return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"

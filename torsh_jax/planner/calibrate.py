@@ -1,0 +1,168 @@
+"""Measure the machine the planner predicts for: compute rate, α-β of the links, per-step overhead.
+
+On the present devices (simulated CPU devices, or one host's accelerators):
+
+* **compute**: the demo model's forward and backward pass on every device at once, each on its
+  own examples, with no collective (a data-parallel step without its gradient sum): per-device
+  FLOP/s = the model's FLOPs per device (:meth:`ModelShape.train_flops_per_token`) / the time;
+* **links**: ``psum`` and ``all_gather`` over all devices at sizes from 4 KiB to 16 MiB; ``α`` and
+  ``1/β`` are the least-squares fit of ``time = steps · α + wire bytes / β`` (ring steps and
+  bytes as the cost model counts them), clipped at zero;
+* **overhead**: a step that does nothing but cross a ``shard_map`` over the devices.
+
+Times are medians of ``repeats`` runs after a warm-up; nothing here is a constant.
+
+Example:
+    >>> import jax
+    >>> from torsh_jax.planner.shape import parse_model
+    >>> shape = parse_model("demo:d_model=64,layers=2,vocab=64,seq_len=16")
+    >>> m = calibrate(jax.devices()[:2], shape, repeats=2)
+    >>> m.devices, m.flops_per_s > 0, m.link("ici").bytes_per_s > 0
+    (2, True, True)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from functools import partial
+
+import numpy as np
+
+from torsh_jax.planner.machine import Link, Machine
+from torsh_jax.planner.shape import ModelShape, demo_config
+
+__all__ = ["calibrate", "fit_alpha_beta", "LINK_SIZES"]
+
+#: Bytes per device of the collectives timed for the link fit.
+LINK_SIZES = tuple(4096 * 4**k for k in range(6))  # 4 KiB .. 4 MiB
+#: Examples per device in the compute measurement.
+_ROWS = 4
+
+
+def _median_seconds(fn, *args, repeats: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _compute_rate(mesh, shape: ModelShape, repeats: int) -> float:
+    """Per-device FLOP/s of the demo model's forward and backward pass with every device busy."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from torsh_jax.demo.model import init_params, loss_fn, synthetic_tokens
+
+    cfg = demo_config(
+        "custom", d_model=shape.d_model, layers=shape.layers, vocab=shape.vocab, seq_len=shape.seq_len
+    )
+    params = init_params(cfg, jax.random.key(0))
+    n = mesh.shape["devices"]
+    batch = jax.tree.map(jnp.asarray, synthetic_tokens(cfg, batch_size=_ROWS * n, seed=0))
+    batch = jax.device_put(batch, NamedSharding(mesh, P("devices")))
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("devices")), out_specs=P("devices"), check_vma=False)
+    def grads_per_device(p, b):
+        grads = jax.grad(loss_fn(cfg))(p, b)
+        return jnp.stack([jnp.sum(g) for g in jax.tree.leaves(grads)])[None]
+
+    seconds = _median_seconds(grads_per_device, params, batch, repeats=repeats)
+    return _ROWS * shape.seq_len * shape.train_flops_per_token(recompute=False) / seconds
+
+
+def _collective_times(mesh, repeats: int) -> list[tuple[str, int, float]]:
+    """(kind, bytes per device, seconds) of ``psum`` and ``all_gather`` at :data:`LINK_SIZES`."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    ops = {
+        "all-reduce": lambda x: jax.lax.psum(x, "devices"),
+        "all-gather": lambda x: jax.lax.all_gather(x, "devices", tiled=True)[: x.shape[0]] * 2,
+    }
+    found = []
+    for kind, op in ops.items():
+        fn = jax.jit(
+            jax.shard_map(op, mesh=mesh, in_specs=P("devices"), out_specs=P("devices"), check_vma=False)
+        )
+        for nbytes in LINK_SIZES:
+            x = jnp.ones((mesh.shape["devices"] * nbytes // 4,), jnp.float32)
+            x = jax.device_put(x, NamedSharding(mesh, P("devices")))
+            found.append((kind, nbytes, _median_seconds(fn, x, repeats=repeats)))
+    return found
+
+
+def fit_alpha_beta(
+    samples: list[tuple[str, int, float]], devices: int, /, *, overhead_s: float = 0.0
+) -> Link:
+    """The least-squares ``Link`` of ``time - overhead = steps · α + wire / β`` over ``samples`` of
+    (kind, bytes per device, seconds), ring steps and wire bytes as the cost model counts them.
+
+    Example:
+        >>> samples = [("all-reduce", b, 2 * 3 * 1e-5 + 2 * b * 3 / 4 / 1e9) for b in (1e3, 1e6)]
+        >>> link = fit_alpha_beta(samples, 4)
+        >>> round(link.alpha_s * 1e6, 3), round(link.bytes_per_s / 1e9, 3)
+        (10.0, 1.0)
+    """
+    from torsh_jax.analysis.theory import ring_wire_bytes
+
+    rows, times = [], []
+    for kind, nbytes, seconds in samples:
+        payload = nbytes if kind == "all-reduce" else nbytes * devices  # a gather's output
+        steps = 2 * (devices - 1) if kind == "all-reduce" else devices - 1
+        rows.append([steps, ring_wire_bytes(kind, payload, devices)])
+        times.append(max(seconds - overhead_s, 0.0))
+    (alpha, inverse_beta), *_ = np.linalg.lstsq(np.array(rows, float), np.array(times), rcond=None)
+    return Link(max(float(alpha), 0.0), 1.0 / max(float(inverse_beta), 1e-15))
+
+
+def _overhead(mesh, repeats: int) -> float:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    fn = jax.jit(jax.shard_map(lambda x: x + 1, mesh=mesh, in_specs=P("devices"), out_specs=P("devices")))
+    x = jax.device_put(jnp.zeros((mesh.shape["devices"],), jnp.float32), NamedSharding(mesh, P("devices")))
+    return _median_seconds(fn, x, repeats=repeats)
+
+
+def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | None = None) -> Machine:
+    """Measure ``devices`` (see the module docstring) and return the :class:`Machine` they are."""
+    import jax
+    from jax.sharding import AxisType
+
+    from torsh_jax.runtime.fit import device_memory_limit
+
+    # a ``tensor`` axis of 1: the demo model's tensor blocks read its size
+    mesh = jax.make_mesh(
+        (len(devices), 1), ("devices", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=devices
+    )
+    overhead = _overhead(mesh, repeats)
+    link = fit_alpha_beta(_collective_times(mesh, repeats), len(devices), overhead_s=overhead)
+    limit = device_memory_limit(mesh)
+    platform = devices[0].platform
+    return Machine(
+        name=name or f"{platform}-{len(devices)} (calibrated)",
+        devices=len(devices),
+        slices=1,
+        flops_per_s=_compute_rate(mesh, shape, repeats),
+        memory_bytes=limit.bytes if limit else 0,
+        links={"ici": link},
+        overlaps=platform != "cpu",
+        shared_cores=platform == "cpu",
+        step_overhead_s=overhead,
+        platform=platform,
+        source=f"torsh-jax calibrate on {len(devices)} {platform} devices with {shape.name}",
+    )

@@ -1,0 +1,331 @@
+"""Predicted memory and step time of a candidate plan, from the plan's theory and the machine.
+
+**Memory per device** = training state (the ZeRO split of parameters, gradients and optimizer state,
+:func:`~torsh_jax.analysis.theory.theoretical_memory_per_device`) + gradient buffers (below ZeRO-3
+the whole local gradient, its reduced copy and the updated parameters; an accumulator) + ZeRO-3's
+gathered working set
+(one layer twice, embedding and head once, in the compute dtype) + activations. Activations per
+token and layer follow Korthikanti et al. 2022 (eq. 2 and 4; ``34 d + 5 a s`` bytes in 16-bit
+with no tensor parallelism, ``(10 + 24/t) d + 5 a s / t`` with ``t``, ``34 d / t + 5 a s / t``
+with sequence parallelism), scaled by the compute dtype; a recomputed layer keeps its input only
+(``2 d`` bytes), plus one layer's full set while it is recomputed. The logits and their gradient
+are float32. A pipeline stage stashes the input of ``min(microbatches, stages)`` micro-batches
+(1F1B, the first stage) and recomputes its chunk's forward in the backward pass (one micro-batch's
+full set).
+
+**Step time** = the machine's per-step overhead + compute + pipeline bubble + exposed communication:
+
+* compute: the busiest device's FLOPs (its tokens × :meth:`ModelShape.train_flops_per_token`,
+  split over ``tensor`` and ``stage``) over the machine's sustained FLOP/s;
+* bubble: 1F1B's ``(stages - 1) / microbatches`` of the compute (none where the devices share the
+  host's cores: an idle stage's core works for the others);
+* communication per axis: the plan theory's collectives (:mod:`torsh_jax.analysis.theory`: the
+  same bytes ``inspect`` compares with the compiled program), each ``steps × α + wire bytes / β``
+  on the axis's link (DCN when the axis crosses slices), ring steps ``2 (n - 1)`` for an
+  all-reduce, ``n - 1`` for a gather or scatter, 1 for a permute;
+* exposed: where the machine overlaps (accelerators), the share of each axis's time in
+  :data:`OVERLAP` hides behind compute, at most the compute itself; the rest is exposed.
+
+Example:
+    >>> from torsh_jax.planner.machine import Machine
+    >>> from torsh_jax.planner.shape import ModelShape
+    >>> from torsh_jax.planner.space import candidates
+    >>> shape = ModelShape.demo("tiny")
+    >>> found = candidates(shape, devices=8, global_batch=64)
+    >>> [zero3] = [c for c in found if c.label == "zero3 fsdp=8 acc=1"]
+    >>> p = predict(zero3, shape, Machine.from_target("v5e-8"))
+    >>> sorted(p.comm_s), p.bubble_s
+    (['fsdp'], 0.0)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from torsh_jax.analysis.theory import (
+    DTYPE_BYTES,
+    Theory,
+    megatron_blocks,
+    pipeline_stages,
+    plan_theory,
+    theoretical_memory_per_device,
+)
+from torsh_jax.planner.machine import Machine
+from torsh_jax.planner.shape import ModelShape
+from torsh_jax.planner.space import Candidate
+
+__all__ = ["Prediction", "predict", "OVERLAP", "optimizer_state_factor"]
+
+#: Share of an axis's collective time that can hide behind compute on an accelerator, measured on
+#: v5e-16 with libtpu 0.0.42.1 (docs/targets.md, benchmarks/README.md): ZeRO-3's in-loop gathers and
+#: reductions 0.75-0.96; the stage axis's permutes 0.91; Megatron's activation all-reduces are each
+#: needed by the next matmul (0); a data axis's gradient all-reduce runs once after the backward pass (0).
+OVERLAP = {"fsdp": 0.75, "stage": 0.9, "tensor": 0.0, "data": 0.0}
+#: Ring steps per collective kind over ``n`` devices.
+_STEPS = {"all-reduce": lambda n: 2 * (n - 1), "collective-permute": lambda n: 1}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model says of one candidate.
+
+    Attributes:
+        candidate: the plan.
+        memory: bytes per device by part (``state``, ``gradients``: buffers beyond the stored
+            gradients, ``gathered``, ``activations``, ``logits``) and ``total``.
+        compute_s: the busiest device's compute time.
+        bubble_s: pipeline idle time.
+        comm_s: communication time per mesh axis (before overlap).
+        exposed_s: communication time not hidden behind compute.
+        memory_limit: bytes one device may use.
+        compiled: the compiler's memory when the plan was compiled (:func:`~torsh_jax.planner.verify`).
+        overhead_s: the machine's per-step overhead.
+    """
+
+    candidate: Candidate
+    memory: dict[str, int]
+    compute_s: float
+    bubble_s: float
+    comm_s: dict[str, float]
+    exposed_s: float
+    memory_limit: int
+    compiled: dict = field(default_factory=dict)
+
+    overhead_s: float = 0.0
+
+    @property
+    def step_s(self) -> float:
+        return self.overhead_s + self.compute_s + self.bubble_s + self.exposed_s
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["total"] <= self.memory_limit
+
+    def to_dict(self) -> dict:
+        c = self.candidate
+        return {
+            "label": c.label,
+            "sizes": c.sizes,
+            "dcn": c.dcn,
+            "zero_stage": c.plan.zero.stage,
+            "micro_batch_size": c.plan.batch.micro_batch_size,
+            "accumulation_steps": c.plan.batch.accumulation_steps,
+            "microbatches": c.plan.pipeline.microbatches if c.sizes["stage"] > 1 else None,
+            "step_s": self.step_s,
+            "overhead_s": self.overhead_s,
+            "compute_s": self.compute_s,
+            "bubble_s": self.bubble_s,
+            "comm_s": self.comm_s,
+            "exposed_s": self.exposed_s,
+            "memory": self.memory,
+            "memory_limit": self.memory_limit,
+            "fits": self.fits,
+            "compiled": self.compiled or None,
+        }
+
+
+def optimizer_state_factor(plan) -> float:
+    """Optimizer-state elements per parameter element of ``plan``'s optimizer (adamw when unset): 2 for
+    adam, 0 for sgd; read from ``optax``'s state shapes on a probe."""
+    import jax
+    import jax.numpy as jnp
+
+    from torsh_jax.optim.optimizers import build_optimizer
+
+    probe = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
+    state = jax.eval_shape(build_optimizer(plan.optimizer).init, probe)
+    elements = sum(x.size for x in jax.tree.leaves(state) if x.ndim >= 1)
+    return elements / 4096
+
+
+def predict(
+    candidate: Candidate, shape: ModelShape, machine: Machine, *, opt_factor: float = 2.0
+) -> Prediction:
+    """Memory and step time of ``candidate`` for ``shape`` on ``machine`` (see the module docstring)."""
+    compute = _compute_seconds(candidate, shape, machine)
+    bubble = 0.0 if machine.shared_cores else compute * _bubble_fraction(candidate)
+    comm = _comm_seconds(candidate, shape, machine)
+    return Prediction(
+        candidate,
+        _memory(candidate, shape, opt_factor),
+        compute,
+        bubble,
+        comm,
+        _exposed(comm, compute, machine),
+        machine.memory_bytes,
+        overhead_s=machine.step_overhead_s,
+    )
+
+
+# -- memory --------------------------------------------------------------------------------------
+def _local_params(c: Candidate, shape: ModelShape) -> tuple[int, int]:
+    """(parameters of one device's layers, of its embedding and head) before ZeRO, per tensor shard."""
+    t, s = c.sizes["tensor"], c.sizes["stage"]
+    return shape.layers // s * shape.layer_params // t, (shape.embed_params + shape.head_params) // t
+
+
+def _memory(c: Candidate, shape: ModelShape, opt_factor: float) -> dict[str, int]:
+    plan = c.plan
+    layers, shared = _local_params(c, shape)
+    count = layers + shared
+    pb, cb = DTYPE_BYTES[plan.precision.param_dtype], DTYPE_BYTES[plan.precision.compute_dtype]
+    zero_stage, fsdp = plan.zero.stage, c.sizes["fsdp"]
+    sharded = zero_stage == 3 and fsdp > 1
+    state = theoretical_memory_per_device(
+        count * pb, int(count * opt_factor * 4), count * pb, zero_stage, fsdp
+    )
+    gathered = 0
+    if sharded:
+        one_layer = layers // max(1, shape.layers // c.sizes["stage"])
+        gathered = (2 * one_layer + shared) * cb
+    activations, logits = _activation_bytes(c, shape)
+    parts = {
+        "state": state.total_bytes,
+        "gradients": _gradient_buffers(
+            count * pb, state.grad_bytes, sharded, c.plan.batch.accumulation_steps, fsdp
+        ),
+        "gathered": gathered,
+        "activations": activations,
+        "logits": logits,
+    }
+    return {**parts, "total": sum(parts.values())}
+
+
+def _gradient_buffers(
+    param_bytes: int, stored_grads: int, sharded: bool, accumulation: int, fsdp: int
+) -> int:
+    """Buffers beyond the stored gradients. Below ZeRO-3 the whole local gradient exists before its
+    reduction, next to the reduced copy and the updated parameters (3 parameter-sized buffers
+    in all: what the compiled CPU programs of the demo model hold, tests/test_planner.py); ZeRO-3
+    reduces each layer's gradient as the backward pass makes it. Accumulation adds an accumulator."""
+    if sharded:
+        return param_bytes // fsdp if accumulation > 1 else 0
+    return 3 * param_bytes - stored_grads + (param_bytes if accumulation > 1 else 0)
+
+
+def _layer_remat(c: Candidate) -> bool:
+    """Each layer runs forward again in its backward pass, from its saved input: ZeRO-3 gathering
+    each layer on use."""
+    return c.plan.zero.stage == 3 and c.sizes["fsdp"] > 1 and c.sizes["stage"] == 1
+
+
+def _recomputed(c: Candidate) -> bool:
+    """The layers' forward runs twice: per layer (:func:`_layer_remat`) or per pipeline chunk (a
+    stage's backward recomputes its chunk from the stashed input)."""
+    return _layer_remat(c) or c.sizes["stage"] > 1
+
+
+def _tokens_per_micro_step(c: Candidate, shape: ModelShape) -> int:
+    """Tokens of one device's micro-step (a pipeline micro-batch under a pipeline)."""
+    rows = c.plan.batch.micro_batch_size
+    if c.sizes["stage"] > 1:
+        rows //= c.plan.pipeline.microbatches
+    return rows * shape.seq_len
+
+
+def _activation_bytes(c: Candidate, shape: ModelShape) -> tuple[int, int]:
+    t, d, heads, s = c.sizes["tensor"], shape.d_model, shape.heads, shape.seq_len
+    scale = DTYPE_BYTES[c.plan.precision.compute_dtype] / 2  # the formulas count 16-bit activations
+    if t == 1:
+        full = 34 * d + 5 * heads * s
+    elif c.plan.tensor.sequence_parallel:
+        full = (34 * d + 5 * heads * s) / t
+    else:
+        full = (10 + 24 / t) * d + 5 * heads * s / t
+    layers = shape.layers // c.sizes["stage"]
+    if c.sizes["stage"] > 1:  # stashed stage inputs of the micro-batches in flight + one chunk's backward
+        per_token = 2 * d * min(c.plan.pipeline.microbatches, c.sizes["stage"]) + full * layers
+    elif _layer_remat(c):  # every layer's input + one layer's backward
+        per_token = 2 * d * layers + full
+    else:
+        per_token = full * layers
+    tokens = _tokens_per_micro_step(c, shape)
+    logits = 2 * tokens * shape.vocab // t * 4
+    return int(per_token * scale * tokens), logits
+
+
+# -- time ----------------------------------------------------------------------------------------
+def _compute_seconds(c: Candidate, shape: ModelShape, machine: Machine) -> float:
+    """Each device's share of the step's FLOPs (the replica's tokens split over ``tensor`` and
+    ``stage``) at the machine's per-device rate."""
+    replicas = c.sizes["data"] * c.sizes["fsdp"]
+    tokens = c.plan.batch.global_batch_size(replicas) * shape.seq_len // replicas
+    flops = (
+        tokens
+        * shape.train_flops_per_token(recompute=_recomputed(c))
+        / (c.sizes["tensor"] * c.sizes["stage"])
+    )
+    return flops / machine.flops_per_s
+
+
+def _bubble_fraction(c: Candidate) -> float:
+    stages = c.sizes["stage"]
+    return (stages - 1) / c.plan.pipeline.microbatches if stages > 1 else 0.0
+
+
+def theories(c: Candidate, shape: ModelShape) -> list[Theory]:
+    """The candidate's collectives per step: data-parallel axes, ``tensor`` and ``stage``."""
+    plan, sizes = c.plan, c.sizes
+    layers, shared = _local_params(c, shape)
+    devices = math.prod(sizes.values())
+    slices = math.prod(c.dcn.values()) if c.dcn else 1
+    fraction = layers / (layers + shared) if sizes["stage"] == 1 else 0.0
+    local_layers = shape.layers // sizes["stage"]
+    out = [
+        plan_theory(
+            plan,
+            param_count=layers + shared,
+            num_devices=devices,
+            num_slices=slices,
+            layer_fraction=fraction,
+            layers=local_layers,
+        )
+    ]
+    cb = DTYPE_BYTES[plan.precision.compute_dtype]
+    micro_tokens = _tokens_per_micro_step(c, shape)
+    if sizes["tensor"] > 1 and sizes["stage"] == 1:
+        out.append(
+            megatron_blocks(
+                micro_tokens * shape.d_model * cb,
+                tensor_size=sizes["tensor"],
+                layers=local_layers,
+                sequence_parallel=plan.tensor.sequence_parallel,
+                token_bytes=micro_tokens * 4,
+                recomputed=_recomputed(c),
+                micro_steps=plan.batch.accumulation_steps,
+            )
+        )
+    if sizes["stage"] > 1:
+        shared_grads = shared * DTYPE_BYTES[plan.precision.param_dtype] + 4
+        out.append(
+            pipeline_stages(
+                micro_tokens * shape.d_model * cb,
+                stages=sizes["stage"],
+                microbatches=plan.pipeline.microbatches,
+                passes=plan.batch.accumulation_steps,
+                shared_grad_bytes=shared_grads,
+            )
+        )
+    return out
+
+
+def _comm_seconds(c: Candidate, shape: ModelShape, machine: Machine) -> dict[str, float]:
+    seconds: dict[str, float] = {}
+    for theory in theories(c, shape):
+        for col in theory.collectives:
+            if col.group_size <= 1 and col.kind != "collective-permute":
+                continue
+            link = machine.link("dcn" if any(c.dcn.get(a, 1) > 1 for a in col.axes) else "ici")
+            steps = _STEPS.get(col.kind, lambda n: n - 1)(col.group_size) * col.count
+            axis = "+".join(col.axes)
+            seconds[axis] = seconds.get(axis, 0.0) + link.seconds(col.wire_bytes, steps)
+    return seconds
+
+
+def _exposed(comm: dict[str, float], compute: float, machine: Machine) -> float:
+    if not machine.overlaps:
+        return sum(comm.values())
+    hideable = sum(t * max(OVERLAP.get(a, 0.0) for a in axis.split("+")) for axis, t in comm.items())
+    hidden = min(hideable, compute)
+    return sum(comm.values()) - hidden

@@ -1,0 +1,134 @@
+"""The machine a plan runs on, as the cost model needs it: compute rate, links, memory.
+
+A :class:`Machine` holds per-device sustained FLOP/s, device memory, and an α-β model per link
+kind: a collective step costs ``α`` seconds of latency plus its bytes over ``β`` bytes/s. A mesh
+axis travels over ICI/NVLink inside a slice or node and over DCN/InfiniBand across them.
+
+Where figures come from, in order: a machine file written by ``torsh-jax calibrate`` (measured
+here), else a target's published figures (:data:`torsh_jax.targets.CHIPS`, sources named there)
+with the assumptions of :data:`ASSUMED` for what is not published.
+
+Example:
+    >>> m = Machine.from_target("v5e-16")
+    >>> m.devices, m.link("ici").bytes_per_s / 1e9, m.overlaps
+    (16, 200.0, True)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from torsh_jax.errors import PlanError
+
+__all__ = ["Link", "Machine", "ASSUMED"]
+
+#: What a target's published figures leave out, assumed until ``calibrate`` measures it.
+ASSUMED = {
+    "compute_efficiency": 0.5,  # sustained / peak FLOP/s of a training step's matmuls
+    "ici_alpha_s": 5e-6,  # per collective step inside a slice / node
+    "dcn_alpha_s": 25e-6,  # per collective step across slices / nodes
+}
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link kind's α-β figures.
+
+    Attributes:
+        alpha_s: latency per collective step (a ring all-reduce over ``n`` has ``2 (n-1)`` steps).
+        bytes_per_s: bytes per second one device sends on it (one direction).
+    """
+
+    alpha_s: float
+    bytes_per_s: float
+
+    def seconds(self, wire_bytes: float, steps: int) -> float:
+        """Time of a collective that sends ``wire_bytes`` per device in ``steps`` ring steps."""
+        return steps * self.alpha_s + wire_bytes / self.bytes_per_s
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Devices, their rate and memory, and their links.
+
+    Attributes:
+        name: e.g. ``v5e-16`` or ``cpu-8 (calibrated)``.
+        devices: devices of the whole machine.
+        slices: slices (TPU) or nodes (GPU) joined by DCN; 1 for one.
+        flops_per_s: sustained FLOP/s of one device on a training step's matmuls.
+        memory_bytes: memory one device may use.
+        links: ``ici`` (in a slice or node) and ``dcn`` (across).
+        overlaps: collectives can run beside compute (accelerators: yes; simulated CPU devices
+            share the host's cores: no).
+        shared_cores: the devices share the host's cores (simulated CPU devices): a device idle in
+            a pipeline bubble gives its core to the others, so a bubble costs no time.
+        step_overhead_s: time of a step that does nothing (dispatch, one program launch).
+        platform: ``tpu``, ``gpu`` or ``cpu``.
+        source: where the figures come from.
+    """
+
+    name: str
+    devices: int
+    slices: int
+    flops_per_s: float
+    memory_bytes: int
+    links: dict[str, Link] = field(default_factory=dict)
+    overlaps: bool = True
+    shared_cores: bool = False
+    step_overhead_s: float = 0.0
+    platform: str = "tpu"
+    source: str = ""
+
+    def link(self, kind: str) -> Link:
+        """The ``ici`` or ``dcn`` link (``dcn`` falls back to ``ici`` on one slice)."""
+        return self.links.get(kind) or self.links["ici"]
+
+    @classmethod
+    def from_target(cls, name: str, /, *, slices: int = 1) -> Machine:
+        """A target's published figures (``v5e-256``, ``h100-16``) and :data:`ASSUMED`."""
+        from torsh_jax.targets import parse_target
+
+        target = parse_target(name, slices=slices)
+        chip = target.chip
+        ici = Link(ASSUMED["ici_alpha_s"], (chip.ici_bytes_per_s or chip.hbm_bytes_per_s) / 2)
+        dcn = Link(ASSUMED["dcn_alpha_s"], chip.dcn_bytes_per_s or ici.bytes_per_s)
+        gpu_nodes = target.platform == "gpu" and target.devices > 8
+        return cls(
+            name=target.name if slices == 1 else f"{target.name} x {slices}",
+            devices=target.devices,
+            slices=slices if target.platform == "tpu" else max(1, target.devices // 8),
+            flops_per_s=chip.peak_bf16_flops * ASSUMED["compute_efficiency"],
+            memory_bytes=chip.usable_hbm_bytes,
+            links={"ici": ici, "dcn": dcn} if slices > 1 or gpu_nodes else {"ici": ici},
+            overlaps=True,
+            platform=target.platform,
+            source=f"{chip.source}; assumed: {ASSUMED}",
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str, /, *, source: str = "<json>") -> Machine:
+        """A machine file (``torsh-jax calibrate -o machine.json``)."""
+        try:
+            data = json.loads(text)
+            links = {kind: Link(**link) for kind, link in data.pop("links").items()}
+            return cls(**data, links=links)
+        except (ValueError, TypeError, KeyError, AttributeError) as err:
+            raise PlanError(
+                f"not a machine file: {err}",
+                key=source,
+                fix="write it with torsh-jax calibrate -o machine.json",
+            ) from None
+
+    @classmethod
+    def load(cls, path: str | Path, /) -> Machine:
+        path = Path(path)
+        if not path.is_file():
+            raise PlanError(
+                f"no such machine file {path}", key="machine", fix="run torsh-jax calibrate -o " + str(path)
+            )
+        return cls.from_json(path.read_text(), source=str(path))

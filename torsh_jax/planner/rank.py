@@ -1,0 +1,102 @@
+"""Rank the candidate plans by predicted step time, and check the best against the compiler.
+
+:func:`search` predicts every candidate (:mod:`~torsh_jax.planner.space`,
+:mod:`~torsh_jax.planner.cost`), keeps per family (everything but the accumulation steps) the
+fewest accumulation steps that fit, and ranks the plans that fit by predicted step time.
+:func:`verify` compiles one for the machine's devices (simulated CPU devices, or a target's
+compile-only devices) and puts the compiler's memory next to the prediction.
+
+Example:
+    >>> from torsh_jax.planner.machine import Machine
+    >>> from torsh_jax.planner.shape import ModelShape
+    >>> ranked = search(ModelShape.demo("tiny"), Machine.from_target("v5e-8"), global_batch=64)
+    >>> ranked[0].fits, ranked[0].step_s <= ranked[-1].step_s
+    (True, True)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torsh_jax.plan import ParallelPlan
+from torsh_jax.planner.cost import Prediction, optimizer_state_factor, predict
+from torsh_jax.planner.machine import Machine
+from torsh_jax.planner.shape import ModelShape, demo_config
+from torsh_jax.planner.space import Space, candidates
+
+__all__ = ["search", "verify", "demo_train_step"]
+
+
+def search(
+    shape: ModelShape,
+    machine: Machine,
+    /,
+    *,
+    global_batch: int,
+    base: ParallelPlan | None = None,
+    space: Space | None = None,
+) -> list[Prediction]:
+    """Predictions ranked: plans that fit by step time, then those that do not by memory."""
+    base = base or ParallelPlan()
+    found = candidates(
+        shape,
+        devices=machine.devices,
+        global_batch=global_batch,
+        slices=machine.slices,
+        base=base,
+        space=space,
+    )
+    factor = optimizer_state_factor(base)
+    best: dict[str, Prediction] = {}
+    for candidate in found:  # accumulation steps ascend within a family
+        p = predict(candidate, shape, machine, opt_factor=factor)
+        kept = best.get(candidate.family)
+        if kept is None or (not kept.fits and p.memory["total"] < kept.memory["total"]):
+            best[candidate.family] = p
+    fitting = sorted((p for p in best.values() if p.fits), key=lambda p: p.step_s)
+    over = sorted((p for p in best.values() if not p.fits), key=lambda p: p.memory["total"])
+    return fitting + over
+
+
+def demo_train_step(plan: ParallelPlan, cfg, devices, /, *, num_slices: int | None = None) -> tuple[Any, Any]:
+    """The demo model's train step over ``devices`` from parameter shapes (nothing is allocated) and
+    a global batch of token shapes."""
+    import jax
+
+    from torsh_jax.demo.model import init_params, layered_model, synthetic_tokens
+    from torsh_jax.optim import build_optimizer
+    from torsh_jax.runtime.fit import batch_like
+    from torsh_jax.runtime.mesh import build_mesh
+    from torsh_jax.runtime.step import make_train_step
+    from torsh_jax.tensor.axis import tensor_axis
+
+    mesh = build_mesh(plan, devices, num_slices=num_slices)
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    model = layered_model(cfg, tp=tensor_axis(plan))
+    train = make_train_step(model, build_optimizer(plan.optimizer), plan, mesh, shapes)
+    return train, batch_like(synthetic_tokens(cfg, batch_size=1, seed=0), train.global_batch_size)
+
+
+def verify(prediction: Prediction, shape: ModelShape, devices, /, *, target=None) -> dict:
+    """Compile the predicted plan for the demo model of ``shape`` over ``devices`` (a target's, with
+    ``target``) and return the compiler's memory: ``peak``, ``temp``, ``fits`` and
+    ``memory_error`` (predicted / compiled peak - 1)."""
+    plan = prediction.candidate.plan
+    cfg = demo_config(
+        "custom", d_model=shape.d_model, layers=shape.layers, vocab=shape.vocab, seq_len=shape.seq_len
+    )
+    slices = target.slices if target is not None else None
+    train, batch = demo_train_step(plan, cfg, devices, num_slices=slices)
+    if target is not None:
+        from torsh_jax.targets import compile_for_target
+
+        report = compile_for_target(train, batch, target=target)
+        peak, temp, fits = report.memory["peak"], report.memory.get("temp"), report.fits
+    else:
+        from torsh_jax.analysis.memory import memory_report
+
+        memory = memory_report(train.lower(train.abstract_state(), batch).compile())
+        peak, temp = memory.peak_estimate_bytes, memory.temp_bytes
+        fits = peak <= prediction.memory_limit
+    error = prediction.memory["total"] / peak - 1 if peak else None
+    return {"peak": peak, "temp": temp, "fits": fits, "memory_error": error}

@@ -1,0 +1,154 @@
+"""What the planner needs to know of a model: parameter counts by part, widths and FLOPs per token.
+
+A :class:`ModelShape` describes a transformer as the planner sees it: an embedding, ``layers``
+identical blocks and a head. Counts are exact when taken from parameter shapes
+(:meth:`ModelShape.from_params`, :meth:`ModelShape.demo`); FLOPs per token follow Kaplan et al.
+2020 (section 2.1): ``2 N`` per token forward for ``N`` matmul parameters, plus attention's
+``2 · 2 · seq_len · d_attn`` per layer (scores and the weighted sum, no causal saving), and the
+backward pass twice the forward.
+
+Example:
+    >>> shape = ModelShape.demo("150m")
+    >>> shape.layers, shape.d_model, f"{shape.param_count / 1e6:.0f} M"
+    (8, 1024, '167 M')
+    >>> f"{shape.train_flops_per_token(recompute=False) / 1e9:.2f} GFLOP"
+    '0.90 GFLOP'
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from torsh_jax.errors import PlanError
+
+__all__ = ["ModelShape", "DEMO_SIZES", "parse_model"]
+
+#: Demo language-model sizes by name: (d_model, layers); vocabulary 32,000, 1,024 tokens.
+DEMO_SIZES = {"tiny": (64, 2), "150m": (1024, 8), "350m": (1024, 24), "1b": (2048, 16), "7b": (4096, 32)}
+DEMO_VOCAB, DEMO_SEQ_LEN = 32_000, 1024
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A transformer as parts and widths.
+
+    Attributes:
+        embed_params: parameters before the blocks (token and position embeddings).
+        layer_params: parameters of one block.
+        layers: identical blocks.
+        head_params: parameters after the blocks (final norm, output projection; a tied
+            embedding counts once, in ``embed_params``).
+        d_model: width of the hidden state between blocks.
+        seq_len: tokens per example.
+        vocab: vocabulary size (the head's output width).
+        heads: attention heads (the tensor axis must divide them).
+        mlp: MLP hidden width (the tensor axis must divide it).
+        name: how the user named it.
+    """
+
+    embed_params: int
+    layer_params: int
+    layers: int
+    head_params: int
+    d_model: int
+    seq_len: int
+    vocab: int
+    heads: int
+    mlp: int
+    name: str = "model"
+
+    @property
+    def param_count(self) -> int:
+        return self.embed_params + self.layers * self.layer_params + self.head_params
+
+    def forward_flops_per_token(self) -> float:
+        """Matmul FLOPs of one token's forward pass: blocks, attention scores and the head."""
+        matmul = self.layers * self.layer_params + self.vocab * self.d_model  # the head's projection
+        attention = self.layers * 2 * 2 * self.seq_len * self.d_model
+        return 2 * matmul + attention
+
+    def train_flops_per_token(self, *, recompute: bool) -> float:
+        """Forward + backward (twice the forward); ``recompute``: the blocks' forward runs again in
+        the backward pass (remat, or ZeRO-3 gathering the layer again)."""
+        forward = self.forward_flops_per_token()
+        blocks = self.layers * (2 * self.layer_params + 4 * self.seq_len * self.d_model)
+        return 3 * forward + (blocks if recompute else 0)
+
+    @classmethod
+    def from_params(
+        cls, params, /, *, layers_key: str = "layers", head_keys: tuple[str, ...] = ("head",), **widths
+    ) -> ModelShape:
+        """From a layered model's parameters (arrays or shapes): ``params[layers_key]`` stacked on a
+        leading dim, ``head_keys`` after the blocks, the rest before them; ``widths`` gives
+        ``d_model``, ``seq_len``, ``vocab``, ``heads``, ``mlp``."""
+        import jax
+        import numpy as np
+
+        count = lambda tree: int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
+        stacked = params[layers_key]
+        layers = jax.tree.leaves(stacked)[0].shape[0]
+        head = count([params[k] for k in head_keys if k in params])
+        embed = count([v for k, v in params.items() if k != layers_key and k not in head_keys])
+        return cls(embed, count(stacked) // layers, layers, head, **widths)
+
+    @classmethod
+    def demo(cls, size: str = "150m", **overrides: int) -> ModelShape:
+        """The demo language model (:mod:`torsh_jax.demo.model`) at a named size, exact counts."""
+        import jax
+
+        from torsh_jax.demo.model import init_params
+
+        cfg = demo_config(size, **overrides)
+        shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+        widths = {"d_model": cfg.d_model, "seq_len": cfg.seq_len, "vocab": cfg.vocab, "heads": cfg.heads}
+        return cls.from_params(shapes, mlp=cfg.mlp, name=f"demo:{size}", **widths)
+
+
+def demo_config(size: str, **overrides: int):
+    """The demo model's :class:`~torsh_jax.demo.model.LMConfig` at a named size (``150m``, ``1b``)
+    or ``custom`` with ``d_model`` and ``layers`` given; heads of 64, MLP 4 × d_model."""
+    from torsh_jax.demo.model import LMConfig
+
+    if size not in DEMO_SIZES and size != "custom":
+        raise PlanError(
+            f"unknown demo size {size!r}",
+            key="model",
+            fix=f"use one of {', '.join(DEMO_SIZES)} or d_model=..,layers=..",
+        )
+    d_model, layers = DEMO_SIZES.get(size, (overrides.get("d_model", 1024), overrides.get("layers", 8)))
+    d_model, layers = overrides.pop("d_model", d_model), overrides.pop("layers", layers)
+    heads = max(1, d_model // 64)
+    fields = {"vocab": DEMO_VOCAB, "seq_len": DEMO_SEQ_LEN, **overrides}
+    return LMConfig(
+        d_model=d_model, heads=heads, head_dim=d_model // heads, mlp=4 * d_model, layers=layers, **fields
+    )
+
+
+def parse_model(text: str, /) -> ModelShape:
+    """``demo:1b``, ``demo:150m`` or ``demo:d_model=2048,layers=16[,vocab=..,seq_len=..]``.
+
+    Raises:
+        PlanError: another form, or an unknown size or field.
+    """
+    match = re.fullmatch(r"demo:(.+)", text.strip())
+    if match is None:
+        raise PlanError(
+            f"cannot read model {text!r}",
+            key="model",
+            fix="write demo:150m, demo:1b or demo:d_model=1024,layers=8",
+        )
+    spec = match.group(1)
+    if "=" not in spec:
+        return ModelShape.demo(spec)
+    fields = {}
+    for item in spec.split(","):
+        key, _, value = item.partition("=")
+        if key not in ("d_model", "layers", "vocab", "seq_len") or not value.isdigit():
+            raise PlanError(
+                f"cannot read {item!r} in {text!r}",
+                key="model",
+                fix="fields are d_model, layers, vocab, seq_len with whole numbers",
+            )
+        fields[key] = int(value)
+    return replace(ModelShape.demo("custom", **fields), name=text.strip())

@@ -1,0 +1,211 @@
+"""The plans a planner considers: mesh sizes, ZeRO stage, accumulation, pipeline micro-batches,
+compression across slices.
+
+Each :class:`Candidate` is a complete :class:`~torsh_jax.plan.ParallelPlan` for the machine's
+devices and the global batch, checked by :func:`~torsh_jax.plan.roles.compose` (a combination the
+runtime refuses is not a candidate). The rules, each one decision:
+
+* a slice's devices split over ``data × fsdp × tensor × stage``; extra slices (DCN) go to
+  ``data`` (DDP or HSDP across slices) or to ``stage`` (a pipeline across slices);
+* ``tensor`` divides the heads and the MLP width, at most :attr:`Space.max_tensor`;
+* ``stage`` divides the layers; its micro-batches are ``stage`` and ``2 · stage`` (1F1B);
+* ``fsdp = 1`` is DDP; ``fsdp > 1`` is ZeRO-1, ZeRO-2 or ZeRO-3;
+* accumulation steps are powers of two that divide the per-replica batch (the search keeps the
+  fewest that fit);
+* int8 gradients over ``data`` when ``data`` crosses slices (the compression the seeds' guides
+  recommend below 25 Gb/s).
+
+Example:
+    >>> from torsh_jax.planner.shape import ModelShape
+    >>> shape = ModelShape.demo("tiny")
+    >>> found = candidates(shape, devices=8, global_batch=64)
+    >>> sorted({c.label.split(" ")[0] for c in found})
+    ['ddp', 'pp', 'zero1', 'zero2', 'zero3']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from torsh_jax.errors import NotSupportedYetError, PlanError
+from torsh_jax.plan import (
+    AxisCompression,
+    AxisSize,
+    CompressorSpec,
+    MeshSpec,
+    ParallelPlan,
+    PipelineSpec,
+)
+from torsh_jax.plan.factor import factorisations
+from torsh_jax.plan.roles import compose
+from torsh_jax.planner.shape import ModelShape
+
+__all__ = ["Candidate", "Space", "candidates"]
+
+AXES = ("data", "fsdp", "tensor", "stage")
+
+
+@dataclass(frozen=True)
+class Space:
+    """Bounds of the search.
+
+    Attributes:
+        max_tensor: largest ``tensor`` axis (inside a host: 8).
+        max_accumulation: most accumulation steps tried.
+        zero_stages: ZeRO stages tried when ``fsdp > 1``.
+        pipelines: try ``stage > 1``.
+        compression: try int8 gradients over a ``data`` axis that crosses slices.
+    """
+
+    max_tensor: int = 8
+    max_accumulation: int = 64
+    zero_stages: tuple[int, ...] = (1, 2, 3)
+    pipelines: bool = True
+    compression: bool = True
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan the planner may pick.
+
+    Attributes:
+        plan: the whole plan (its mesh written out, no ``-1``).
+        sizes: ``{axis: size}`` over all slices.
+        dcn: ``{axis: size}`` of the part that crosses slices.
+        label: one line, e.g. ``zero3 fsdp=16 tensor=4 acc=2``.
+    """
+
+    plan: ParallelPlan
+    sizes: dict[str, int]
+    dcn: dict[str, int]
+    label: str
+
+    @property
+    def family(self) -> str:
+        """The label without accumulation (candidates differing only in it compete)."""
+        return self.label.split(" acc=")[0]
+
+
+def candidates(
+    shape: ModelShape,
+    /,
+    *,
+    devices: int,
+    global_batch: int,
+    slices: int = 1,
+    base: ParallelPlan | None = None,
+    space: Space | None = None,
+) -> list[Candidate]:
+    """Every plan in ``space`` for ``devices`` (over ``slices``) and ``global_batch`` examples.
+
+    Raises:
+        PlanError: ``devices`` is not a multiple of ``slices``, or nothing divides the batch.
+    """
+    base, space = base or ParallelPlan(), space or Space()
+    if devices % slices:
+        raise PlanError(
+            f"{devices} devices do not split into {slices} slices",
+            key="devices",
+            fix="give a device count that is a multiple of the slices",
+        )
+    found = []
+    for ici in factorisations(devices // slices, AXES):
+        if not _mesh_ok(shape, ici, space):
+            continue
+        for dcn in _dcn_parts(slices, ici, shape):
+            sizes = {a: ici[a] * dcn.get(a, 1) for a in AXES}
+            for plan, label in _plans(shape, base, space, ici, dcn, sizes, global_batch):
+                if _valid(plan, sizes):
+                    found.append(Candidate(plan, sizes, dcn, label))
+    if not found:
+        raise PlanError(
+            f"no plan splits a global batch of {global_batch} over {devices} devices",
+            key="global_batch",
+            fix="use a global batch that the data-parallel sizes divide (a power of two)",
+        )
+    return found
+
+
+def _mesh_ok(shape: ModelShape, ici: dict[str, int], space: Space) -> bool:
+    tensor, stage = ici["tensor"], ici["stage"]
+    tensor_ok = tensor <= space.max_tensor and shape.heads % tensor == 0 and shape.mlp % tensor == 0
+    stage_ok = stage == 1 or (space.pipelines and shape.layers % stage == 0)
+    return tensor_ok and stage_ok
+
+
+def _dcn_parts(slices: int, ici: dict[str, int], shape: ModelShape) -> list[dict[str, int]]:
+    if slices == 1:
+        return [{}]
+    parts = [{"data": slices}]
+    if shape.layers % (ici["stage"] * slices) == 0:
+        parts.append({"stage": slices})
+    return parts
+
+
+def _plans(shape, base, space, ici, dcn, sizes, global_batch):
+    replicas = sizes["data"] * sizes["fsdp"]
+    if global_batch % replicas:
+        return
+    per_replica = global_batch // replicas
+    mesh = MeshSpec(**{a: AxisSize(ici=ici[a], dcn=dcn.get(a, 1)) for a in AXES})
+    stages = (0,) if sizes["fsdp"] == 1 else space.zero_stages
+    for zero_stage in stages:
+        for pipeline in _pipelines(sizes["stage"]):
+            for compression in _compressions(space, dcn, sizes, zero_stage):
+                for acc in _accumulations(per_replica, pipeline.microbatches, space):
+                    plan = replace(
+                        base,
+                        name="planned",
+                        mesh=mesh,
+                        zero=replace(base.zero, stage=zero_stage),
+                        batch=replace(
+                            base.batch, micro_batch_size=per_replica // acc, accumulation_steps=acc
+                        ),
+                        pipeline=pipeline,
+                        compression=compression,
+                    )
+                    yield plan, _label(sizes, zero_stage, pipeline, compression, acc)
+
+
+def _pipelines(stage: int) -> list[PipelineSpec]:
+    if stage == 1:
+        return [PipelineSpec()]
+    return [PipelineSpec(microbatches=m, schedule="1f1b") for m in (stage, 2 * stage)]
+
+
+def _compressions(space, dcn, sizes, zero_stage) -> list[tuple[AxisCompression, ...]]:
+    options: list[tuple[AxisCompression, ...]] = [()]
+    if space.compression and dcn.get("data", 1) > 1 and sizes["data"] > 1:
+        options.append((AxisCompression(axis="data", gradients=CompressorSpec(method="int8")),))
+    return options
+
+
+def _accumulations(per_replica: int, microbatches: int, space: Space) -> list[int]:
+    steps, acc = [], 1
+    while acc <= min(per_replica, space.max_accumulation):
+        if per_replica % acc == 0 and (per_replica // acc) % microbatches == 0:
+            steps.append(acc)
+        acc *= 2
+    return steps
+
+
+def _valid(plan: ParallelPlan, sizes: dict[str, int]) -> bool:
+    try:
+        compose(plan, sizes)
+    except (PlanError, NotSupportedYetError):
+        return False
+    return True
+
+
+def _label(sizes, zero_stage, pipeline, compression, acc) -> str:
+    kind = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[zero_stage]
+    if sizes["stage"] > 1:
+        kind = "pp"
+    parts = [kind] + [f"{a}={sizes[a]}" for a in AXES if sizes[a] > 1]
+    if sizes["stage"] > 1:
+        parts.append(f"m={pipeline.microbatches}")
+        if sizes["fsdp"] > 1:
+            parts.append(f"zero{zero_stage}")
+    if compression:
+        parts.append("int8@data")
+    return " ".join(parts) + f" acc={acc}"
