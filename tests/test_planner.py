@@ -215,3 +215,35 @@ def test_the_link_fit_recovers_alpha_and_beta_from_exact_times():
     assert link.alpha_s == pytest.approx(alpha, rel=1e-6) and link.bytes_per_s == pytest.approx(
         beta, rel=1e-6
     )
+
+
+def test_compressed_gradients_cost_fewer_bytes_and_say_where_they_pay(tiny):
+    from torsh_jax.planner.cost import break_even_bytes_per_s, codec_seconds
+
+    machine = Machine.from_target("v5e-8", slices=2)
+    found = candidates(tiny, devices=16, global_batch=64, slices=2)
+    [plain] = [c for c in found if c.label == "ddp data=16 acc=1"]
+    [int8] = [c for c in found if c.label == "ddp data=16 int8@data acc=1"]
+    wire = lambda c: sum(x.wire_bytes for t in theories(c, tiny) for x in t.collectives)
+    # int8 blocks of 256 with a float32 scale each: 260 bytes for 1,024 of float32
+    assert wire(int8) == pytest.approx(wire(plain) * 260 / 1024, rel=0.01)
+    saved = wire(plain) - wire(int8)
+    assert break_even_bytes_per_s(int8, tiny, machine) == pytest.approx(
+        saved / codec_seconds(int8, tiny, machine)
+    )
+    assert break_even_bytes_per_s(plain, tiny, machine) is None
+
+
+def test_rules_of_thumb_are_checked_against_the_pick_with_figures(tiny):
+    from torsh_jax.planner.rank import rules_of_thumb
+
+    ranked = search(tiny, CPU8, global_batch=64)
+    [row] = rules_of_thumb(ranked, tiny, CPU8)
+    assert row["rule"].startswith("DDP under 1 B") and row["pick"] == ranked[0].candidate.label
+    assert row["reason"] == "agrees" or "faster" in row["reason"] or "needs" in row["reason"]
+    big = ModelShape.demo("1b")
+    machine = Machine.from_target("v5e-16", slices=2)
+    rows = rules_of_thumb(search(big, machine, global_batch=512), big, machine)
+    assert rows[0]["rule"].startswith("DDP under 1 B")  # 0.94 B parameters
+    assert "needs" in rows[0]["reason"] and "GiB per device" in rows[0]["reason"]  # DDP does not fit
+    assert rows[1]["rule"].startswith("gradient compression by DCN bandwidth")

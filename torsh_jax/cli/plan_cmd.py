@@ -58,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from torsh_jax.cli.output import json_text
     from torsh_jax.plan.io import load_plan, save_plan
-    from torsh_jax.planner.rank import search
+    from torsh_jax.planner.rank import rules_of_thumb, search
     from torsh_jax.planner.shape import parse_model
 
     machine, target = _machine(args)
@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         "candidates": len(ranked),
         "fitting": sum(p.fits for p in ranked),
         "plans": [p.to_dict() for p in shown],
+        "rules_of_thumb": rules_of_thumb(ranked, shape, machine) if ranked else [],
         "output": args.output if args.output and shown and shown[0].fits else None,
     }
     print(json_text(report) if args.json else _table(report))
@@ -152,6 +153,8 @@ def _table(report: dict) -> str:
             f"{p['label'] + fits:<44} {_ms(p['step_s']):>9} {_ms(p['compute_s']):>9} {_ms(p['bubble_s']):>8} "
             f"{_ms(p['exposed_s']):>9} {format_bytes(p['memory']['total']):>10}  {peak}"
         )
+    for row in report["rules_of_thumb"]:
+        lines.append(f"rule of thumb: {row['rule']}: {row['reason']}")
     if report["output"]:
         lines.append(f"wrote {report['output']}")
     return "\n".join(lines)

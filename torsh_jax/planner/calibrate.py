@@ -8,7 +8,8 @@ On the present devices (simulated CPU devices, or one host's accelerators):
 * **links**: ``psum`` and ``all_gather`` over all devices at sizes from 4 KiB to 16 MiB; ``α`` and
   ``1/β`` are the least-squares fit of ``time = steps · α + wire bytes / β`` (ring steps and
   bytes as the cost model counts them), clipped at zero;
-* **overhead**: a step that does nothing but cross a ``shard_map`` over the devices.
+* **overhead**: a step that does nothing but cross a ``shard_map`` over the devices;
+* **codec**: int8 encode and decode of 1 Mi gradient values on every device at once.
 
 Times are medians of ``repeats`` runs after a warm-up; nothing here is a constant.
 
@@ -127,6 +128,28 @@ def fit_alpha_beta(
     return Link(max(float(alpha), 0.0), 1.0 / max(float(inverse_beta), 1e-15))
 
 
+def _codec_seconds_per_element(mesh, repeats: int, elements: int = 1 << 20) -> float:
+    """int8 encode and decode of ``elements`` gradient values on every device at once, per element."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from torsh_jax.compress.factory import make_compressor
+    from torsh_jax.plan import CompressorSpec
+
+    codec = make_compressor(CompressorSpec(method="int8", error_feedback=False))
+
+    def roundtrip(x):
+        payload, _ = codec.compress(x, codec.init(x.shape[0]))
+        return codec.decompress(payload)
+
+    fn = jax.jit(jax.shard_map(roundtrip, mesh=mesh, in_specs=P("devices"), out_specs=P("devices")))
+    x = jnp.linspace(-1.0, 1.0, mesh.shape["devices"] * elements, dtype=jnp.float32)
+    x = jax.device_put(x, NamedSharding(mesh, P("devices")))
+    return _median_seconds(fn, x, repeats=repeats) / elements
+
+
 def _overhead(mesh, repeats: int) -> float:
     import jax
     import jax.numpy as jnp
@@ -163,6 +186,7 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         overlaps=platform != "cpu",
         shared_cores=platform == "cpu",
         step_overhead_s=overhead,
+        codec_s_per_element=_codec_seconds_per_element(mesh, repeats),
         platform=platform,
         source=f"torsh-jax calibrate on {len(devices)} {platform} devices with {shape.name}",
     )

@@ -41,16 +41,19 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torsh_jax.analysis.theory import (
     DTYPE_BYTES,
     Theory,
+    TheoryCollective,
+    compressed_reduction,
     megatron_blocks,
     pipeline_stages,
     plan_theory,
     theoretical_memory_per_device,
 )
+from torsh_jax.plan import CompressorSpec
 from torsh_jax.planner.machine import Machine
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Candidate
@@ -81,6 +84,8 @@ class Prediction:
         memory_limit: bytes one device may use.
         compiled: the compiler's memory when the plan was compiled (:func:`~torsh_jax.planner.verify`).
         overhead_s: the machine's per-step overhead.
+        codec_s: encoding and decoding compressed gradients (part of ``compute_s``).
+        break_even_bytes_per_s: the link bandwidth below which the compression pays.
     """
 
     candidate: Candidate
@@ -93,6 +98,8 @@ class Prediction:
     compiled: dict = field(default_factory=dict)
 
     overhead_s: float = 0.0
+    codec_s: float = 0.0
+    break_even_bytes_per_s: float | None = None
 
     @property
     def step_s(self) -> float:
@@ -115,6 +122,8 @@ class Prediction:
             "step_s": self.step_s,
             "overhead_s": self.overhead_s,
             "compute_s": self.compute_s,
+            "codec_s": self.codec_s,
+            "break_even_bytes_per_s": self.break_even_bytes_per_s,
             "bubble_s": self.bubble_s,
             "comm_s": self.comm_s,
             "exposed_s": self.exposed_s,
@@ -143,7 +152,8 @@ def predict(
     candidate: Candidate, shape: ModelShape, machine: Machine, *, opt_factor: float = 2.0
 ) -> Prediction:
     """Memory and step time of ``candidate`` for ``shape`` on ``machine`` (see the module docstring)."""
-    compute = _compute_seconds(candidate, shape, machine)
+    codec = codec_seconds(candidate, shape, machine)
+    compute = _compute_seconds(candidate, shape, machine) + codec
     bubble = 0.0 if machine.shared_cores else compute * _bubble_fraction(candidate)
     comm = _comm_seconds(candidate, shape, machine)
     return Prediction(
@@ -155,6 +165,8 @@ def predict(
         _exposed(comm, compute, machine),
         machine.memory_bytes,
         overhead_s=machine.step_overhead_s,
+        codec_s=codec,
+        break_even_bytes_per_s=break_even_bytes_per_s(candidate, shape, machine),
     )
 
 
@@ -264,24 +276,26 @@ def _bubble_fraction(c: Candidate) -> float:
     return (stages - 1) / c.plan.pipeline.microbatches if stages > 1 else 0.0
 
 
-def theories(c: Candidate, shape: ModelShape) -> list[Theory]:
-    """The candidate's collectives per step: data-parallel axes, ``tensor`` and ``stage``."""
+def theories(c: Candidate, shape: ModelShape, *, compressed: bool = True) -> list[Theory]:
+    """The candidate's collectives per step: data-parallel axes (gradient reductions over a
+    compressed axis in their compressed form unless ``compressed`` is false), ``tensor``, ``stage``."""
     plan, sizes = c.plan, c.sizes
     layers, shared = _local_params(c, shape)
     devices = math.prod(sizes.values())
     slices = math.prod(c.dcn.values()) if c.dcn else 1
     fraction = layers / (layers + shared) if sizes["stage"] == 1 else 0.0
     local_layers = shape.layers // sizes["stage"]
-    out = [
-        plan_theory(
-            plan,
-            param_count=layers + shared,
-            num_devices=devices,
-            num_slices=slices,
-            layer_fraction=fraction,
-            layers=local_layers,
-        )
-    ]
+    data = plan_theory(
+        plan,
+        param_count=layers + shared,
+        num_devices=devices,
+        num_slices=slices,
+        layer_fraction=fraction,
+        layers=local_layers,
+    )
+    if compressed:
+        data = replace(data, collectives=tuple(_compressed(data.collectives, plan)))
+    out = [data]
     cb = DTYPE_BYTES[plan.precision.compute_dtype]
     micro_tokens = _tokens_per_micro_step(c, shape)
     if sizes["tensor"] > 1 and sizes["stage"] == 1:
@@ -308,6 +322,52 @@ def theories(c: Candidate, shape: ModelShape) -> list[Theory]:
             )
         )
     return out
+
+
+def _gradient_compression(plan) -> dict[str, CompressorSpec]:
+    """Mesh axis -> the compressor of its gradient reductions."""
+    return {
+        a.axis: a.gradients
+        for a in plan.compression
+        if a.gradients is not None and a.gradients.method != "none"
+    }
+
+
+def _compressed(collectives, plan) -> list[TheoryCollective]:
+    """The collectives with each gradient reduction over a compressed axis replaced by its compressed
+    form (:func:`~torsh_jax.analysis.theory.compressed_reduction`)."""
+    compressors, out = _gradient_compression(plan), []
+    for col in collectives:
+        spec = compressors.get(col.axes[0]) if len(col.axes) == 1 else None
+        if spec is None or col.kind not in ("all-reduce", "reduce-scatter"):
+            out.append(col)
+            continue
+        elements = col.payload_bytes // DTYPE_BYTES[plan.precision.reduce_dtype]
+        scatter = col.kind == "reduce-scatter"
+        axis, size = col.axes[0], col.group_size
+        reduction = compressed_reduction(
+            spec.method, elements, axis=axis, axis_size=size, block_size=spec.block_size, scatter=scatter
+        )
+        out += [replace(r, count=col.count) for r in reduction]
+    return out
+
+
+def codec_seconds(c: Candidate, shape: ModelShape, machine: Machine) -> float:
+    """Encoding and decoding the compressed gradients: the gradient elements of each compressed
+    axis at the machine's measured codec rate (:attr:`Machine.codec_s_per_element`)."""
+    layers, shared = _local_params(c, shape)
+    return len(_gradient_compression(c.plan)) * (layers + shared) * machine.codec_s_per_element
+
+
+def break_even_bytes_per_s(c: Candidate, shape: ModelShape, machine: Machine) -> float | None:
+    """The link bandwidth below which the candidate's gradient compression pays: bytes it saves
+    per step over its encode and decode time (``None`` without compression)."""
+    if not _gradient_compression(c.plan):
+        return None
+    codec = codec_seconds(c, shape, machine)
+    plain = [col for t in theories(c, shape, compressed=False) for col in t.collectives]
+    saved = sum(x.wire_bytes for x in plain) - sum(x.wire_bytes for x in _compressed(plain, c.plan))
+    return saved / codec if codec > 0 else float("inf")
 
 
 def _comm_seconds(c: Candidate, shape: ModelShape, machine: Machine) -> dict[str, float]:

@@ -65,6 +65,9 @@ class Machine:
         shared_cores: the devices share the host's cores (simulated CPU devices): a device idle in
             a pipeline bubble gives its core to the others, so a bubble costs no time.
         step_overhead_s: time of a step that does nothing (dispatch, one program launch).
+        codec_s_per_element: int8 encode and decode of one gradient element (measured by
+            ``calibrate``; from a target: three passes over float32 at HBM bandwidth, read, write
+            int8, read back).
         platform: ``tpu``, ``gpu`` or ``cpu``.
         source: where the figures come from.
     """
@@ -78,6 +81,7 @@ class Machine:
     overlaps: bool = True
     shared_cores: bool = False
     step_overhead_s: float = 0.0
+    codec_s_per_element: float = 0.0
     platform: str = "tpu"
     source: str = ""
 
@@ -100,6 +104,7 @@ class Machine:
             devices=target.devices,
             slices=slices if target.platform == "tpu" else max(1, target.devices // 8),
             flops_per_s=chip.peak_bf16_flops * ASSUMED["compute_efficiency"],
+            codec_s_per_element=(4 + 1 + 4) / chip.hbm_bytes_per_s,
             memory_bytes=chip.usable_hbm_bytes,
             links={"ici": ici, "dcn": dcn} if slices > 1 or gpu_nodes else {"ici": ici},
             overlaps=True,

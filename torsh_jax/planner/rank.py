@@ -24,7 +24,16 @@ from torsh_jax.planner.machine import Machine
 from torsh_jax.planner.shape import ModelShape, demo_config
 from torsh_jax.planner.space import Space, candidates
 
-__all__ = ["search", "verify", "demo_train_step"]
+__all__ = ["search", "verify", "demo_train_step", "rules_of_thumb"]
+
+#: The seeds' guides: the strategy by model size and devices, and compression by link bandwidth.
+RULES = (
+    ("ddp", "DDP under 1 B parameters"),
+    ("fsdp", "FSDP (ZeRO-3) under 10 B parameters on up to 32 devices"),
+    ("3d", "3-D parallelism (data x tensor x stage) above"),
+)
+#: Gradient compression by the bandwidth across slices: (below bits/s, method).
+COMPRESSION_RULES = ((10e9, "topk"), (25e9, "int8"))
 
 
 def search(
@@ -100,3 +109,64 @@ def verify(prediction: Prediction, shape: ModelShape, devices, /, *, target=None
         fits = peak <= prediction.memory_limit
     error = prediction.memory["total"] / peak - 1 if peak else None
     return {"peak": peak, "temp": temp, "fits": fits, "memory_error": error}
+
+
+def _rule(shape: ModelShape, machine: Machine) -> tuple[str, str]:
+    if shape.param_count < 1e9:
+        return RULES[0]
+    return RULES[1] if shape.param_count < 10e9 and machine.devices <= 32 else RULES[2]
+
+
+def _of_kind(p: Prediction, kind: str) -> bool:
+    sizes = p.candidate.sizes
+    plain = sizes["tensor"] == 1 and sizes["stage"] == 1
+    if kind == "ddp":
+        return plain and sizes["fsdp"] == 1
+    if kind == "fsdp":
+        return plain and p.candidate.plan.zero.stage == 3
+    return sizes["tensor"] > 1 and sizes["stage"] > 1 and sizes["data"] * sizes["fsdp"] > 1
+
+
+def rules_of_thumb(ranked: list[Prediction], shape: ModelShape, machine: Machine) -> list[dict]:
+    """The seeds' rules against the planner's pick, with the reason in figures where they differ.
+
+    One row for the strategy rule; one for compression when the machine has slices (its DCN
+    bandwidth against the rule's thresholds)."""
+    from torsh_jax.units import format_bytes
+
+    kind, rule = _rule(shape, machine)
+    pick = ranked[0]
+    follows = next((p for p in ranked if _of_kind(p, kind)), None)
+    row = {
+        "rule": rule,
+        "rule_plan": follows.candidate.label if follows else None,
+        "pick": pick.candidate.label,
+    }
+    if follows is None:
+        row["reason"] = f"no {kind} plan exists for {machine.devices} devices and this model"
+    elif not follows.fits:
+        need, have = format_bytes(follows.memory["total"]), format_bytes(follows.memory_limit)
+        row["reason"] = f"{follows.candidate.label} needs {need} per device, {have} available"
+    elif follows is pick:
+        row["reason"] = "agrees"
+    else:
+        row["reason"] = (f"{pick.candidate.label} is predicted {follows.step_s / pick.step_s:.2f}x faster "
+                         f"({pick.step_s * 1e3:.1f} ms against {follows.step_s * 1e3:.1f} ms)")  # fmt: skip
+    rows = [row]
+    if machine.slices > 1:
+        rows.append(_compression_rule(ranked, machine))
+    return rows
+
+
+def _compression_rule(ranked: list[Prediction], machine: Machine) -> dict:
+    bits = machine.link("dcn").bytes_per_s * 8
+    method = next((m for limit, m in COMPRESSION_RULES if bits < limit), "none")
+    compressed = [p for p in ranked if p.candidate.plan.compression]
+    pick = ranked[0]
+    even = next((p.break_even_bytes_per_s for p in compressed if p.break_even_bytes_per_s), None)
+    picked = "int8" if pick.candidate.plan.compression else "none"
+    reason = "agrees" if picked == method else (
+        f"across slices {bits / 1e9:.1f} Gb/s; int8 pays below {even * 8 / 1e9:.1f} Gb/s (its encode and "
+        f"decode against the bytes it saves)" if even else "no compressed plan considered")  # fmt: skip
+    return {"rule": f"gradient compression by DCN bandwidth: {method} at {bits / 1e9:.1f} Gb/s",
+            "rule_plan": method, "pick": picked, "reason": reason}  # fmt: skip
