@@ -9,7 +9,9 @@ On the present devices (simulated CPU devices, or one host's accelerators):
   ``1/β`` are the least-squares fit of ``time = steps · α + wire bytes / β`` (ring steps and
   bytes as the cost model counts them), clipped at zero;
 * **overhead**: a step that does nothing but cross a ``shard_map`` over the devices;
-* **codec**: int8 encode and decode of 1 Mi gradient values on every device at once.
+* **codec**: int8 encode and decode of 1 Mi gradient values on every device at once;
+* **activations**: the compiler's temporaries of the model's gradient at four layers minus two, per
+  layer, over the cost model's per-layer formula (``activation_scale``).
 
 Times are medians of ``repeats`` runs after a warm-up; nothing here is a constant.
 
@@ -150,6 +152,38 @@ def _codec_seconds_per_element(mesh, repeats: int, elements: int = 1 << 20) -> f
     return _median_seconds(fn, x, repeats=repeats) / elements
 
 
+def _activation_scale(shape: ModelShape) -> float:
+    """The compiler's activation bytes of one layer per token over the cost model's formula: the
+    temporaries of the model's gradient at four layers minus at two, per layer, compiled for one
+    device."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    from torsh_jax.analysis.memory import memory_report
+    from torsh_jax.demo.model import init_params, loss_fn, synthetic_tokens
+    from torsh_jax.planner.cost import full_layer_bytes_per_token
+
+    def temp_bytes(layers: int) -> int:
+        cfg = demo_config(
+            "custom", d_model=shape.d_model, layers=layers, vocab=shape.vocab, seq_len=shape.seq_len
+        )
+        params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+        batch = jax.tree.map(jnp.asarray, synthetic_tokens(cfg, batch_size=_ROWS, seed=0))
+        mesh = jax.make_mesh((1, 1), ("devices", "tensor"), axis_types=(AxisType.Explicit,) * 2,
+                             devices=jax.devices()[:1])  # fmt: skip
+        grads = jax.shard_map(
+            jax.grad(loss_fn(cfg)), mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False
+        )
+        compiled = jax.jit(grads).lower(params, batch).compile()
+        return memory_report(compiled).temp_bytes
+
+    per_layer = (temp_bytes(4) - temp_bytes(2)) / 2
+    formula = full_layer_bytes_per_token(shape) * 2 * _ROWS * shape.seq_len  # float32: twice 16-bit
+    return max(per_layer, 0) / formula
+
+
 def _overhead(mesh, repeats: int) -> float:
     import jax
     import jax.numpy as jnp
@@ -187,6 +221,7 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         shared_cores=platform == "cpu",
         step_overhead_s=overhead,
         codec_s_per_element=_codec_seconds_per_element(mesh, repeats),
+        activation_scale=_activation_scale(shape),
         platform=platform,
         source=f"torsh-jax calibrate on {len(devices)} {platform} devices with {shape.name}",
     )

@@ -158,7 +158,7 @@ def predict(
     comm = _comm_seconds(candidate, shape, machine)
     return Prediction(
         candidate,
-        _memory(candidate, shape, opt_factor),
+        _memory(candidate, shape, opt_factor, machine.activation_scale),
         compute,
         bubble,
         comm,
@@ -177,7 +177,7 @@ def _local_params(c: Candidate, shape: ModelShape) -> tuple[int, int]:
     return shape.layers // s * shape.layer_params // t, (shape.embed_params + shape.head_params) // t
 
 
-def _memory(c: Candidate, shape: ModelShape, opt_factor: float) -> dict[str, int]:
+def _memory(c: Candidate, shape: ModelShape, opt_factor: float, activation_scale: float) -> dict[str, int]:
     plan = c.plan
     layers, shared = _local_params(c, shape)
     count = layers + shared
@@ -191,7 +191,7 @@ def _memory(c: Candidate, shape: ModelShape, opt_factor: float) -> dict[str, int
     if sharded:
         one_layer = layers // max(1, shape.layers // c.sizes["stage"])
         gathered = (2 * one_layer + shared) * cb
-    activations, logits = _activation_bytes(c, shape)
+    activations, logits = _activation_bytes(c, shape, activation_scale)
     parts = {
         "state": state.total_bytes,
         "gradients": _gradient_buffers(
@@ -236,15 +236,20 @@ def _tokens_per_micro_step(c: Candidate, shape: ModelShape) -> int:
     return rows * shape.seq_len
 
 
-def _activation_bytes(c: Candidate, shape: ModelShape) -> tuple[int, int]:
-    t, d, heads, s = c.sizes["tensor"], shape.d_model, shape.heads, shape.seq_len
-    scale = DTYPE_BYTES[c.plan.precision.compute_dtype] / 2  # the formulas count 16-bit activations
+def full_layer_bytes_per_token(shape: ModelShape, tensor: int = 1, sequence_parallel: bool = False) -> float:
+    """Korthikanti et al.'s activation bytes of one layer per token, at 16 bits."""
+    d, heads, s, t = shape.d_model, shape.heads, shape.seq_len, tensor
     if t == 1:
-        full = 34 * d + 5 * heads * s
-    elif c.plan.tensor.sequence_parallel:
-        full = (34 * d + 5 * heads * s) / t
-    else:
-        full = (10 + 24 / t) * d + 5 * heads * s / t
+        return 34 * d + 5 * heads * s
+    if sequence_parallel:
+        return (34 * d + 5 * heads * s) / t
+    return (10 + 24 / t) * d + 5 * heads * s / t
+
+
+def _activation_bytes(c: Candidate, shape: ModelShape, activation_scale: float = 1.0) -> tuple[int, int]:
+    t, d = c.sizes["tensor"], shape.d_model
+    scale = DTYPE_BYTES[c.plan.precision.compute_dtype] / 2  # the formulas count 16-bit activations
+    full = full_layer_bytes_per_token(shape, t, c.plan.tensor.sequence_parallel) * activation_scale
     layers = shape.layers // c.sizes["stage"]
     if c.sizes["stage"] > 1:  # stashed stage inputs of the micro-batches in flight + one chunk's backward
         per_token = 2 * d * min(c.plan.pipeline.microbatches, c.sizes["stage"]) + full * layers

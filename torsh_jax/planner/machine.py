@@ -68,6 +68,8 @@ class Machine:
         codec_s_per_element: int8 encode and decode of one gradient element (measured by
             ``calibrate``; from a target: three passes over float32 at HBM bandwidth, read, write
             int8, read back).
+        activation_scale: the compiler's activation bytes per token and layer over the cost model's
+            formula (``calibrate`` compiles the model at two and four layers; 1 from a target).
         platform: ``tpu``, ``gpu`` or ``cpu``.
         source: where the figures come from.
     """
@@ -82,6 +84,7 @@ class Machine:
     shared_cores: bool = False
     step_overhead_s: float = 0.0
     codec_s_per_element: float = 0.0
+    activation_scale: float = 1.0
     platform: str = "tpu"
     source: str = ""
 

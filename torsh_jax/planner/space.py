@@ -7,7 +7,8 @@ runtime refuses is not a candidate). The rules, each one decision:
 
 * a slice's devices split over ``data × fsdp × tensor × stage``; extra slices (DCN) go to
   ``data`` (DDP or HSDP across slices) or to ``stage`` (a pipeline across slices);
-* ``tensor`` divides the heads and the MLP width, at most :attr:`Space.max_tensor`;
+* ``tensor`` divides the heads, the MLP width and the vocabulary (split Megatron-style), at most
+  :attr:`Space.max_tensor`;
 * ``stage`` divides the layers; its micro-batches are ``stage`` and ``2 · stage`` (1F1B);
 * ``fsdp = 1`` is DDP; ``fsdp > 1`` is ZeRO-1, ZeRO-2 or ZeRO-3;
 * accumulation steps are powers of two that divide the per-replica batch (the search keeps the
@@ -128,7 +129,8 @@ def candidates(
 
 def _mesh_ok(shape: ModelShape, ici: dict[str, int], space: Space) -> bool:
     tensor, stage = ici["tensor"], ici["stage"]
-    tensor_ok = tensor <= space.max_tensor and shape.heads % tensor == 0 and shape.mlp % tensor == 0
+    divides = all(width % tensor == 0 for width in (shape.heads, shape.mlp, shape.vocab))
+    tensor_ok = tensor <= space.max_tensor and divides
     stage_ok = stage == 1 or (space.pipelines and shape.layers % stage == 0)
     return tensor_ok and stage_ok
 
