@@ -15,11 +15,12 @@ import pytest
 from conftest import require_devices
 
 from torsh_jax.cli.main import main
+from torsh_jax.demo.run import abstract_train_step
 from torsh_jax.errors import PlanError
 from torsh_jax.plan import load_plan
 from torsh_jax.planner.cost import predict, theories
 from torsh_jax.planner.machine import Link, Machine
-from torsh_jax.planner.rank import demo_train_step, search, verify
+from torsh_jax.planner.rank import search, verify
 from torsh_jax.planner.shape import ModelShape, demo_config, parse_model
 from torsh_jax.planner.space import candidates
 
@@ -87,7 +88,7 @@ def test_the_planners_collectives_are_the_ones_inspect_compares(tiny, label):
         pytest.fail(f"no candidate {label!r}: {sorted(by_label)[:5]} ...")
     candidate = by_label[label]
     cfg = demo_config("custom", d_model=256, layers=4, vocab=256, seq_len=32)
-    train, batch = demo_train_step(candidate.plan, cfg, require_devices(8))
+    train, batch = abstract_train_step(candidate.plan, cfg, require_devices(8))
     step = [data_theory(train), tensor_theory(train, batch), stage_theory(train, batch)]
     expected = {c.axes: 0.0 for t in step if t is not None for c in t.collectives}
     for t in step:

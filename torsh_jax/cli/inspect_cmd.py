@@ -100,24 +100,13 @@ def _train_step(args: argparse.Namespace, plan, devices, *, num_slices: int | No
     and a global batch of token shapes."""
     import dataclasses
 
-    import jax
-
-    from torsh_jax.demo.model import init_params, layered_model, synthetic_tokens
-    from torsh_jax.demo.run import DemoConfig, model_config
-    from torsh_jax.optim import build_optimizer
-    from torsh_jax.runtime.fit import batch_like
+    from torsh_jax.demo.run import DemoConfig, abstract_train_step, model_config
     from torsh_jax.runtime.mesh import build_mesh
-    from torsh_jax.runtime.step import make_train_step
-    from torsh_jax.tensor.axis import tensor_axis
 
-    mesh = build_mesh(plan, devices, num_slices=num_slices)
-    cfg = model_config(DemoConfig(plan=plan, layers=args.layers, d_model=args.d_model), dict(mesh.shape))
+    mesh_shape = dict(build_mesh(plan, devices, num_slices=num_slices).shape)
+    cfg = model_config(DemoConfig(plan=plan, layers=args.layers, d_model=args.d_model), mesh_shape)
     cfg = dataclasses.replace(cfg, vocab=args.vocab, seq_len=args.seq_len)
-    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    train = make_train_step(
-        layered_model(cfg, tp=tensor_axis(plan)), build_optimizer(plan.optimizer), plan, mesh, shapes
-    )
-    return train, batch_like(synthetic_tokens(cfg, batch_size=1, seed=0), train.global_batch_size)
+    return abstract_train_step(plan, cfg, devices, num_slices=num_slices)
 
 
 def _cpu_summary(args: argparse.Namespace, plan) -> dict:

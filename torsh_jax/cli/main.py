@@ -27,11 +27,11 @@ _SIGPIPE_EXIT = 141
 #: Command modules, in the order ``--help`` lists them.
 COMMANDS = (
     "torsh_jax.cli.demo_cmd",
-    "torsh_jax.cli.calibrate_cmd",
     "torsh_jax.cli.checkpoint_cmd",
     "torsh_jax.cli.inspect_cmd",
     "torsh_jax.cli.launch_cmd",
     "torsh_jax.cli.plan_cmd",
+    "torsh_jax.cli.calibrate_cmd",
     "torsh_jax.cli.translate_cmd",
 )
 

@@ -35,7 +35,7 @@ from torsh_jax.runtime.pipeline import layer_chunks
 from torsh_jax.runtime.step import make_train_step
 from torsh_jax.tensor.axis import tensor_axis
 
-__all__ = ["DemoConfig", "run_demo"]
+__all__ = ["DemoConfig", "run_demo", "abstract_train_step"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,16 @@ def model_config(config: DemoConfig, mesh_shape: dict | None = None) -> LMConfig
         mlp=4 * config.d_model,
         layers=_layers(config, mesh_shape or {}),
     )
+
+
+def abstract_train_step(plan: ParallelPlan, cfg: LMConfig, devices, /, *, num_slices: int | None = None):
+    """The demo model's train step under ``plan`` over ``devices`` (a target's compile-only devices
+    too), built from parameter shapes (nothing is allocated), and a global batch of token shapes."""
+    mesh = build_mesh(plan, devices, num_slices=num_slices)
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    model = layered_model(cfg, tp=tensor_axis(plan))
+    train = make_train_step(model, build_optimizer(plan.optimizer), plan, mesh, shapes)
+    return train, batch_like(synthetic_tokens(cfg, batch_size=1, seed=0), train.global_batch_size)
 
 
 def _layers(config: DemoConfig, mesh_shape: dict) -> int:

@@ -16,15 +16,13 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
 from torsh_jax.plan import ParallelPlan
 from torsh_jax.planner.cost import Prediction, optimizer_state_factor, predict
 from torsh_jax.planner.machine import Machine
 from torsh_jax.planner.shape import ModelShape, demo_config
 from torsh_jax.planner.space import Space, candidates
 
-__all__ = ["search", "verify", "demo_train_step", "rules_of_thumb"]
+__all__ = ["search", "verify", "rules_of_thumb"]
 
 #: The seeds' guides: the strategy by model size and devices, and compression by link bandwidth.
 RULES = (
@@ -67,35 +65,18 @@ def search(
     return fitting + over
 
 
-def demo_train_step(plan: ParallelPlan, cfg, devices, /, *, num_slices: int | None = None) -> tuple[Any, Any]:
-    """The demo model's train step over ``devices`` from parameter shapes (nothing is allocated) and
-    a global batch of token shapes."""
-    import jax
-
-    from torsh_jax.demo.model import init_params, layered_model, synthetic_tokens
-    from torsh_jax.optim import build_optimizer
-    from torsh_jax.runtime.fit import batch_like
-    from torsh_jax.runtime.mesh import build_mesh
-    from torsh_jax.runtime.step import make_train_step
-    from torsh_jax.tensor.axis import tensor_axis
-
-    mesh = build_mesh(plan, devices, num_slices=num_slices)
-    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    model = layered_model(cfg, tp=tensor_axis(plan))
-    train = make_train_step(model, build_optimizer(plan.optimizer), plan, mesh, shapes)
-    return train, batch_like(synthetic_tokens(cfg, batch_size=1, seed=0), train.global_batch_size)
-
-
 def verify(prediction: Prediction, shape: ModelShape, devices, /, *, target=None) -> dict:
     """Compile the predicted plan for the demo model of ``shape`` over ``devices`` (a target's, with
     ``target``) and return the compiler's memory: ``peak``, ``temp``, ``fits`` and
     ``memory_error`` (predicted / compiled peak - 1)."""
+    from torsh_jax.demo.run import abstract_train_step
+
     plan = prediction.candidate.plan
     cfg = demo_config(
         "custom", d_model=shape.d_model, layers=shape.layers, vocab=shape.vocab, seq_len=shape.seq_len
     )
     slices = target.slices if target is not None else None
-    train, batch = demo_train_step(plan, cfg, devices, num_slices=slices)
+    train, batch = abstract_train_step(plan, cfg, devices, num_slices=slices)
     if target is not None:
         from torsh_jax.targets import compile_for_target
 
