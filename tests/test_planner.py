@@ -248,3 +248,19 @@ def test_rules_of_thumb_are_checked_against_the_pick_with_figures(tiny):
     assert rows[0]["rule"].startswith("DDP under 1 B")  # 0.94 B parameters
     assert "needs" in rows[0]["reason"] and "GiB per device" in rows[0]["reason"]  # DDP does not fit
     assert rows[1]["rule"].startswith("gradient compression by DCN bandwidth")
+
+
+def test_verify_compiles_down_the_ranking_until_a_plan_fits(tiny):
+    import dataclasses
+
+    from torsh_jax.cli.plan_cmd import _verified
+
+    require_devices(8)
+    ranked = search(tiny, CPU8, global_batch=64)
+    first = dataclasses.replace(ranked[0], memory_limit=1)  # the compiled first cannot fit in 1 byte
+    checked, pick = _verified([first, *ranked[1:]], 3, tiny, None, CPU8)
+    assert checked[0].compiled["fits"] is False and checked[0].compiled["peak"] > 1
+    assert pick is checked[1] and checked[1].compiled["fits"] is True
+    assert checked[2].compiled == {}  # no compile after the pick
+    _, unchecked = _verified(ranked, 0, tiny, None, CPU8)
+    assert unchecked is ranked[0]

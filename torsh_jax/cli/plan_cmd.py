@@ -61,17 +61,15 @@ def run(args: argparse.Namespace) -> int:
     from torsh_jax.planner.rank import rules_of_thumb, search
     from torsh_jax.planner.shape import parse_model
 
-    machine, target = _machine(args)
     shape = parse_model(args.model)
+    machine, target = _machine(args, shape)
     base = load_plan(args.base, key="--base") if args.base else None
     ranked = search(shape, machine, global_batch=args.global_batch, base=base)
-    shown = ranked[: args.top]
-    compiled = [_verify(p, shape, target, machine) for p in shown[: args.verify]]
-    shown = [p.__class__(**{**p.__dict__, "compiled": c}) for p, c in zip(shown, compiled)] + shown[
-        len(compiled) :
-    ]
-    if args.output and shown and shown[0].fits:
-        save_plan(shown[0].candidate.plan, args.output)
+    ranked, pick = _verified(ranked, args.verify, shape, target, machine)
+    shown = ranked[: max(args.top, ranked.index(pick) + 1 if pick in ranked else 0)]
+    written = args.output if args.output and pick is not None else None
+    if written:
+        save_plan(pick.candidate.plan, written)
     report = {
         "model": {
             "name": shape.name,
@@ -90,18 +88,39 @@ def run(args: argparse.Namespace) -> int:
         "global_batch": args.global_batch,
         "candidates": len(ranked),
         "fitting": sum(p.fits for p in ranked),
+        "pick": pick.candidate.label if pick is not None else None,
         "plans": [p.to_dict() for p in shown],
         "rules_of_thumb": rules_of_thumb(ranked, shape, machine) if ranked else [],
-        "output": args.output if args.output and shown and shown[0].fits else None,
+        "output": written,
     }
     print(json_text(report) if args.json else _table(report))
     return 0
 
 
-def _machine(args: argparse.Namespace):
+def _verified(ranked: list, budget: int, shape, target, machine) -> tuple[list, object]:
+    """Compile from the top (at most ``budget`` plans) until one fits; the pick is that one (without
+    compiling: the first predicted to fit). Returns the ranking with the compiled figures added."""
+    import dataclasses
+
+    ranked = list(ranked)
+    pick = next((p for p in ranked if p.fits), None) if budget == 0 else None
+    for i, p in enumerate(ranked[:budget]):
+        ranked[i] = dataclasses.replace(p, compiled=_verify(p, shape, target, machine))
+        if ranked[i].compiled["fits"]:
+            pick = ranked[i]
+            break
+    return ranked, pick
+
+
+def _machine(args: argparse.Namespace, shape):
+    """The machine file, or the target's published figures with the activation bytes its compiler
+    gives this model (two probe compiles, when the target's compiler is installed)."""
+    import dataclasses
+
     from torsh_jax.errors import TargetError
+    from torsh_jax.planner.calibrate import activation_scale
     from torsh_jax.planner.machine import Machine
-    from torsh_jax.targets import parse_target
+    from torsh_jax.targets import missing_compiler, parse_target, target_devices
 
     if (args.target is None) == (args.machine is None):
         raise TargetError(
@@ -111,7 +130,17 @@ def _machine(args: argparse.Namespace):
         )
     if args.machine is not None:
         return Machine.load(args.machine), None
-    return Machine.from_target(args.target, slices=args.slices), parse_target(args.target, slices=args.slices)
+    machine, target = (
+        Machine.from_target(args.target, slices=args.slices),
+        parse_target(args.target, slices=args.slices),
+    )
+    if missing_compiler(target.name) is not None:
+        return dataclasses.replace(
+            machine, source=machine.source + "; activations not measured (no compiler)"
+        ), target
+    scale = activation_scale(shape, target_devices(target)[0])
+    source = f"{machine.source}; activation_scale {scale:.2f} from the target's compiler"
+    return dataclasses.replace(machine, activation_scale=scale, source=source), target
 
 
 def _verify(prediction, shape, target, machine) -> dict:
@@ -142,22 +171,31 @@ def _table(report: dict) -> str:
         f"{'plan':<44} {'step':>9} {'compute':>9} {'bubble':>8} {'exposed':>9} {'memory':>10}  compiled",
     ]
     for p in report["plans"]:
-        compiled = p["compiled"] or {}
-        peak = (
-            f"{format_bytes(compiled['peak'])} ({compiled['memory_error']:+.0%})"
-            if compiled.get("peak")
-            else ""
-        )
         fits = "" if p["fits"] else " (does not fit)"
         lines.append(
             f"{p['label'] + fits:<44} {_ms(p['step_s']):>9} {_ms(p['compute_s']):>9} {_ms(p['bubble_s']):>8} "
-            f"{_ms(p['exposed_s']):>9} {format_bytes(p['memory']['total']):>10}  {peak}"
+            f"{_ms(p['exposed_s']):>9} {format_bytes(p['memory']['total']):>10}  "
+            + _compiled_text(p["compiled"])
         )
+    if report["pick"]:
+        lines.append(f"pick: {report['pick']}")
     for row in report["rules_of_thumb"]:
         lines.append(f"rule of thumb: {row['rule']}: {row['reason']}")
     if report["output"]:
         lines.append(f"wrote {report['output']}")
     return "\n".join(lines)
+
+
+def _compiled_text(compiled: dict | None) -> str:
+    """``12.9 GiB (-1%)``, ``refused: temp 16.5 GiB``, or nothing (not compiled)."""
+    from torsh_jax.units import format_bytes
+
+    if not compiled:
+        return ""
+    if compiled["peak"] is None:
+        return f"refused: temp {format_bytes(compiled['temp'])}" if compiled.get("temp") else "refused"
+    fits = "" if compiled["fits"] else ", does not fit"
+    return f"{format_bytes(compiled['peak'])} ({compiled['memory_error']:+.0%}{fits})"
 
 
 def _ms(seconds: float) -> str:

@@ -35,7 +35,7 @@ import numpy as np
 from torsh_jax.planner.machine import Link, Machine
 from torsh_jax.planner.shape import ModelShape, demo_config
 
-__all__ = ["calibrate", "fit_alpha_beta", "LINK_SIZES"]
+__all__ = ["calibrate", "fit_alpha_beta", "activation_scale", "LINK_SIZES"]
 
 #: Bytes per device of the collectives timed for the link fit.
 LINK_SIZES = tuple(4096 * 4**k for k in range(6))  # 4 KiB .. 4 MiB
@@ -152,36 +152,38 @@ def _codec_seconds_per_element(mesh, repeats: int, elements: int = 1 << 20) -> f
     return _median_seconds(fn, x, repeats=repeats) / elements
 
 
-def _activation_scale(shape: ModelShape) -> float:
-    """The compiler's activation bytes of one layer per token over the cost model's formula: the
-    temporaries of the model's gradient at four layers minus at two, per layer, compiled for one
-    device."""
+def activation_scale(shape: ModelShape, device, /) -> float:
+    """The compiler's activation bytes of one layer per token over the cost model's formula
+    (:func:`~torsh_jax.planner.cost.full_layer_bytes_per_token`): the temporaries of the model's
+    gradient at four layers minus at two, per layer, compiled for ``device`` (one of a target's
+    compile-only devices too: nothing runs)."""
+    from torsh_jax.planner.cost import full_layer_bytes_per_token
+
+    per_layer = (_gradient_temp_bytes(shape, 4, device) - _gradient_temp_bytes(shape, 2, device)) / 2
+    bits32 = 2  # float32 activations: twice the formula's 16-bit bytes
+    return max(per_layer, 0) / (full_layer_bytes_per_token(shape) * bits32 * _ROWS * shape.seq_len)
+
+
+def _gradient_temp_bytes(shape: ModelShape, layers: int, device) -> int:
     import jax
     import jax.numpy as jnp
     from jax.sharding import AxisType
     from jax.sharding import PartitionSpec as P
 
     from torsh_jax.analysis.memory import memory_report
-    from torsh_jax.demo.model import init_params, loss_fn, synthetic_tokens
-    from torsh_jax.planner.cost import full_layer_bytes_per_token
+    from torsh_jax.demo.model import init_params, loss_fn
 
-    def temp_bytes(layers: int) -> int:
-        cfg = demo_config(
-            "custom", d_model=shape.d_model, layers=layers, vocab=shape.vocab, seq_len=shape.seq_len
-        )
-        params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-        batch = jax.tree.map(jnp.asarray, synthetic_tokens(cfg, batch_size=_ROWS, seed=0))
-        mesh = jax.make_mesh((1, 1), ("devices", "tensor"), axis_types=(AxisType.Explicit,) * 2,
-                             devices=jax.devices()[:1])  # fmt: skip
-        grads = jax.shard_map(
-            jax.grad(loss_fn(cfg)), mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False
-        )
-        compiled = jax.jit(grads).lower(params, batch).compile()
-        return memory_report(compiled).temp_bytes
-
-    per_layer = (temp_bytes(4) - temp_bytes(2)) / 2
-    formula = full_layer_bytes_per_token(shape) * 2 * _ROWS * shape.seq_len  # float32: twice 16-bit
-    return max(per_layer, 0) / formula
+    cfg = demo_config(
+        "custom", d_model=shape.d_model, layers=layers, vocab=shape.vocab, seq_len=shape.seq_len
+    )
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    tokens = jax.ShapeDtypeStruct((_ROWS, shape.seq_len), jnp.int32)
+    mesh = jax.make_mesh((1, 1), ("devices", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=[device])
+    grads = jax.shard_map(
+        jax.grad(loss_fn(cfg)), mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False
+    )
+    compiled = jax.jit(grads).lower(params, {"inputs": tokens, "targets": tokens}).compile()
+    return memory_report(compiled).temp_bytes
 
 
 def _overhead(mesh, repeats: int) -> float:
@@ -221,7 +223,7 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         shared_cores=platform == "cpu",
         step_overhead_s=overhead,
         codec_s_per_element=_codec_seconds_per_element(mesh, repeats),
-        activation_scale=_activation_scale(shape),
+        activation_scale=activation_scale(shape, devices[0]),
         platform=platform,
         source=f"torsh-jax calibrate on {len(devices)} {platform} devices with {shape.name}",
     )
