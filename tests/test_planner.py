@@ -250,17 +250,24 @@ def test_rules_of_thumb_are_checked_against_the_pick_with_figures(tiny):
     assert rows[1]["rule"].startswith("gradient compression by DCN bandwidth")
 
 
-def test_verify_compiles_down_the_ranking_until_a_plan_fits(tiny):
-    import dataclasses
+def test_verify_compiles_down_the_ranking_and_learns_from_a_plan_that_does_not_fit(tiny):
+    from torsh_jax.planner.rank import search_verified
 
-    from torsh_jax.cli.plan_cmd import _verified
+    first = search(tiny, CPU8, global_batch=64)[0]
+    seen = []
 
-    require_devices(8)
-    ranked = search(tiny, CPU8, global_batch=64)
-    first = dataclasses.replace(ranked[0], memory_limit=1)  # the compiled first cannot fit in 1 byte
-    checked, pick = _verified([first, *ranked[1:]], 3, tiny, None, CPU8)
-    assert checked[0].compiled["fits"] is False and checked[0].compiled["peak"] > 1
-    assert pick is checked[1] and checked[1].compiled["fits"] is True
-    assert checked[2].compiled == {}  # no compile after the pick
-    _, unchecked = _verified(ranked, 0, tiny, None, CPU8)
-    assert unchecked is ranked[0]
+    def check(p):  # the compiler: the first plan needs twice its predicted activations
+        seen.append(p.candidate.label)
+        if len(seen) == 1:
+            temp = p.memory["gradients"] + 2 * (p.memory["activations"] + p.memory["logits"])
+            return {"peak": None, "temp": temp, "fits": False, "memory_error": None}
+        return {"peak": p.memory["total"], "temp": 1, "fits": True, "memory_error": 0.0}
+
+    ranked, pick, machine = search_verified(tiny, CPU8, global_batch=64, budget=3, check=check)
+    assert seen[0] == first.candidate.label and len(seen) == 2 and pick.candidate.label == seen[1]
+    assert machine.activation_scale == pytest.approx(2.0)  # learned from the refusal
+    assert pick.compiled["fits"] is True and pick.fits
+    refused = next(p for p in ranked if p.candidate.label == seen[0])
+    assert refused.compiled["fits"] is False
+    _, unchecked, same = search_verified(tiny, CPU8, global_batch=64, budget=0, check=check)
+    assert unchecked.candidate.label == first.candidate.label and same is CPU8 and len(seen) == 2

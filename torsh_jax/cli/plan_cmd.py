@@ -58,14 +58,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from torsh_jax.cli.output import json_text
     from torsh_jax.plan.io import load_plan, save_plan
-    from torsh_jax.planner.rank import rules_of_thumb, search
+    from torsh_jax.planner.rank import rules_of_thumb, search_verified
     from torsh_jax.planner.shape import parse_model
 
     shape = parse_model(args.model)
-    machine, target = _machine(args, shape)
+    machine, target = _machine(args)
     base = load_plan(args.base, key="--base") if args.base else None
-    ranked = search(shape, machine, global_batch=args.global_batch, base=base)
-    ranked, pick = _verified(ranked, args.verify, shape, target, machine)
+    check = lambda p: _verify(p, shape, target, machine)
+    ranked, pick, machine = search_verified(
+        shape, machine, global_batch=args.global_batch, budget=args.verify, check=check, base=base
+    )
     shown = ranked[: max(args.top, ranked.index(pick) + 1 if pick in ranked else 0)]
     written = args.output if args.output and pick is not None else None
     if written:
@@ -77,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
             "layers": shape.layers,
             "d_model": shape.d_model,
         },
+        "activation_scale": machine.activation_scale,
         "machine": {
             "name": machine.name,
             "devices": machine.devices,
@@ -97,30 +100,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _verified(ranked: list, budget: int, shape, target, machine) -> tuple[list, object]:
-    """Compile from the top (at most ``budget`` plans) until one fits; the pick is that one (without
-    compiling: the first predicted to fit). Returns the ranking with the compiled figures added."""
-    import dataclasses
-
-    ranked = list(ranked)
-    pick = next((p for p in ranked if p.fits), None) if budget == 0 else None
-    for i, p in enumerate(ranked[:budget]):
-        ranked[i] = dataclasses.replace(p, compiled=_verify(p, shape, target, machine))
-        if ranked[i].compiled["fits"]:
-            pick = ranked[i]
-            break
-    return ranked, pick
-
-
-def _machine(args: argparse.Namespace, shape):
-    """The machine file, or the target's published figures with the activation bytes its compiler
-    gives this model (two probe compiles, when the target's compiler is installed)."""
-    import dataclasses
-
+def _machine(args: argparse.Namespace):
+    """The machine file, or the target's published figures."""
     from torsh_jax.errors import TargetError
-    from torsh_jax.planner.calibrate import activation_scale
     from torsh_jax.planner.machine import Machine
-    from torsh_jax.targets import missing_compiler, parse_target, target_devices
+    from torsh_jax.targets import parse_target
 
     if (args.target is None) == (args.machine is None):
         raise TargetError(
@@ -130,17 +114,8 @@ def _machine(args: argparse.Namespace, shape):
         )
     if args.machine is not None:
         return Machine.load(args.machine), None
-    machine, target = (
-        Machine.from_target(args.target, slices=args.slices),
-        parse_target(args.target, slices=args.slices),
-    )
-    if missing_compiler(target.name) is not None:
-        return dataclasses.replace(
-            machine, source=machine.source + "; activations not measured (no compiler)"
-        ), target
-    scale = activation_scale(shape, target_devices(target)[0])
-    source = f"{machine.source}; activation_scale {scale:.2f} from the target's compiler"
-    return dataclasses.replace(machine, activation_scale=scale, source=source), target
+    target = parse_target(args.target, slices=args.slices)
+    return Machine.from_target(args.target, slices=args.slices), target
 
 
 def _verify(prediction, shape, target, machine) -> dict:

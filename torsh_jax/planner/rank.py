@@ -16,13 +16,16 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+
 from torsh_jax.plan import ParallelPlan
 from torsh_jax.planner.cost import Prediction, optimizer_state_factor, predict
 from torsh_jax.planner.machine import Machine
 from torsh_jax.planner.shape import ModelShape, demo_config
 from torsh_jax.planner.space import Space, candidates
 
-__all__ = ["search", "verify", "rules_of_thumb"]
+__all__ = ["search", "search_verified", "verify", "rules_of_thumb"]
 
 #: The seeds' guides: the strategy by model size and devices, and compression by link bandwidth.
 RULES = (
@@ -63,6 +66,60 @@ def search(
     fitting = sorted((p for p in best.values() if p.fits), key=lambda p: p.step_s)
     over = sorted((p for p in best.values() if not p.fits), key=lambda p: p.memory["total"])
     return fitting + over
+
+
+def search_verified(
+    shape: ModelShape,
+    machine: Machine,
+    /,
+    *,
+    global_batch: int,
+    budget: int,
+    check: Callable[[Prediction], dict],
+    base: ParallelPlan | None = None,
+    space: Space | None = None,
+) -> tuple[list[Prediction], Prediction | None, Machine]:
+    """:func:`search`, then compile down the ranking (``check``: :func:`verify` for the machine's
+    devices; at most ``budget`` compiles) until a plan fits: the pick. A plan the compiler finds
+    too large teaches the activation scale (its compiled bytes over the predicted activations),
+    and the rest is ranked again with it.
+
+    Returns:
+        The final ranking (compiled figures in ``Prediction.compiled``), the pick (without
+        compiling: the first predicted to fit; ``None`` when nothing fits), and the machine with
+        the activation scale learned.
+    """
+    compiled: dict[str, dict] = {}
+    pick_label = None
+    for _ in range(budget):
+        ranked = search(shape, machine, global_batch=global_batch, base=base, space=space)
+        todo = next((p for p in ranked if p.fits and p.candidate.label not in compiled), None)
+        if todo is None:
+            break
+        compiled[todo.candidate.label] = result = check(todo)
+        if result["fits"]:
+            pick_label = todo.candidate.label
+            break
+        scale = machine.activation_scale * _activation_ratio(todo, result)
+        machine = replace(machine, activation_scale=scale)
+    ranked = search(shape, machine, global_batch=global_batch, base=base, space=space)
+    ranked = [replace(p, compiled=compiled.get(p.candidate.label, {})) for p in ranked]
+    if budget == 0:
+        return ranked, next((p for p in ranked if p.fits), None), machine
+    return ranked, next((p for p in ranked if p.candidate.label == pick_label), None), machine
+
+
+def _activation_ratio(p: Prediction, compiled: dict) -> float:
+    """Compiled activation bytes over predicted, from a plan that did not fit: the compiler's peak
+    (or, refused, its temporaries, which hold no state) less the predicted non-activation parts;
+    at least 1.1, so that the next prediction asks for more."""
+    other = p.memory["gradients"] + p.memory["gathered"]
+    if compiled.get("peak") is not None:
+        needed = compiled["peak"] - p.memory["state"] - other
+    else:
+        needed = (compiled.get("temp") or 0) - other
+    predicted = p.memory["activations"] + p.memory["logits"]
+    return max(needed / predicted if predicted else 1.1, 1.1)
 
 
 def verify(prediction: Prediction, shape: ModelShape, devices, /, *, target=None) -> dict:
