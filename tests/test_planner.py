@@ -166,6 +166,7 @@ def test_plan_cli_prints_the_ranking_and_writes_the_best_plan(tmp_path, capsys):
     assert code == 0 and report["candidates"] >= report["fitting"] > 0 and len(report["plans"]) == 3
     best = report["plans"][0]
     assert set(best) >= {"label", "step_s", "compute_s", "bubble_s", "comm_s", "exposed_s", "memory", "fits"}
+    assert report["pick"] == best["label"] and report["activation_scale"] == 1.0
     written = load_plan(str(out))
     assert written.mesh.resolve(8).shape == best["sizes"] and report["output"] == str(out)
 
