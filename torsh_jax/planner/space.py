@@ -153,7 +153,7 @@ def _plans(shape, base, space, ici, dcn, sizes, global_batch):
     stages = (0,) if sizes["fsdp"] == 1 else space.zero_stages
     for zero_stage in stages:
         for pipeline in _pipelines(sizes["stage"]):
-            for compression in _compressions(space, dcn, sizes, zero_stage):
+            for compression in _compressions(space, dcn, sizes):
                 for acc in _accumulations(per_replica, pipeline.microbatches, space):
                     plan = replace(
                         base,
@@ -175,7 +175,7 @@ def _pipelines(stage: int) -> list[PipelineSpec]:
     return [PipelineSpec(microbatches=m, schedule="1f1b") for m in (stage, 2 * stage)]
 
 
-def _compressions(space, dcn, sizes, zero_stage) -> list[tuple[AxisCompression, ...]]:
+def _compressions(space, dcn, sizes) -> list[tuple[AxisCompression, ...]]:
     options: list[tuple[AxisCompression, ...]] = [()]
     if space.compression and dcn.get("data", 1) > 1 and sizes["data"] > 1:
         options.append((AxisCompression(axis="data", gradients=CompressorSpec(method="int8")),))
