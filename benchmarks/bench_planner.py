@@ -84,11 +84,8 @@ def measure(candidate, shape, devices, steps: int) -> tuple[float, int]:
     from torsh_jax.analysis.memory import memory_report
     from torsh_jax.demo.model import init_params, synthetic_tokens
     from torsh_jax.demo.run import abstract_train_step
-    from torsh_jax.planner.shape import demo_config
 
-    cfg = demo_config(
-        "custom", d_model=shape.d_model, layers=shape.layers, vocab=shape.vocab, seq_len=shape.seq_len
-    )
+    cfg = shape.demo_config()
     train, _ = abstract_train_step(candidate.plan, cfg, devices)
     state = train.init(init_params(cfg, jax.random.key(0)))
     batches = [synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=i) for i in range(steps + 2)]

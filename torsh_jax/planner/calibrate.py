@@ -33,7 +33,7 @@ from functools import partial
 import numpy as np
 
 from torsh_jax.planner.machine import Link, Machine
-from torsh_jax.planner.shape import ModelShape, demo_config
+from torsh_jax.planner.shape import ModelShape
 
 __all__ = ["calibrate", "fit_alpha_beta", "activation_scale", "LINK_SIZES"]
 
@@ -64,9 +64,7 @@ def _compute_rate(mesh, shape: ModelShape, repeats: int) -> float:
 
     from torsh_jax.demo.model import init_params, loss_fn, synthetic_tokens
 
-    cfg = demo_config(
-        "custom", d_model=shape.d_model, layers=shape.layers, vocab=shape.vocab, seq_len=shape.seq_len
-    )
+    cfg = shape.demo_config()
     params = init_params(cfg, jax.random.key(0))
     n = mesh.shape["devices"]
     batch = jax.tree.map(jnp.asarray, synthetic_tokens(cfg, batch_size=_ROWS * n, seed=0))
@@ -173,9 +171,7 @@ def _gradient_temp_bytes(shape: ModelShape, layers: int, device) -> int:
     from torsh_jax.analysis.memory import memory_report
     from torsh_jax.demo.model import init_params, loss_fn
 
-    cfg = demo_config(
-        "custom", d_model=shape.d_model, layers=layers, vocab=shape.vocab, seq_len=shape.seq_len
-    )
+    cfg = shape.demo_config(layers=layers)
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct((_ROWS, shape.seq_len), jnp.int32)
     mesh = jax.make_mesh((1, 1), ("devices", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=[device])

@@ -22,7 +22,7 @@ from dataclasses import replace
 from torsh_jax.plan import ParallelPlan
 from torsh_jax.planner.cost import Prediction, optimizer_state_factor, predict
 from torsh_jax.planner.machine import Machine
-from torsh_jax.planner.shape import ModelShape, demo_config
+from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Space, candidates
 
 __all__ = ["search", "search_verified", "verify", "rules_of_thumb"]
@@ -129,9 +129,7 @@ def verify(prediction: Prediction, shape: ModelShape, devices, /, *, target=None
     from torsh_jax.demo.run import abstract_train_step
 
     plan = prediction.candidate.plan
-    cfg = demo_config(
-        "custom", d_model=shape.d_model, layers=shape.layers, vocab=shape.vocab, seq_len=shape.seq_len
-    )
+    cfg = shape.demo_config()
     slices = target.slices if target is not None else None
     train, batch = abstract_train_step(plan, cfg, devices, num_slices=slices)
     if target is not None:

@@ -75,6 +75,12 @@ class ModelShape:
         blocks = self.layers * (2 * self.layer_params + 4 * self.seq_len * self.d_model)
         return 3 * forward + (blocks if recompute else 0)
 
+    def demo_config(self, *, layers: int | None = None):
+        """The demo model's :class:`~torsh_jax.demo.model.LMConfig` of this shape (``layers``: another
+        depth, for probes)."""
+        return demo_config("custom", d_model=self.d_model, layers=layers or self.layers, vocab=self.vocab,
+                           seq_len=self.seq_len)  # fmt: skip
+
     @classmethod
     def from_params(
         cls, params, /, *, layers_key: str = "layers", head_keys: tuple[str, ...] = ("head",), **widths
