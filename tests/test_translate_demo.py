@@ -9,6 +9,7 @@ import sys
 import pytest
 
 CLI = [sys.executable, "-m", "torsh_jax.cli.main"]
+SMALL = ["--layers", "1", "--d-model", "16"]
 
 
 def _demo_records(*args: str) -> list[dict]:
@@ -39,7 +40,9 @@ def test_translated_deepspeed_config_runs_in_the_demo(corpus_dir, tmp_path):
 
 @pytest.mark.slow
 def test_demo_verify_reports_twin_agreement():
-    lines = _demo_records("--plan", "zero3", "--devices", "8", "--steps", "3", "--verify", "--layers", "2")
+    # the smallest demo (one layer of d_model 16, ZeRO-3 over 4 devices): what --verify reports does
+    # not depend on the model's size
+    lines = _demo_records("--plan", "zero3", "--devices", "4", "--steps", "3", "--verify", *SMALL)
     summary = lines[-1]
     for key in (
         "final_loss",
