@@ -105,7 +105,7 @@ def test_bench_tensor_quick():
 def test_bench_pipeline_quick():
     """The 1F1B pipeline and DDP over the same devices train to the same loss; the row carries the
     table's bubble, the activations held and stage bytes equal to their theory."""
-    rows = run_quick("bench_pipeline.py", "--plans", "pp_1f1b")
+    rows = run_quick("bench_pipeline.py", "--plans", "pp_1f1b", "--layers", "4")  # one layer per stage
     row = rows["pipeline_1f1b"]
     assert_keys(row, {"ratio", "paired_ratio", "bubble", "theory_bubble", "temp_ratio", "stage_wire_ratio"})
     assert row["bubble"] == pytest.approx(3 / 7) and row["activations_held"] == [4, 3, 2, 1]  # m = p = 4
