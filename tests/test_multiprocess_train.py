@@ -207,12 +207,17 @@ def test_fsdp_tp_tensor_inside_each_process_fsdp_across_them(runs):
     assert_same_training(launched, single)
 
 
+#: Rank 0, blocked in a collective with the killed rank, ignores the launcher's SIGTERM; SIGKILL it after
+#: 1 s instead of the default 5 (the grace period itself is tests/test_launch.py's)
+SIGKILL_SOON = ("--grace-period", "1")
+
+
 def test_a_killed_process_restarts_the_job_which_resumes_from_its_checkpoint(runs, tmp_path):
     """launch --max-restarts 1: rank 1 is SIGKILLed in step 2 of 3; 2 new processes restore the
     newest checkpoint (every process wrote its shards after step 1) and finish; the steps after
     equal a straight run's bit for bit."""
     saving = ("--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "1", "--resume")
-    restarts = ("--max-restarts", "1")
+    restarts = ("--max-restarts", "1", *SIGKILL_SOON)
     config = Config("zero3", launched=True, extra=(*saving, "--kill-at", "1"), launch_flags=restarts)
     (straight,) = runs(Config("zero3", launched=True))
     (recovered,) = runs(config)
@@ -230,7 +235,7 @@ def test_a_restart_on_fewer_processes_continues_with_the_same_global_batch(runs,
     continues on the one process left: ZeRO-3 over 2 devices instead of 4, the state resharded
     onto them, 2 accumulation steps keeping the global batch; losses follow the straight run."""
     saving = ("--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "1", "--resume")
-    restarts = ("--max-restarts", "1", "--min-processes", "1")
+    restarts = ("--max-restarts", "1", "--min-processes", "1", *SIGKILL_SOON)
     config = Config("zero3", launched=True, extra=(*saving, "--kill-at", "1"), launch_flags=restarts)
     (straight,) = runs(Config("zero3", launched=True))
     (recovered,) = runs(config)
