@@ -39,10 +39,19 @@ def _held_bytes(state) -> dict[str, int]:
     }
 
 
+def _fewest_microbatches(plan):
+    """``plan``, pipelined over m = p micro-batches: the layout does not depend on m, and 3d's step
+    compiles in half the time at m = p (half the ticks of its m = 2p)."""
+    stages = plan.mesh.stage.ici * plan.mesh.stage.dcn
+    if stages <= 1 or plan.pipeline.microbatches <= stages:
+        return plan
+    return dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, microbatches=stages))
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_layout_of_every_preset_equals_what_the_step_holds(preset):
     require_devices(8)
-    plan = load_plan(preset)
+    plan = _fewest_microbatches(load_plan(preset))
     mesh = build_mesh(plan)
     cfg = SMALL if plan.mesh.stage.ici * plan.mesh.stage.dcn == 1 else PIPELINED  # layers split over stages
     model, init = model_for(plan, cfg)
