@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -16,7 +17,13 @@ from torsh_jax.cli.main import main
 from torsh_jax.demo import host
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
+#: A user's minimal environment, with the suite's compile flags (conftest.py: LLVM's costly passes off)
+ENV = {
+    "PYTHONPATH": str(REPO),
+    "PATH": "/usr/bin:/bin",
+    "JAX_PLATFORMS": "cpu",
+    "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+}
 SMALL = ["--layers", "1", "--d-model", "16"]
 
 
