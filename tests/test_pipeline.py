@@ -4,6 +4,7 @@ twin, composition with data, ZeRO and tensor axes, and the bytes and memory of t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -289,9 +290,11 @@ def test_a_pipeline_shorter_than_its_stages_translates_to_gpipe():
 # ---------------------------------------------------------------- bytes and memory of the compiled step
 
 
+@functools.cache
 def _inspect(plan):
     """The twin test's step for ``plan`` (same model and optimizer: the compilation cache has it),
-    lowered for the state's shapes (none is created)."""
+    lowered for the state's shapes (none is created); once per plan and worker (the tests only read
+    it: both ZeRO-3 tests below read "zero3-once-accum")."""
     model, init = model_for(plan, PIPE)
     shapes = jax.eval_shape(lambda: init(PIPE, jax.random.key(0)))
     train = make_train_step(model, momentum(), plan, build_mesh(plan), shapes)
