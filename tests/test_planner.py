@@ -196,6 +196,7 @@ def test_calibrate_measures_this_machine_and_plan_reads_its_file(tmp_path, capsy
     assert code == 0 and "GFLOP/s per device" in capsys.readouterr().out
     machine = Machine.load(path)
     assert machine.devices == 8 and machine.flops_per_s > 0 and machine.link("ici").bytes_per_s > 0
+    assert machine.recompute_cost > 0  # measured (a recomputing step's time over a plain one's)
     assert (machine.overlaps, machine.shared_cores) == (False, True)  # simulated CPU devices
     assert main(["plan", "--model", TINY, "--machine", str(path), "--global-batch", "64", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["machine"]["devices"] == 8

@@ -5,6 +5,7 @@ On the present devices (simulated CPU devices, or one host's accelerators):
 * **compute**: the demo model's forward and backward pass on every device at once, each on its
   own examples, with no collective (a data-parallel step without its gradient sum): per-device
   FLOP/s = the model's FLOPs per device (:meth:`ModelShape.train_flops_per_token`) / the time;
+  the same pass with each layer recomputed (``jax.checkpoint``) over it is ``recompute_cost``;
 * **links**: ``psum`` and ``all_gather`` over all devices at sizes from 4 KiB to 16 MiB; ``α`` and
   ``1/β`` are the least-squares fit of ``time = steps · α + wire bytes / β`` (ring steps and
   bytes as the cost model counts them), clipped at zero;
@@ -55,16 +56,19 @@ def _median_seconds(fn, *args, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _compute_rate(mesh, shape: ModelShape, repeats: int) -> float:
-    """Per-device FLOP/s of the demo model's forward and backward pass with every device busy."""
+def _gradient_seconds(mesh, shape: ModelShape, repeats: int, *, remat: bool) -> float:
+    """Seconds of the demo model's forward and backward pass on every device at once (``remat``:
+    each layer's forward runs again in the backward pass)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from torsh_jax.demo.model import init_params, loss_fn, synthetic_tokens
+    from torsh_jax.demo.model import init_params, layered_model, synthetic_tokens
+    from torsh_jax.runtime.layered import layered_loss
 
     cfg = shape.demo_config()
+    loss = layered_loss(layered_model(cfg, remat=remat))
     params = init_params(cfg, jax.random.key(0))
     n = mesh.shape["devices"]
     batch = jax.tree.map(jnp.asarray, synthetic_tokens(cfg, batch_size=_ROWS * n, seed=0))
@@ -74,11 +78,10 @@ def _compute_rate(mesh, shape: ModelShape, repeats: int) -> float:
     @jax.jit
     @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("devices")), out_specs=P("devices"), check_vma=False)
     def grads_per_device(p, b):
-        grads = jax.grad(loss_fn(cfg))(p, b)
+        grads = jax.grad(loss)(p, b)
         return jnp.stack([jnp.sum(g) for g in jax.tree.leaves(grads)])[None]
 
-    seconds = _median_seconds(grads_per_device, params, batch, repeats=repeats)
-    return _ROWS * shape.seq_len * shape.train_flops_per_token(recompute=False) / seconds
+    return _median_seconds(grads_per_device, params, batch, repeats=repeats)
 
 
 def _collective_times(mesh, repeats: int) -> list[tuple[str, int, float]]:
@@ -205,6 +208,7 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         (len(devices), 1), ("devices", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=devices
     )
     overhead = _overhead(mesh, repeats)
+    plain = _gradient_seconds(mesh, shape, repeats, remat=False)
     link = fit_alpha_beta(_collective_times(mesh, repeats), len(devices), overhead_s=overhead)
     limit = device_memory_limit(mesh)
     platform = devices[0].platform
@@ -212,7 +216,8 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         name=name or f"{platform}-{len(devices)} (calibrated)",
         devices=len(devices),
         slices=1,
-        flops_per_s=_compute_rate(mesh, shape, repeats),
+        flops_per_s=_ROWS * shape.seq_len * shape.train_flops_per_token(recompute=False) / plain,
+        recompute_cost=_gradient_seconds(mesh, shape, repeats, remat=True) / plain,
         memory_bytes=limit.bytes if limit else 0,
         links={"ici": link},
         overlaps=platform != "cpu",

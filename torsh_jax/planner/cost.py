@@ -16,7 +16,8 @@ full set).
 **Step time** = the machine's per-step overhead + compute + pipeline bubble + exposed communication:
 
 * compute: the busiest device's FLOPs (its tokens × :meth:`ModelShape.train_flops_per_token`,
-  split over ``tensor`` and ``stage``) over the machine's sustained FLOP/s;
+  split over ``tensor`` and ``stage``) over the machine's sustained FLOP/s, times
+  :func:`recompute_cost` where the layers' forward runs again;
 * bubble: 1F1B's ``(stages - 1) / microbatches`` of the compute (none where the devices share the
   host's cores: an idle stage's core works for the others);
 * communication per axis: the plan theory's collectives (:mod:`torsh_jax.analysis.theory`: the
@@ -208,12 +209,13 @@ def _gradient_buffers(
     param_bytes: int, stored_grads: int, sharded: bool, accumulation: int, fsdp: int
 ) -> int:
     """Buffers beyond the stored gradients. Below ZeRO-3 the whole local gradient exists before its
-    reduction, next to the reduced copy and the updated parameters (3 parameter-sized buffers
-    in all: what the compiled CPU programs of the demo model hold, tests/test_planner.py); ZeRO-3
-    reduces each layer's gradient as the backward pass makes it. Accumulation adds an accumulator."""
+    reduction, next to the reduced copy (2 parameter-sized buffers in all; the updated parameters
+    reuse the donated ones: what the compiled CPU programs of the demo model hold, DDP to ZeRO-2,
+    tests/test_planner.py); ZeRO-3 reduces each layer's gradient as the backward pass makes it.
+    Accumulation adds an accumulator."""
     if sharded:
         return param_bytes // fsdp if accumulation > 1 else 0
-    return 3 * param_bytes - stored_grads + (param_bytes if accumulation > 1 else 0)
+    return 2 * param_bytes - stored_grads + (param_bytes if accumulation > 1 else 0)
 
 
 def _layer_remat(c: Candidate) -> bool:
@@ -268,12 +270,16 @@ def _compute_seconds(c: Candidate, shape: ModelShape, machine: Machine) -> float
     ``stage``) at the machine's per-device rate."""
     replicas = c.sizes["data"] * c.sizes["fsdp"]
     tokens = c.plan.batch.global_batch_size(replicas) * shape.seq_len // replicas
-    flops = (
-        tokens
-        * shape.train_flops_per_token(recompute=_recomputed(c))
-        / (c.sizes["tensor"] * c.sizes["stage"])
-    )
-    return flops / machine.flops_per_s
+    flops = tokens * shape.train_flops_per_token(recompute=False) / (c.sizes["tensor"] * c.sizes["stage"])
+    return flops / machine.flops_per_s * (recompute_cost(shape, machine) if _recomputed(c) else 1.0)
+
+
+def recompute_cost(shape: ModelShape, machine: Machine) -> float:
+    """Time of a step that recomputes its layers' forward over one that does not: the machine's
+    measured ratio (:attr:`Machine.recompute_cost`), else the FLOPs' ratio."""
+    if machine.recompute_cost is not None:
+        return machine.recompute_cost
+    return shape.train_flops_per_token(recompute=True) / shape.train_flops_per_token(recompute=False)
 
 
 def _bubble_fraction(c: Candidate) -> float:
