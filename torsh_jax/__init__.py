@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "DeviceMemoryError": "torsh_jax.errors",
     "ArgumentError": "torsh_jax.errors",
     "TargetError": "torsh_jax.errors",
+    "ModelStructureError": "torsh_jax.errors",
     "PrecisionWarning": "torsh_jax.errors",
     # plans
     "ParallelPlan": "torsh_jax.plan",
@@ -68,6 +69,8 @@ _EXPORTS: dict[str, str] = {
     "StepPlan": "torsh_jax.runtime.decide",
     "decide": "torsh_jax.runtime.decide",
     "LayeredModel": "torsh_jax.runtime.layered",
+    "from_linen": "torsh_jax.models.linen",
+    "FlaxLayers": "torsh_jax.models.blocks",
     "make_train_step": "torsh_jax.runtime.step",
     "TrainStep": "torsh_jax.runtime.step",
     "TrainState": "torsh_jax.runtime.state",
@@ -121,6 +124,7 @@ if TYPE_CHECKING:  # pragma: no cover - what a type checker sees; at run time __
         DeviceMemoryError,
         DistributedError,
         MeshError,
+        ModelStructureError,
         NotSupportedYetError,
         ParameterError,
         PlanError,
@@ -131,6 +135,8 @@ if TYPE_CHECKING:  # pragma: no cover - what a type checker sees; at run time __
         TorshError,
         TranslationError,
     )
+    from torsh_jax.models.blocks import FlaxLayers
+    from torsh_jax.models.linen import from_linen
     from torsh_jax.optim import build_optimizer, build_schedule, loss_scaler
     from torsh_jax.plan import (
         AxisCompression,

@@ -29,6 +29,7 @@ __all__ = [
     "DeviceMemoryError",
     "ArgumentError",
     "TargetError",
+    "ModelStructureError",
     "PrecisionWarning",
 ]
 
@@ -111,6 +112,11 @@ class DeviceMemoryError(TorshError, ValueError):
 
 class TargetError(TorshError, ValueError):
     """An accelerator target is unknown, or the compiler for it is not installed."""
+
+
+class ModelStructureError(TorshError, ValueError):
+    """A model does not split into embedding, repeated blocks and head (names the submodule that
+    broke the pattern)."""
 
 
 class PrecisionWarning(UserWarning):

@@ -1,0 +1,151 @@
+"""Flax linen models as their authors write them (tests/flax_blocks.py), converted with one call
+(``from_linen``) and trained under pipelines and ZeRO-3 equal to their single-device twins."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+from conftest import require_devices
+from flax_blocks import GPT2, Llama, next_token_loss
+from helpers import assert_matches_twin
+from test_pipeline import momentum, pipeline_plan, zero_pipeline
+
+from torsh_jax import ModelStructureError, NotSupportedYetError, from_linen, load_plan
+from torsh_jax.demo.model import LMConfig, synthetic_tokens
+from torsh_jax.runtime.layered import layered_loss
+from torsh_jax.runtime.mesh import build_mesh
+from torsh_jax.runtime.step import make_train_step
+from torsh_jax.runtime.twin import make_reference_step
+from torsh_jax.runtime.verify import compare_with_twin
+
+CFG = LMConfig(vocab=64, seq_len=8)
+#: 8 blocks where the model is only converted; 4 (one per chunk of 2 stages x 2 chunks) where it
+#: trains: what is summed where does not depend on the count, and compiling scales with it
+MODELS = {
+    "gpt2-tied": GPT2(vocab=64, d_model=16, heads=2, layers=8, max_len=8),
+    "llama-gqa": Llama(vocab=64, d_model=16, heads=4, kv_heads=2, layers=8, hidden=24),
+}
+TRAINED = {
+    "gpt2-tied": GPT2(vocab=64, d_model=16, heads=2, layers=4, max_len=8),
+    "llama-gqa": Llama(vocab=64, d_model=16, heads=4, kv_heads=2, layers=4, hidden=24),
+}
+LAYER_KEYS = {"gpt2-tied": "blocks", "llama-gqa": "layers"}
+
+
+def _batch(rows: int, seed: int = 0) -> dict:
+    return synthetic_tokens(CFG, batch_size=rows, seed=seed)
+
+
+def _converted(name: str, models: dict = MODELS):
+    module = models[name]
+    example = _batch(2)
+    params = module.init(jax.random.key(0), example["inputs"])["params"]
+    return module, params, from_linen(module, params, example, loss=next_token_loss, blocks=LAYER_KEYS[name])
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_one_call_splits_the_model_and_its_parameters_convert_both_ways(name):
+    module, params, layered = _converted(name)
+    key = LAYER_KEYS[name]
+    assert layered.layers_key == key and layered.period == 1 and len(layered.block_names) == 8
+    leaves = jax.tree.leaves(layered.params[key])
+    assert all(x.shape[0] == 8 for x in leaves)
+    back = layered.to_flax(layered.params)
+    assert jax.tree.structure(back) == jax.tree.structure(dict(params))
+    jax.tree.map(np.testing.assert_array_equal, back, dict(params))
+    batch = _batch(4, seed=1)
+    ours = layered_loss(layered.model)(layered.params, batch)
+    theirs = next_token_loss(module.apply({"params": params}, batch["inputs"]), batch)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+
+
+def test_a_tied_embedding_is_read_by_the_embedding_and_the_head():
+    _, _, tied = _converted("gpt2-tied")
+    assert set(tied.model.embed_keys) == {"wte", "wpe"} and set(tied.model.head_keys) == {"wte", "ln_f"}
+    _, _, untied = _converted("llama-gqa")
+    assert untied.model.embed_keys == ("tok_embeddings",)
+    assert set(untied.model.head_keys) == {"norm", "output"}
+
+
+def _twin_report(name: str, plan, steps: int = 2):
+    _, params, layered = _converted(name, TRAINED)
+    model, params = layered.model, layered.params
+    optimizer = momentum()
+    train = make_train_step(model, optimizer, plan, build_mesh(plan), params)
+    twin = make_reference_step(layered_loss(model), optimizer, plan)
+    exact = make_reference_step(layered_loss(model), optimizer, plan, dtype="float64")
+    batches = [_batch(train.global_batch_size, seed=i) for i in range(steps)]
+    return compare_with_twin(tuple(train), twin, params, batches, exact=exact)
+
+
+#: each pipeline preset's schedule and axes on 2 stages x 2 micro-batches (what is summed where does
+#: not depend on the counts; tests/test_pipeline_tied.py), and ZeRO-3 gathering one layer at a time
+PLANS = {
+    "1f1b": pipeline_plan("1f1b", stages=2, microbatches=2),
+    "interleaved": pipeline_plan("interleaved", stages=2, microbatches=2),
+    "fsdp_pp-zero2": zero_pipeline(2),
+    "zero3": load_plan("zero3"),
+}
+
+
+TWIN_CASES = [("gpt2-tied", plan) for plan in PLANS] + [("llama-gqa", "interleaved")]
+
+
+@pytest.mark.parametrize("name,plan", TWIN_CASES, ids=[f"{n}-{p}" for n, p in TWIN_CASES])
+def test_a_converted_model_trains_equal_to_its_twin(name, plan):
+    """Losses, gradients and parameters within the twin criterion over 2 steps (the tied table's
+    gradient is the sum of its lookup's and the head's, on whichever stages hold them)."""
+    require_devices(8)
+    assert_matches_twin(_twin_report(name, PLANS[plan]), params=True)
+
+
+class _Odd(nn.Module):
+    """Three blocks with a projection before each (``widths``: its width)."""
+
+    widths: tuple = (8, 8, 8)
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(64, 8, name="embed")(tokens)
+        for i, width in enumerate(self.widths):
+            x = x + nn.Dense(8, name=f"blocks_{i}")(nn.Dense(width, name=f"pre_{i}")(x))
+        return nn.Dense(64, name="head")(x)
+
+
+class _Masked(nn.Module):
+    """Blocks that take a mask made by the model."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(64, 8, name="embed")(tokens)
+        keep = (tokens > 0)[..., None].astype(x.dtype)
+        for i in range(2):
+            x = _MaskedBlock(name=f"blocks_{i}")(x, keep)
+        return nn.Dense(64, name="head")(x)
+
+
+class _MaskedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, keep):
+        return x + keep * nn.Dense(8)(x)
+
+
+def test_a_model_that_does_not_split_is_one_error_naming_the_child():
+    example = _batch(2)
+    params = _Odd().init(jax.random.key(0), example["inputs"])["params"]
+    with pytest.raises(ModelStructureError, match="pre_1 is called between the blocks") as err:
+        from_linen(_Odd(), params, example, loss=next_token_loss)
+    assert err.value.key == "pre_1"
+    wider = _Odd((8, 8, 16))
+    wider_params = wider.init(jax.random.key(0), example["inputs"])["params"]
+    with pytest.raises(ModelStructureError, match="blocks_2 differs from blocks_0") as err:
+        from_linen(wider, wider_params, example, loss=next_token_loss)
+    assert err.value.key == "blocks_2"
+    with pytest.raises(ModelStructureError, match="no parameters named layers_0") as err:
+        from_linen(_Odd(), params, example, loss=next_token_loss, blocks="layers")
+    masked = _Masked().init(jax.random.key(0), example["inputs"])["params"]
+    with pytest.raises(NotSupportedYetError, match="array besides its hidden state") as err:
+        from_linen(_Masked(), masked, example, loss=next_token_loss)
+    assert err.value.key == "blocks_0"

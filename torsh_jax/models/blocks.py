@@ -1,0 +1,145 @@
+"""A model's repeated blocks, stacked on a leading layer dim, and back.
+
+A model keeps its blocks as numbered children (``blocks_0 ... blocks_7``); a
+:class:`~torsh_jax.runtime.layered.LayeredModel` holds them stacked under one key. Blocks of one
+structure stack one per layer; blocks of different kinds in a fixed repeating pattern (recurrent,
+recurrent, attention) stack one period per layer, as ``{"0": first, "1": second, ...}``.
+
+Example:
+    >>> import numpy as np
+    >>> params = {"embed": 1.0, "h_0": {"w": np.ones(2)}, "h_1": {"w": np.zeros(2)}}
+    >>> names = block_names(params, "h")
+    >>> period(params, names)
+    1
+    >>> stacked = stack_blocks(params, names, 1)
+    >>> stacked["w"].shape, unstack_blocks(stacked, names, 1)["h_1"]["w"].tolist()
+    ((2, 2), [0.0, 0.0])
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from torsh_jax.errors import ModelStructureError
+from torsh_jax.runtime.layered import LayeredModel
+from torsh_jax.typing import PyTree
+
+__all__ = ["FlaxLayers", "block_names", "period", "stack_blocks", "unstack_blocks", "zeros_like"]
+
+
+@dataclass(frozen=True)
+class FlaxLayers:
+    """A flax model as a :class:`LayeredModel`, and its parameters converted both ways.
+
+    Attributes:
+        model: embed (everything before the blocks), layer (one period of blocks), head
+            (everything after, then the loss).
+        params: the model's parameters in the layered layout (blocks stacked under ``layers_key``).
+        block_names: the model's block children, in call order.
+        period: blocks per layer (1 when every block has one structure).
+        layers_key: the stacked blocks' key.
+    """
+
+    model: LayeredModel
+    params: PyTree
+    block_names: tuple[str, ...]
+    period: int
+    layers_key: str
+
+    def to_layered(self, params: PyTree) -> dict:
+        """The model's own parameters (``blocks_0 ...``) in the layered layout."""
+        others = {k: v for k, v in params.items() if k not in self.block_names}
+        return {**others, self.layers_key: stack_blocks(params, self.block_names, self.period)}
+
+    def to_flax(self, params: PyTree) -> dict:
+        """Layered parameters (a train state's, a checkpoint's) back in the model's own layout."""
+        others = {k: v for k, v in params.items() if k != self.layers_key}
+        return {**others, **unstack_blocks(params[self.layers_key], self.block_names, self.period)}
+
+
+def block_names(params: PyTree, prefix: str) -> tuple[str, ...]:
+    """``prefix_0 ... prefix_{n-1}``: the top-level keys of the blocks, in order.
+
+    Raises:
+        ModelStructureError: no such key, or a number is missing.
+    """
+    pattern = re.compile(rf"{re.escape(prefix)}_(\d+)")
+    found = {int(m.group(1)): k for k in params if (m := pattern.fullmatch(k))}
+    if not found:
+        raise ModelStructureError(
+            f"no parameters named {prefix}_0, {prefix}_1, ... "
+            f"(top-level keys: {', '.join(map(str, params))})",
+            key=prefix,
+            fix="pass blocks= the name of the model's list of blocks (linen names them name_0, name_1, ...)",
+        )
+    missing = sorted(set(range(max(found) + 1)) - set(found))
+    if missing:
+        raise ModelStructureError(
+            f"{prefix}_{missing[0]} is missing between {prefix}_0 and {prefix}_{max(found)}",
+            key=f"{prefix}_{missing[0]}",
+            fix="number the blocks 0 .. n-1 without gaps",
+        )
+    return tuple(found[i] for i in range(len(found)))
+
+
+def _dtype(x) -> np.dtype:
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.result_type(x)
+
+
+def _signature(tree: PyTree) -> tuple:
+    leaves, structure = jax.tree_util.tree_flatten(tree)
+    return structure, tuple((np.shape(x), _dtype(x)) for x in leaves)
+
+
+def period(params: PyTree, names: tuple[str, ...]) -> int:
+    """The fewest blocks after which the blocks' structures (pytree, shapes, dtypes) repeat.
+
+    Raises:
+        ModelStructureError: they do not repeat (names the first block that breaks the pattern of
+            block 0).
+    """
+    signatures = [_signature(params[n]) for n in names]
+    n = len(names)
+    for p in range(1, n // 2 + 1):
+        if n % p == 0 and all(signatures[i] == signatures[i % p] for i in range(n)):
+            return p
+    if n == 1:
+        return 1
+    odd = next((name for name, sig in zip(names[1:], signatures[1:]) if sig != signatures[0]), names[-1])
+    raise ModelStructureError(
+        f"{odd} differs from {names[0]} and the blocks do not repeat in a fixed pattern that divides "
+        f"their {n}",
+        key=odd,
+        fix="convert the blocks that repeat (blocks=) and keep the others in the model's embedding or head",
+    )
+
+
+def _grouped(blocks: list, p: int) -> list:
+    """One tree per layer: the block itself (``p = 1``) or ``{"0": ..., "1": ...}`` of its period."""
+    if p == 1:
+        return blocks
+    return [{str(k): blocks[j + k] for k in range(p)} for j in range(0, len(blocks), p)]
+
+
+def stack_blocks(params: PyTree, names: tuple[str, ...], p: int) -> PyTree:
+    """The blocks' parameters stacked on a leading dim of ``len(names) // p`` layers."""
+    stack: Callable = lambda *xs: np.stack(xs) if isinstance(xs[0], np.ndarray) else jax.numpy.stack(xs)
+    return jax.tree.map(stack, *_grouped([params[n] for n in names], p))
+
+
+def unstack_blocks(stacked: PyTree, names: tuple[str, ...], p: int) -> dict:
+    """Inverse of :func:`stack_blocks`: ``{name: the block's parameters}``."""
+    layers = len(names) // p
+    per_layer = [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(layers)]
+    blocks = per_layer if p == 1 else [layer[str(k)] for layer in per_layer for k in range(p)]
+    return dict(zip(names, blocks))
+
+
+def zeros_like(tree: PyTree) -> PyTree:
+    """Zeros of every leaf's shape and dtype (arrays or ``jax.ShapeDtypeStruct``)."""
+    return jax.tree.map(lambda x: jax.numpy.zeros(np.shape(x), _dtype(x)), tree)
