@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -14,6 +16,7 @@ from test_pipeline import momentum, pipeline_plan, zero_pipeline
 
 from torsh_jax import ModelStructureError, NotSupportedYetError, from_linen, load_plan
 from torsh_jax.demo.model import LMConfig, synthetic_tokens
+from torsh_jax.runtime.inspect import inspect_step
 from torsh_jax.runtime.layered import layered_loss
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.step import make_train_step
@@ -149,3 +152,64 @@ def test_a_model_that_does_not_split_is_one_error_naming_the_child():
     with pytest.raises(NotSupportedYetError, match="array besides its hidden state") as err:
         from_linen(_Masked(), masked, example, loss=next_token_loss)
     assert err.value.key == "blocks_0"
+
+
+#: GPT-2's stacked parameters (one leading layer dim) and what Megatron splits over ``tensor``
+MEGATRON_SPLIT = {
+    "blocks/attn/query/kernel": [2],  # [layers, d, heads, head_dim]: column-parallel by heads
+    "blocks/attn/query/bias": [1],
+    "blocks/attn/out/kernel": [1],  # [layers, heads, head_dim, d]: row-parallel
+    "blocks/attn/out/bias": [],
+    "blocks/c_fc/kernel": [2],  # [layers, d, 4d]: column-parallel
+    "blocks/c_fc/bias": [1],
+    "blocks/c_proj/kernel": [1],  # [layers, 4d, d]: row-parallel
+    "blocks/c_proj/bias": [],
+    "blocks/ln_1/scale": [],
+    "wte/embedding": [0],  # [vocab, d]: vocabulary-parallel
+    "wpe/embedding": [],  # [positions, d]: not the vocabulary (the default rules would split it)
+    "ln_f/scale": [],
+}
+
+
+@pytest.mark.parametrize("preset", ["tp", "fsdp_tp"])
+def test_auto_rules_split_a_nameless_model_as_megatron_does_and_it_equals_its_twin(preset):
+    """GPT-2 has no partitioning names: ``tensor.rules = "auto"`` splits its attention by heads and
+    its MLP by features (column then row), its table by vocabulary; inspect reports each."""
+    require_devices(8)
+    base = load_plan(preset)
+    plan = base.replace(tensor=dataclasses.replace(base.tensor, rules="auto"))
+    _, _, layered = _converted("gpt2-tied", TRAINED)
+    train = make_train_step(layered.model, momentum(), plan, build_mesh(plan), layered.params)
+    summary = inspect_step(train, train.abstract_state(), _batch(train.global_batch_size))
+    split = summary["tensor_split"]
+    assert {path: split[path] for path in MEGATRON_SPLIT} == MEGATRON_SPLIT
+    if preset == "tp":
+        assert _tensor_activation_bytes(summary) == _megatron_bytes_and_qkv(train.global_batch_size // 4)
+    assert_matches_twin(_twin_report("gpt2-tied", plan), params=True)
+
+
+def _tensor_activation_bytes(summary: dict) -> int:
+    """Bytes the step's ``tensor`` collectives carry, less the step's scalar sums (under 64 bytes)."""
+    tensor = [c for c in summary["collectives"] if c["axes"] == ["tensor"] and c["payload_bytes"] >= 64]
+    return sum(c["payload_bytes"] * c["executions"] for c in tensor)
+
+
+def _megatron_bytes_and_qkv(rows: int) -> int:
+    """Megatron's count for GPT-2's 4 blocks (Shoeybi et al. 2019: two all-reduces of the activations
+    per block forward, two backward; the vocabulary-parallel embedding, head and loss) and what the
+    compiler adds: the input gradients of the query, key and value projections are all-reduced one by
+    one (3 activations) where Megatron sums them first (1)."""
+    from torsh_jax.analysis.theory import megatron_blocks
+
+    activation = rows * CFG.seq_len * 16 * 4  # [rows, T, d] float32
+    theory = megatron_blocks(activation, tensor_size=2, layers=4, token_bytes=rows * CFG.seq_len * 4)
+    return sum(c.payload_bytes * c.count for c in theory.collectives) + 4 * 2 * activation
+
+
+def test_auto_rules_leave_a_dim_the_tensor_axis_does_not_divide_replicated():
+    from torsh_jax.runtime.tensor_names import auto_param_dims
+
+    layers = {"norm": np.zeros((2, 8)), "wk": np.zeros((2, 8, 3, 4)), "up": np.zeros((2, 8, 12))}
+    named = dict(auto_param_dims({"layers": layers}, "layers", tensor=2))
+    assert named["^layers/wk$"] == ("layers", "embed", "", "kv")  # 3 key heads over 2 devices
+    assert named["^layers/up$"] == ("layers", "embed", "mlp")

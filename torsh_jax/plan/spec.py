@@ -385,6 +385,10 @@ class PipelineSpec:
         _check_choice(self.gather, ("once", "per_microbatch"), "pipeline.gather")
 
 
+#: Values of ``tensor.rules``.
+TENSOR_RULES = ("names", "auto")
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """Tensor-parallel settings used when the ``tensor`` axis is larger than 1.
@@ -394,10 +398,22 @@ class TensorSpec:
         allow_replicated: run a model none of whose parameters the rules split over ``tensor``
             (no logical names, no matching ``param_dims``), each tensor device repeating the same
             work; without it such a model is refused. Not for :mod:`torsh_jax.tensor` blocks.
+        rules: ``"names"``: parameters are split by their logical names and ``param_dims``;
+            ``"auto"``: the parameters neither names also get Megatron's split from their shapes
+            (:mod:`torsh_jax.runtime.tensor_names`).
     """
 
     sequence_parallel: bool = False
     allow_replicated: bool = False
+    rules: str = "names"
+
+    def __post_init__(self):
+        _check(
+            self.rules in TENSOR_RULES,
+            "tensor.rules",
+            f"unknown {self.rules!r}",
+            fix=f"use one of {', '.join(TENSOR_RULES)}",
+        )
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from torsh_jax.analysis import summarize
 from torsh_jax.analysis.report import widening_note
@@ -31,11 +32,12 @@ from torsh_jax.analysis.theory import Theory, megatron_blocks, pipeline_stages, 
 from torsh_jax.runtime.layered import split_params
 from torsh_jax.runtime.mesh import default_num_slices
 from torsh_jax.runtime.pipeline import schedule_for
+from torsh_jax.runtime.specs import entry_axes, path_str
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.runtime.step import TrainStep
 from torsh_jax.tensor.axis import has_tensor_blocks
 
-__all__ = ["inspect_step", "headline", "data_theory", "tensor_theory", "stage_theory"]
+__all__ = ["inspect_step", "headline", "data_theory", "tensor_theory", "stage_theory", "tensor_split"]
 
 _is_axes = lambda x: isinstance(x, tuple)
 
@@ -188,7 +190,8 @@ def inspect_step(train: TrainStep, state: TrainState, batch: Any, *, compiled: A
     Megatron theory of its tensor collectives against the measured ones, per
     kind), ``theory["axes"]["stage"]`` and ``pipeline`` (a pipelined step: the
     stage traffic against its theory, and the schedule table with its bubble
-    and the activations each stage holds), ``state_bytes_per_device`` (from the
+    and the activations each stage holds), ``tensor_split`` (a ``tensor`` axis: per parameter
+    path, the dims split over it, :func:`tensor_split`), ``state_bytes_per_device`` (from the
     state layout: ``step``, ``params``, ``opt_state``, ``loss_scale``,
     ``feedback`` and ``total``) and ``notes``
     (what the step changed about the parameters, e.g. a dtype cast).
@@ -207,11 +210,21 @@ def inspect_step(train: TrainStep, state: TrainState, batch: Any, *, compiled: A
     summary["roles"] = train.layout.roles.describe()
     summary["state_bytes_per_device"] = _state_bytes(train)
     summary["notes"] = list(train.notes)
+    if train.layout.roles.tensor_axis is not None:
+        summary["tensor_split"] = tensor_split(train)
     if _megatron_tensor(train) and train.layout.roles.stage_axis is not None:
         summary["notes"].append(PIPELINED_TENSOR_NOTE)
     widened = widening_note(summary["collectives"])
     summary["notes"] += [widened] if widened else []
     return summary
+
+
+def tensor_split(train: TrainStep) -> dict[str, list[int]]:
+    """Per parameter path: the dims the step's compute layout splits over ``tensor`` (``[]``:
+    replicated over it)."""
+    axis = train.layout.roles.tensor_axis
+    flat = jax.tree_util.tree_leaves_with_path(train.layout.compute, is_leaf=lambda x: isinstance(x, P))
+    return {path_str(path): [d for d, e in enumerate(spec) if axis in entry_axes(e)] for path, spec in flat}
 
 
 def _state_bytes(train: TrainStep) -> dict[str, int]:

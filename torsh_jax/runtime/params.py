@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 
 from torsh_jax.errors import ParameterError, PrecisionWarning
-from torsh_jax.plan.spec import ParallelPlan
-from torsh_jax.runtime.specs import is_boxed, param_dims_from_metadata, path_str
+from torsh_jax.plan.spec import DEFAULT_PARAM_DIMS, ParallelPlan
+from torsh_jax.runtime.specs import is_boxed, logical_dims, param_dims_from_metadata, path_str
 from torsh_jax.typing import PyTree
 
-__all__ = ["ParamIntake", "take_params", "unbox"]
+__all__ = ["ParamIntake", "take_params", "unbox", "with_auto_tensor_names"]
 
 
 class ParamIntake(NamedTuple):
@@ -93,3 +93,23 @@ def take_params(params: PyTree, plan: ParallelPlan, *, warn: bool = False) -> Pa
         warnings.warn(f"parameters change dtype: {shown}", PrecisionWarning, stacklevel=3)
     plan = plan.replace(param_dims=rules + tuple(plan.param_dims)) if rules else plan
     return ParamIntake(plain, plan, notes)
+
+
+def with_auto_tensor_names(plan: ParallelPlan, params: PyTree, loss_fn, mesh) -> ParallelPlan:
+    """``plan`` with Megatron's names (:func:`~torsh_jax.runtime.tensor_names.auto_param_dims`) for the
+    parameters neither the model's own names nor the plan's ``param_dims`` name, when
+    ``tensor.rules = "auto"`` and the mesh has a ``tensor`` axis. They come before the default
+    ``param_dims`` (the demo model's names: a flax ``Embed``'s ``embedding`` is not always a
+    vocabulary)."""
+    tensor = dict(mesh.shape).get("tensor", 1)
+    if plan.tensor.rules != "auto" or tensor <= 1:
+        return plan
+    from torsh_jax.runtime.layered import as_model
+    from torsh_jax.runtime.tensor_names import auto_param_dims
+
+    model = as_model(loss_fn)
+    own = tuple(entry for entry in plan.param_dims if entry not in DEFAULT_PARAM_DIMS)
+    by_own = plan.replace(param_dims=own)
+    named = lambda path, shape: any(logical_dims(path, jax.ShapeDtypeStruct(shape, jnp.float32), by_own))
+    found = auto_param_dims(params, model.layers_key if model.stacked else None, tensor=tensor, skip=named)
+    return plan.replace(param_dims=own + found + DEFAULT_PARAM_DIMS)

@@ -41,7 +41,7 @@ from torsh_jax.runtime.layered import LayeredModel
 from torsh_jax.runtime.layout import StateLayout, layout_for
 from torsh_jax.runtime.mesh import mesh_shape_str
 from torsh_jax.runtime.offload import to_device_memory
-from torsh_jax.runtime.params import take_params
+from torsh_jax.runtime.params import take_params, with_auto_tensor_names
 from torsh_jax.runtime.precision import cast_tree
 from torsh_jax.runtime.program import build_program
 from torsh_jax.runtime.specs import path_str
@@ -211,7 +211,7 @@ def make_train_step(
         MeshError: ``mesh`` is not one ``plan`` builds (names and sizes of its axes).
     """
     intake = take_params(params, plan, warn=True)
-    decided = decide(loss_fn, intake.plan, mesh)
+    decided = decide(loss_fn, with_auto_tensor_names(intake.plan, intake.params, loss_fn, mesh), mesh)
     like = jax.eval_shape(lambda p: cast_tree(p, plan.precision.param_dtype), intake.params)
     layout = layout_for(decided, like, optimizer)
     check_tensor_split(
