@@ -1,14 +1,16 @@
-"""Language models written the way their authors write them, with flax linen alone (no torsh_jax
+"""Language models written the way their authors write them, with flax alone (no torsh_jax
 imports): a GPT-2-style model (learned positions, LayerNorm, GELU MLP, tied embedding read back by
-``attend``) whose blocks are a list made in ``setup``, and a Llama-style model (RMSNorm, rotary
-positions, grouped-query attention, gated SiLU MLP, untied head) whose blocks are named children
-made in ``__call__``.
+``attend``) and a Llama-style model (RMSNorm, rotary positions, grouped-query attention, gated SiLU
+MLP, untied head). In linen the GPT-2-style blocks are a list made in ``setup``, the Llama-style
+ones named children made in ``__call__``; in nnx the GPT-2-style blocks are an ``nnx.List``, the
+Llama-style ones a scanned stack (``nnx.vmap`` + ``nnx.scan``).
 """
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 
 class GPT2Block(nn.Module):
@@ -103,3 +105,89 @@ class Llama(nn.Module):
 
 def next_token_loss(logits, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+# ---------------------------------------------------------------- nnx
+
+
+class NnxLlamaBlock(nnx.Module):
+    def __init__(self, d, heads, kv_heads, hidden, rngs):
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, d // heads
+        self.attention_norm = nnx.RMSNorm(d, rngs=rngs)
+        self.wq = nnx.LinearGeneral(d, (heads, self.head_dim), use_bias=False, rngs=rngs)
+        self.wk = nnx.LinearGeneral(d, (kv_heads, self.head_dim), use_bias=False, rngs=rngs)
+        self.wv = nnx.LinearGeneral(d, (kv_heads, self.head_dim), use_bias=False, rngs=rngs)
+        self.wo = nnx.LinearGeneral((heads, self.head_dim), d, axis=(-2, -1), use_bias=False, rngs=rngs)
+        self.ffn_norm = nnx.RMSNorm(d, rngs=rngs)
+        self.w1 = nnx.Linear(d, hidden, use_bias=False, rngs=rngs)
+        self.w3 = nnx.Linear(d, hidden, use_bias=False, rngs=rngs)
+        self.w2 = nnx.Linear(hidden, d, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        length = x.shape[1]
+        h = self.attention_norm(x)
+        positions = jnp.arange(length, dtype=jnp.float32)
+        q, k = rotary(self.wq(h), positions), rotary(self.wk(h), positions)
+        groups = self.heads // self.kv_heads
+        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(self.wv(h), groups, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(self.head_dim).astype(x.dtype)
+        causal = jnp.tril(jnp.ones((length, length), bool))
+        probs = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(scores.dtype).min), axis=-1)
+        x = x + self.wo(jnp.einsum("bhqk,bkhd->bqhd", probs, v))
+        h = self.ffn_norm(x)
+        return x + self.w2(nnx.silu(self.w1(h)) * self.w3(h))
+
+
+class NnxLlama(nnx.Module):
+    """Blocks made by ``nnx.vmap`` (one stack, a leading layer dim) and run by ``nnx.scan``."""
+
+    def __init__(self, vocab, d, heads, kv_heads, layers, hidden, rngs):
+        self.tok_embeddings = nnx.Embed(vocab, d, rngs=rngs)
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(rngs):
+            return NnxLlamaBlock(d, heads, kv_heads, hidden, rngs)
+
+        self.layers = make_blocks(rngs)
+        self.norm = nnx.RMSNorm(d, rngs=rngs)
+        self.output = nnx.Linear(d, vocab, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.tok_embeddings(tokens)
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run_blocks(x, block):
+            return block(x)
+
+        return self.output(self.norm(run_blocks(x, self.layers)))
+
+
+class NnxGPT2Block(nnx.Module):
+    def __init__(self, d, heads, rngs):
+        self.ln_1 = nnx.LayerNorm(d, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(heads, d, decode=False, rngs=rngs)
+        self.ln_2 = nnx.LayerNorm(d, rngs=rngs)
+        self.c_fc = nnx.Linear(d, 4 * d, rngs=rngs)
+        self.c_proj = nnx.Linear(4 * d, d, rngs=rngs)
+
+    def __call__(self, x):
+        mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+        x = x + self.attn(self.ln_1(x), mask=mask)
+        return x + self.c_proj(nnx.gelu(self.c_fc(self.ln_2(x))))
+
+
+class NnxGPT2(nnx.Module):
+    """Blocks in an ``nnx.List``, run one after the other; the token table read back by ``attend``."""
+
+    def __init__(self, vocab, d, heads, layers, max_len, rngs):
+        self.wte = nnx.Embed(vocab, d, rngs=rngs)
+        self.wpe = nnx.Embed(max_len, d, rngs=rngs)
+        self.blocks = nnx.List([NnxGPT2Block(d, heads, rngs) for _ in range(layers)])
+        self.ln_f = nnx.LayerNorm(d, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.wte.attend(self.ln_f(x))

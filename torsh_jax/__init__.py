@@ -70,6 +70,8 @@ _EXPORTS: dict[str, str] = {
     "decide": "torsh_jax.runtime.decide",
     "LayeredModel": "torsh_jax.runtime.layered",
     "from_linen": "torsh_jax.models.linen",
+    "from_nnx": "torsh_jax.models.nnx",
+    "from_scan": "torsh_jax.models.scanned",
     "FlaxLayers": "torsh_jax.models.blocks",
     "make_train_step": "torsh_jax.runtime.step",
     "TrainStep": "torsh_jax.runtime.step",
@@ -137,6 +139,8 @@ if TYPE_CHECKING:  # pragma: no cover - what a type checker sees; at run time __
     )
     from torsh_jax.models.blocks import FlaxLayers
     from torsh_jax.models.linen import from_linen
+    from torsh_jax.models.nnx import from_nnx
+    from torsh_jax.models.scanned import from_scan
     from torsh_jax.optim import build_optimizer, build_schedule, loss_scaler
     from torsh_jax.plan import (
         AxisCompression,

@@ -40,26 +40,36 @@ class FlaxLayers:
         model: embed (everything before the blocks), layer (one period of blocks), head
             (everything after, then the loss).
         params: the model's parameters in the layered layout (blocks stacked under ``layers_key``).
-        block_names: the model's block children, in call order.
+        block_names: the blocks' keys, in call order (``()`` for blocks stacked by the model).
         period: blocks per layer (1 when every block has one structure).
         layers_key: the stacked blocks' key.
+        layout: where the model keeps its blocks: ``"children"`` (top-level ``blocks_0, ...``:
+            linen), ``"list"`` (``params[layers_key][0, 1, ...]``: an nnx list), ``"stacked"``
+            (already stacked: a scanned stack).
     """
 
     model: LayeredModel
     params: PyTree
-    block_names: tuple[str, ...]
-    period: int
-    layers_key: str
+    block_names: tuple = ()
+    period: int = 1
+    layers_key: str = "layers"
+    layout: str = "children"
 
     def to_layered(self, params: PyTree) -> dict:
-        """The model's own parameters (``blocks_0 ...``) in the layered layout."""
-        others = {k: v for k, v in params.items() if k not in self.block_names}
-        return {**others, self.layers_key: stack_blocks(params, self.block_names, self.period)}
+        """The model's own parameters in the layered layout."""
+        if self.layout == "stacked":
+            return dict(params)
+        source = params if self.layout == "children" else params[self.layers_key]
+        others = {k: v for k, v in params.items() if k not in self.block_names and k != self.layers_key}
+        return {**others, self.layers_key: stack_blocks(source, self.block_names, self.period)}
 
     def to_flax(self, params: PyTree) -> dict:
         """Layered parameters (a train state's, a checkpoint's) back in the model's own layout."""
+        if self.layout == "stacked":
+            return dict(params)
         others = {k: v for k, v in params.items() if k != self.layers_key}
-        return {**others, **unstack_blocks(params[self.layers_key], self.block_names, self.period)}
+        blocks = unstack_blocks(params[self.layers_key], self.block_names, self.period)
+        return {**others, **blocks} if self.layout == "children" else {**others, self.layers_key: blocks}
 
 
 def block_names(params: PyTree, prefix: str) -> tuple[str, ...]:

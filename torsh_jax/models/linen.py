@@ -38,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -178,7 +179,11 @@ def _layered(module, params, calls, names, p, inputs, loss, keys, remat) -> Laye
                 module.apply({"params": e}, *inputs(batch))
         except _Hidden as hidden:
             return hidden.value
-        raise ModelStructureError("the model returned without calling a block", key=names[0])
+        raise ModelStructureError(
+            "the model returned without calling a block on this batch",
+            key=names[0],
+            fix="call the blocks on every batch (no branch that skips them)",
+        )
 
     def layer(one, h):
         if p == 1:
@@ -211,8 +216,8 @@ def _check_same_loss(layered: FlaxLayers, module, params, example, inputs, loss)
     """The converted model's loss equals the model's on ``example`` (round-off aside)."""
     if not all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(params)):
         return  # shapes only: nothing to compute
-    theirs = loss(module.apply({"params": params}, *inputs(example)), example)
-    ours = layered_loss(layered.model)(layered.params, example)
+    theirs = jax.jit(lambda p, b: loss(module.apply({"params": p}, *inputs(b)), b))(params, example)
+    ours = jax.jit(layered_loss(layered.model))(layered.params, example)
     if not np.allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-4, atol=1e-6):
         raise ModelStructureError(
             f"the converted model's loss {float(ours):.6g} differs from the model's {float(theirs):.6g}: "
@@ -262,6 +267,6 @@ def from_linen(
     key = _layers_key(params, blocks)
     model = model._replace(layers_key=key)
     layered = FlaxLayers(model, None, names, p, key)
-    layered = FlaxLayers(model, layered.to_layered(params), names, p, key)
+    layered = dataclasses.replace(layered, params=layered.to_layered(params))
     _check_same_loss(layered, module, params, example, inputs, loss)
     return layered

@@ -1,0 +1,105 @@
+"""flax nnx models as their authors write them (tests/flax_blocks.py): a scanned stack of blocks and
+an ``nnx.List`` of them, converted with one call (``from_nnx``) and trained under pipelines and
+ZeRO-3 equal to their single-device twins."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import require_devices
+from flax import nnx
+from flax_blocks import NnxGPT2, NnxLlama, next_token_loss
+from helpers import assert_matches_twin
+from test_models_linen import CFG, PLANS, _batch
+from test_pipeline import momentum
+
+from torsh_jax import ModelStructureError, from_nnx
+from torsh_jax.runtime.layered import layered_loss
+from torsh_jax.runtime.mesh import build_mesh
+from torsh_jax.runtime.step import make_train_step
+from torsh_jax.runtime.twin import make_reference_step
+from torsh_jax.runtime.verify import compare_with_twin
+
+BUILD = {
+    "llama-scanned": lambda layers: NnxLlama(CFG.vocab, 16, 4, 2, layers, 24, rngs=nnx.Rngs(0)),
+    "gpt2-list": lambda layers: NnxGPT2(CFG.vocab, 16, 2, layers, CFG.seq_len, rngs=nnx.Rngs(0)),
+}
+BLOCKS = {"llama-scanned": "layers", "gpt2-list": "blocks"}
+
+
+@functools.cache
+def _converted(name: str, layers: int):
+    model = BUILD[name](layers)
+    return model, from_nnx(model, _batch(2), loss=next_token_loss, blocks=BLOCKS[name])
+
+
+def _own_loss(model, batch):
+    return next_token_loss(model(batch["inputs"]), batch)
+
+
+@pytest.mark.parametrize("name", BUILD)
+def test_one_call_splits_the_model_and_its_parameters_convert_both_ways(name):
+    model, layered = _converted(name, 8)
+    key = BLOCKS[name]
+    assert all(x.shape[0] == 8 for x in jax.tree.leaves(layered.params[key]))
+    own = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    back = layered.to_flax(layered.params)
+    jax.tree.map(np.testing.assert_array_equal, back, own)
+    batch = _batch(4, seed=1)
+    ours = jax.jit(layered_loss(layered.model))(layered.params, batch)
+    np.testing.assert_allclose(ours, nnx.jit(_own_loss)(model, batch), rtol=1e-6)
+
+
+def test_each_part_reads_the_keys_it_uses():
+    _, scanned = _converted("llama-scanned", 2)
+    assert scanned.model.embed_keys == ("tok_embeddings",)
+    assert set(scanned.model.head_keys) == {"norm", "output"}
+    _, listed = _converted("gpt2-list", 2)
+    assert set(listed.model.embed_keys) == {"wte", "wpe"} and set(listed.model.head_keys) == {"wte", "ln_f"}
+
+
+@pytest.mark.parametrize("plan", ["1f1b", "interleaved", "fsdp_pp-zero2"])
+def test_a_scanned_nnx_model_trains_equal_to_its_twin(plan):
+    """Losses, gradients and parameters within the twin criterion over 2 steps."""
+    require_devices(8)
+    assert_matches_twin(_twin_report("llama-scanned", PLANS[plan]), params=True)
+
+
+def test_a_listed_nnx_model_with_a_tied_embedding_trains_equal_to_its_twin():
+    require_devices(8)
+    assert_matches_twin(_twin_report("gpt2-list", PLANS["1f1b"]), params=True)
+
+
+def _computing_in_param_dtype(model):
+    """``model`` with its modules' fixed compute dtypes lifted: nnx sets ``Embed.dtype`` (and others)
+    to the parameters' float32 when the model is made, and the float64 reference must compute in
+    float64 throughout."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and getattr(node, "dtype", None) == jnp.float32:
+            node.dtype = None
+    return model
+
+
+def _twin_report(name: str, plan, steps: int = 2):
+    _, layered = _converted(name, 4)
+    model, params = layered.model, layered.params
+    in_float64 = from_nnx(
+        _computing_in_param_dtype(BUILD[name](4)), _batch(2), loss=next_token_loss, blocks=BLOCKS[name]
+    ).model
+    optimizer = momentum()
+    train = make_train_step(model, optimizer, plan, build_mesh(plan), params)
+    twin = make_reference_step(layered_loss(model), optimizer, plan)
+    exact = make_reference_step(layered_loss(in_float64), optimizer, plan, dtype="float64")
+    batches = [_batch(train.global_batch_size, seed=i) for i in range(steps)]
+    return compare_with_twin(tuple(train), twin, params, batches, exact=exact)
+
+
+def test_blocks_it_cannot_find_are_one_error_naming_them():
+    model = BUILD["gpt2-list"](2)
+    with pytest.raises(ModelStructureError, match="no parameters under 'layers'") as err:
+        from_nnx(model, _batch(2), loss=next_token_loss, blocks="layers")
+    assert err.value.key == "layers"
