@@ -43,8 +43,9 @@ def _batch(rows: int, seed: int = 0) -> dict:
 
 
 @functools.cache
-def _converted(name: str, models: dict = MODELS):
-    module = models[name]
+def _converted(name: str, trained: bool = False):
+    """The model (8 blocks; ``trained``: 4), its parameters and its conversion (once per worker)."""
+    module = (TRAINED if trained else MODELS)[name]
     example = _batch(2)
     params = module.init(jax.random.key(0), example["inputs"])["params"]
     return module, params, from_linen(module, params, example, loss=next_token_loss, blocks=LAYER_KEYS[name])
@@ -75,7 +76,7 @@ def test_a_tied_embedding_is_read_by_the_embedding_and_the_head():
 
 
 def _twin_report(name: str, plan, steps: int = 2):
-    _, params, layered = _converted(name, TRAINED)
+    _, params, layered = _converted(name, trained=True)
     model, params = layered.model, layered.params
     optimizer = momentum()
     train = make_train_step(model, optimizer, plan, build_mesh(plan), params)
@@ -183,7 +184,7 @@ def test_auto_rules_split_a_nameless_model_as_megatron_does_and_it_equals_its_tw
     require_devices(8)
     base = load_plan(preset)
     plan = base.replace(tensor=dataclasses.replace(base.tensor, rules="auto"))
-    _, _, layered = _converted("gpt2-tied", TRAINED)
+    _, _, layered = _converted("gpt2-tied", trained=True)
     train = make_train_step(layered.model, momentum(), plan, build_mesh(plan), layered.params)
     summary = inspect_step(train, train.abstract_state(), _batch(train.global_batch_size))
     split = summary["tensor_split"]

@@ -221,7 +221,8 @@ def from_scan(
     cuts: dict = {}
 
     def cut(p: dict, batch: PyTree) -> _Cut:
-        key = (_signature(p), _signature(batch))
+        # the context mesh too: traced inside a step's shard_map, the jaxpr's equations name it
+        key = (_signature(p), _signature(batch), str(jax.sharding.get_abstract_mesh()))
         if key not in cuts:
             cuts[key] = _Cut(loss, p, batch, layers)
         return cuts[key]
