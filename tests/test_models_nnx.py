@@ -103,3 +103,25 @@ def test_blocks_it_cannot_find_are_one_error_naming_them():
     with pytest.raises(ModelStructureError, match="no parameters under 'layers'") as err:
         from_nnx(model, _batch(2), loss=next_token_loss, blocks="layers")
     assert err.value.key == "layers"
+
+
+def test_a_custom_gradient_in_a_scanned_block_is_refused_not_differentiated_otherwise():
+    import jax.numpy as jnp
+
+    from torsh_jax import NotSupportedYetError, from_scan
+
+    @jax.custom_vjp
+    def clipped(x):
+        return x
+
+    clipped.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1.0, 1.0),))
+
+    def loss(p, batch):
+        h, _ = jax.lax.scan(lambda h, w: (clipped(jnp.tanh(h @ w)), None), p["embed"][batch], p["stack"])
+        return jnp.mean(h)
+
+    params = {"embed": jnp.ones((8, 4)), "stack": jnp.ones((3, 4, 4))}
+    tokens = jnp.zeros((2,), jnp.int32)
+    layered = from_scan(loss, params, tokens, layers="stack")
+    with pytest.raises(NotSupportedYetError, match="custom gradient"):
+        layered_loss(layered.model)(layered.params, tokens)

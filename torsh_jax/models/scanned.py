@@ -66,10 +66,13 @@ def _signature(tree: PyTree) -> tuple:
     return structure, tuple((x.shape, str(x.dtype)) for x in leaves)
 
 
-#: Call-like primitives whose jaxpr is evaluated in place (their rules for differentiation are
-#: replaced by differentiating what they compute).
+#: Call-like primitives whose jaxpr is evaluated in place. A custom JVP rule is replaced by
+#: differentiating what it computes (jax's own differ at most at a kink, as ``relu`` at 0); a
+#: rematerialized call is computed once (the step's own remat applies to the layers).
 _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
-          "custom_vjp_call": "call_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr"}  # fmt: skip
+          "remat": "jaxpr", "checkpoint": "jaxpr"}  # fmt: skip
+#: Primitives whose gradient is not what differentiating their computation gives.
+_REFUSED = ("custom_vjp_call", "custom_vjp_call_jaxpr")
 
 
 def evaluate(jaxpr, consts, *args) -> list:
@@ -83,6 +86,14 @@ def evaluate(jaxpr, consts, *args) -> list:
         env[var] = value
     for eqn in jaxpr.eqns:
         values = [read(v) for v in eqn.invars]
+        if eqn.primitive.name in _REFUSED:
+            raise NotSupportedYetError(
+                "the model uses a custom gradient (jax.custom_vjp), which a model cut at its layer scan "
+                "cannot keep yet",
+                key=str(eqn.source_info.name_stack) or eqn.primitive.name,
+                fix="write the LayeredModel by hand (embed, layer, head), or use the model without a "
+                "pipeline or ZeRO-3",
+            )
         sub = _CALLS.get(eqn.primitive.name)
         if sub is not None:
             closed = eqn.params[sub]

@@ -16,13 +16,12 @@ On the present devices (simulated CPU devices, or one host's accelerators):
 
 Times are medians of ``repeats`` runs after a warm-up; nothing here is a constant.
 
+``calibrate(jax.devices(), parse_model("demo:150m"))`` runs all of them (about twenty small
+programs to compile; tests/test_planner.py runs it through ``torsh-jax calibrate``).
+
 Example:
-    >>> import jax
-    >>> from torsh_jax.planner.shape import parse_model
-    >>> shape = parse_model("demo:d_model=64,layers=2,vocab=64,seq_len=16")
-    >>> m = calibrate(jax.devices()[:2], shape, repeats=2)
-    >>> m.devices, m.flops_per_s > 0, m.link("ici").bytes_per_s > 0
-    (2, True, True)
+    >>> [size // 1024 for size in LINK_SIZES]  # KiB per device of the timed collectives
+    [4, 16, 64, 256, 1024, 4096]
 """
 
 from __future__ import annotations
