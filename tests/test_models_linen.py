@@ -14,6 +14,7 @@ from conftest import require_devices
 from flax_blocks import GPT2, Llama, next_token_loss
 from helpers import assert_matches_twin
 from test_pipeline import momentum, pipeline_plan, zero_pipeline
+from test_pipeline_tied import cheaper
 
 from torsh_jax import ModelStructureError, NotSupportedYetError, from_linen, load_plan
 from torsh_jax.demo.model import LMConfig, synthetic_tokens
@@ -75,8 +76,8 @@ def test_a_tied_embedding_is_read_by_the_embedding_and_the_head():
     assert set(untied.model.head_keys) == {"norm", "output"}
 
 
-def _twin_report(name: str, plan, steps: int = 2):
-    _, params, layered = _converted(name, trained=True)
+def _twin_report(name: str, plan, steps: int = 2, trained: bool = True):
+    _, params, layered = _converted(name, trained=trained)
     model, params = layered.model, layered.params
     optimizer = momentum()
     train = make_train_step(model, optimizer, plan, build_mesh(plan), params)
@@ -86,6 +87,10 @@ def _twin_report(name: str, plan, steps: int = 2):
     return compare_with_twin(tuple(train), twin, params, batches, exact=exact)
 
 
+def _with_auto_tensor_rules(plan):
+    return plan.replace(tensor=dataclasses.replace(plan.tensor, rules="auto"))
+
+
 #: each pipeline preset's schedule and axes on 2 stages x 2 micro-batches (what is summed where does
 #: not depend on the counts; tests/test_pipeline_tied.py), and ZeRO-3 gathering one layer at a time
 PLANS = {
@@ -93,12 +98,15 @@ PLANS = {
     "interleaved": pipeline_plan("interleaved", stages=2, microbatches=2),
     "fsdp_pp-zero2": zero_pipeline(2),
     "zero3": load_plan("zero3"),
+    # data 2 x stage 2 x tensor 2; the compiler splits the layers over tensor by Megatron's rules
+    "3d-auto": _with_auto_tensor_rules(cheaper("3d", microbatches=2)),
 }
 #: GPT-2 (tied) under the pipelines, Llama (grouped-query attention) under ZeRO-3's layer gathers; the
 #: nnx models (tests/test_models_nnx.py) run the same plans
 
 
 TWIN_CASES = [("gpt2-tied", "1f1b"), ("gpt2-tied", "interleaved"), ("gpt2-tied", "fsdp_pp-zero2")]
+TWIN_CASES += [("gpt2-tied", "3d-auto")]
 TWIN_CASES += [("llama-gqa", "zero3")]
 
 
@@ -182,8 +190,7 @@ def test_auto_rules_split_a_nameless_model_as_megatron_does_and_it_equals_its_tw
     """GPT-2 has no partitioning names: ``tensor.rules = "auto"`` splits its attention by heads and
     its MLP by features (column then row), its table by vocabulary; inspect reports each."""
     require_devices(8)
-    base = load_plan(preset)
-    plan = base.replace(tensor=dataclasses.replace(base.tensor, rules="auto"))
+    plan = _with_auto_tensor_rules(load_plan(preset))
     _, _, layered = _converted("gpt2-tied", trained=True)
     train = make_train_step(layered.model, momentum(), plan, build_mesh(plan), layered.params)
     summary = inspect_step(train, train.abstract_state(), _batch(train.global_batch_size))
@@ -219,3 +226,11 @@ def test_auto_rules_leave_a_dim_the_tensor_axis_does_not_divide_replicated():
     named = dict(auto_param_dims({"layers": layers}, "layers", tensor=2))
     assert named["^layers/wk$"] == ("layers", "embed", "", "kv")  # 3 key heads over 2 devices
     assert named["^layers/up$"] == ("layers", "embed", "mlp")
+
+
+@pytest.mark.slow
+def test_the_pp_1f1b_preset_trains_the_8_block_model_equal_to_its_twin():
+    """The preset itself (data 2 x stage 4, 8 micro-batches) on the model as converted: 2 blocks per
+    stage."""
+    require_devices(8)
+    assert_matches_twin(_twin_report("gpt2-tied", load_plan("pp_1f1b"), trained=False), params=True)

@@ -62,7 +62,7 @@ def test_each_part_reads_the_keys_it_uses():
     assert set(listed.model.embed_keys) == {"wte", "wpe"} and set(listed.model.head_keys) == {"wte", "ln_f"}
 
 
-@pytest.mark.parametrize("plan", ["1f1b", "interleaved", "fsdp_pp-zero2"])
+@pytest.mark.parametrize("plan", ["1f1b", "interleaved", "fsdp_pp-zero2", "3d-auto"])
 def test_a_scanned_nnx_model_trains_equal_to_its_twin(plan):
     """Losses, gradients and parameters within the twin criterion over 2 steps."""
     require_devices(8)

@@ -474,14 +474,6 @@ def test_a_micro_batch_that_does_not_split_into_the_microbatches():
     assert info.value.key == "pipeline.microbatches"
 
 
-def test_a_compiler_partitioned_tensor_axis_with_a_pipeline_is_refused():
-    plan = load_plan("3d")
-    with pytest.raises(NotSupportedYetError, match="compiler-partitioned tensor axis") as info:
-        dense = layered_model(PIPE)._replace(tensor_blocks=False)  # for the compiler to partition
-        make_train_step(dense, optax.sgd(0.1), plan, build_mesh(plan), _shapes(PIPE))
-    assert info.value.key == "mesh.tensor"
-
-
 def test_fewer_microbatches_than_stages_for_1f1b():
     with pytest.raises(PlanError, match="at least as many micro-batches as stages"):
         _build(pipeline_plan("1f1b", stages=4, microbatches=2))

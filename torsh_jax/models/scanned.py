@@ -67,8 +67,9 @@ def _signature(tree: PyTree) -> tuple:
 
 
 #: Call-like primitives whose jaxpr is evaluated in place. A custom JVP rule is replaced by
-#: differentiating what it computes (jax's own differ at most at a kink, as ``relu`` at 0); a
-#: rematerialized call is computed once (the step's own remat applies to the layers).
+#: differentiating what it computes (jax's own choose a value where that derivative is undefined or
+#: unstable, as ``relu``'s at exactly 0); a rematerialized call is computed once (the step's own
+#: remat applies to the layers).
 _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
           "remat": "jaxpr", "checkpoint": "jaxpr"}  # fmt: skip
 #: Primitives whose gradient is not what differentiating their computation gives.

@@ -26,7 +26,6 @@ from torsh_jax.plan.roles import STAGE_AXIS, Roles
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.layered import LayeredModel, shared_keys
 from torsh_jax.runtime.specs import path_str
-from torsh_jax.tensor.axis import has_tensor_blocks
 from torsh_jax.typing import PyTree
 
 __all__ = ["schedule_for", "stage_specs", "require_layered"]
@@ -44,7 +43,9 @@ def schedule_for(plan: ParallelPlan, roles: Roles) -> Schedule:
 
 
 def require_layered(loss: LayeredModel, roles: Roles) -> None:
-    """A pipeline needs the model's layer boundaries (and, with ``tensor``, tensor blocks)."""
+    """A pipeline needs the model's layer boundaries. A ``tensor`` axis is either the model's own
+    (tensor blocks) or the compiler's (whole-array layers, split by the parameters' shardings, as
+    without a pipeline: tests/test_models_linen.py runs ``3d`` so)."""
     if roles.stage_axis is None:
         return
     if not loss.stacked:
@@ -55,14 +56,6 @@ def require_layered(loss: LayeredModel, roles: Roles) -> None:
             fix="pass torsh_jax.LayeredModel(embed=..., layer=..., head=...), or set mesh.stage = 1",
         )
     _require_whole_stage_keys(loss, roles)
-    if roles.tensor_axis is not None and not has_tensor_blocks(loss):
-        raise NotSupportedYetError(
-            "a pipeline with a compiler-partitioned tensor axis (a model without torsh_jax.tensor blocks) "
-            "is not built yet",
-            key="mesh.tensor",
-            fix="build the layers from torsh_jax.tensor blocks (LayeredModel(tensor_blocks=True)), "
-            "or set mesh.tensor = 1 with the pipeline",
-        )
 
 
 def _require_whole_stage_keys(model: LayeredModel, roles: Roles) -> None:
