@@ -201,6 +201,27 @@ def test_auto_rules_split_a_nameless_model_as_megatron_does_and_it_equals_its_tw
     assert_matches_twin(_twin_report("gpt2-tied", plan), params=True)
 
 
+def test_on_a_tpu_target_the_auto_split_model_sends_megatrons_count_exactly():
+    """Compiled for v5e-8 by libtpu, the same ``tp`` step's tensor collectives carry Megatron's bytes:
+    the TPU compiler sums the query, key and value input gradients before one all-reduce."""
+    from torsh_jax.demo.run import batch_like
+    from torsh_jax.targets import compile_for_target, missing_compiler, parse_target, target_devices
+
+    if (missing := missing_compiler("v5e-8")) is not None:
+        pytest.skip(missing)
+    target = parse_target("v5e-8")
+    plan = _with_auto_tensor_rules(load_plan("tp"))
+    _, _, layered = _converted("gpt2-tied", trained=True)
+    shapes = jax.eval_shape(lambda: layered.params)
+    train = make_train_step(layered.model, momentum(), plan, build_mesh(plan, target_devices(target)), shapes)
+    batch = batch_like(_batch(1), train.global_batch_size)
+    compiled = compile_for_target(train, batch, target=target).compiled
+    summary = inspect_step(train, train.abstract_state(), batch, compiled=compiled)
+    rows = train.global_batch_size // 4
+    qkv = 4 * 2 * rows * CFG.seq_len * 16 * 4
+    assert _tensor_activation_bytes(summary) == _megatron_bytes_and_qkv(rows) - qkv
+
+
 def _tensor_activation_bytes(summary: dict) -> int:
     """Bytes the step's ``tensor`` collectives carry, less the step's scalar sums (under 64 bytes)."""
     tensor = [c for c in summary["collectives"] if c["axes"] == ["tensor"] and c["payload_bytes"] >= 64]
