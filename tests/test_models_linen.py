@@ -168,40 +168,64 @@ def test_a_model_that_does_not_split_is_one_error_naming_the_child():
     assert err.value.key == "blocks_0"
 
 
-#: GPT-2's stacked parameters (one leading layer dim) and what Megatron splits over ``tensor``
+#: the stacked parameters (one leading layer dim) and what Megatron splits over ``tensor``
 MEGATRON_SPLIT = {
-    "blocks/attn/query/kernel": [2],  # [layers, d, heads, head_dim]: column-parallel by heads
-    "blocks/attn/query/bias": [1],
-    "blocks/attn/out/kernel": [1],  # [layers, heads, head_dim, d]: row-parallel
-    "blocks/attn/out/bias": [],
-    "blocks/c_fc/kernel": [2],  # [layers, d, 4d]: column-parallel
-    "blocks/c_fc/bias": [1],
-    "blocks/c_proj/kernel": [1],  # [layers, 4d, d]: row-parallel
-    "blocks/c_proj/bias": [],
-    "blocks/ln_1/scale": [],
-    "wte/embedding": [0],  # [vocab, d]: vocabulary-parallel
-    "wpe/embedding": [],  # [positions, d]: not the vocabulary (the default rules would split it)
-    "ln_f/scale": [],
+    "gpt2-tied": {
+        "blocks/attn/query/kernel": [2],  # [layers, d, heads, head_dim]: column-parallel by heads
+        "blocks/attn/query/bias": [1],
+        "blocks/attn/out/kernel": [1],  # [layers, heads, head_dim, d]: row-parallel
+        "blocks/attn/out/bias": [],
+        "blocks/c_fc/kernel": [2],  # [layers, d, 4d]: column-parallel
+        "blocks/c_fc/bias": [1],
+        "blocks/c_proj/kernel": [1],  # [layers, 4d, d]: row-parallel
+        "blocks/c_proj/bias": [],
+        "blocks/ln_1/scale": [],
+        "wte/embedding": [0],  # [vocab, d]: vocabulary-parallel
+        "wpe/embedding": [],  # [positions, d]: not the vocabulary (the default rules would split it)
+        "ln_f/scale": [],
+    },
+    "llama-gqa": {
+        "layers/wq/kernel": [2],  # [layers, d, 4 heads, head_dim]
+        "layers/wk/kernel": [2],  # [layers, d, 2 key-value heads, head_dim]
+        "layers/wv/kernel": [2],
+        "layers/wo/kernel": [1],  # [layers, heads, head_dim, d]
+        "layers/w1/kernel": [2],  # gate and up: column-parallel
+        "layers/w3/kernel": [2],
+        "layers/w2/kernel": [1],  # down: row-parallel
+        "layers/attention_norm/scale": [],
+        "tok_embeddings/embedding": [0],
+        "output/kernel": [1],  # [d, vocab]
+        "norm/scale": [],
+    },
 }
+AUTO_CASES = [("gpt2-tied", "tp"), ("llama-gqa", "tp"), ("llama-gqa", "fsdp_tp")]
+#: activations per block XLA:CPU all-reduces beyond Megatron's count: the input gradients of the
+#: column-parallel projections that read one input, reduced one by one instead of summed first (GPT-2:
+#: query, key and value, 2 more; Llama: those and its gate and up projections, 3 more)
+CPU_EXTRA_PER_BLOCK = {"gpt2-tied": 2, "llama-gqa": 3}
 
 
-@pytest.mark.parametrize("preset", ["tp", "fsdp_tp"])
-def test_auto_rules_split_a_nameless_model_as_megatron_does_and_it_equals_its_twin(preset):
-    """GPT-2 has no partitioning names: ``tensor.rules = "auto"`` splits its attention by heads and
-    its MLP by features (column then row), its table by vocabulary; inspect reports each."""
+@pytest.mark.parametrize("name,preset", AUTO_CASES, ids=[f"{n}-{p}" for n, p in AUTO_CASES])
+def test_auto_rules_split_a_nameless_model_as_megatron_does_and_it_equals_its_twin(name, preset):
+    """The models have no partitioning names: ``tensor.rules = "auto"`` splits their attention by
+    heads and their MLP by features (column then row), their tables by vocabulary; inspect reports
+    each. On CPU the tensor bytes are Megatron's plus the separate q/k/v gradient reductions."""
     require_devices(8)
     plan = _with_auto_tensor_rules(load_plan(preset))
-    _, _, layered = _converted("gpt2-tied", trained=True)
+    _, _, layered = _converted(name, trained=True)
     train = make_train_step(layered.model, momentum(), plan, build_mesh(plan), layered.params)
     summary = inspect_step(train, train.abstract_state(), _batch(train.global_batch_size))
     split = summary["tensor_split"]
-    assert {path: split[path] for path in MEGATRON_SPLIT} == MEGATRON_SPLIT
+    assert {path: split[path] for path in MEGATRON_SPLIT[name]} == MEGATRON_SPLIT[name]
     if preset == "tp":
-        assert _tensor_activation_bytes(summary) == _megatron_bytes_and_qkv(train.global_batch_size // 4)
-    assert_matches_twin(_twin_report("gpt2-tied", plan), params=True)
+        rows = train.global_batch_size // 4
+        extra = 4 * CPU_EXTRA_PER_BLOCK[name] * _activation_bytes(rows)
+        assert _tensor_activation_bytes(summary) == _megatron_bytes(rows) + extra
+    assert_matches_twin(_twin_report(name, plan), params=True)
 
 
-def test_on_a_tpu_target_the_auto_split_model_sends_megatrons_count_exactly():
+@pytest.mark.parametrize("name", MODELS)
+def test_on_a_tpu_target_the_auto_split_model_sends_megatrons_count_exactly(name):
     """Compiled for v5e-8 by libtpu, the same ``tp`` step's tensor collectives carry Megatron's bytes:
     the TPU compiler sums the query, key and value input gradients before one all-reduce."""
     from torsh_jax.demo.run import batch_like
@@ -211,15 +235,13 @@ def test_on_a_tpu_target_the_auto_split_model_sends_megatrons_count_exactly():
         pytest.skip(missing)
     target = parse_target("v5e-8")
     plan = _with_auto_tensor_rules(load_plan("tp"))
-    _, _, layered = _converted("gpt2-tied", trained=True)
+    _, _, layered = _converted(name, trained=True)
     shapes = jax.eval_shape(lambda: layered.params)
     train = make_train_step(layered.model, momentum(), plan, build_mesh(plan, target_devices(target)), shapes)
     batch = batch_like(_batch(1), train.global_batch_size)
     compiled = compile_for_target(train, batch, target=target).compiled
     summary = inspect_step(train, train.abstract_state(), batch, compiled=compiled)
-    rows = train.global_batch_size // 4
-    qkv = 4 * 2 * rows * CFG.seq_len * 16 * 4
-    assert _tensor_activation_bytes(summary) == _megatron_bytes_and_qkv(rows) - qkv
+    assert _tensor_activation_bytes(summary) == _megatron_bytes(train.global_batch_size // 4)
 
 
 def _tensor_activation_bytes(summary: dict) -> int:
@@ -228,16 +250,19 @@ def _tensor_activation_bytes(summary: dict) -> int:
     return sum(c["payload_bytes"] * c["executions"] for c in tensor)
 
 
-def _megatron_bytes_and_qkv(rows: int) -> int:
-    """Megatron's count for GPT-2's 4 blocks (Shoeybi et al. 2019: two all-reduces of the activations
-    per block forward, two backward; the vocabulary-parallel embedding, head and loss) and what the
-    compiler adds: the input gradients of the query, key and value projections are all-reduced one by
-    one (3 activations) where Megatron sums them first (1)."""
+def _activation_bytes(rows: int) -> int:
+    return rows * CFG.seq_len * 16 * 4  # [rows, T, d] float32
+
+
+def _megatron_bytes(rows: int) -> int:
+    """Megatron's count for the 4 blocks (Shoeybi et al. 2019: two all-reduces of the activations per
+    block forward, two backward; the vocabulary-parallel embedding, head and loss)."""
     from torsh_jax.analysis.theory import megatron_blocks
 
-    activation = rows * CFG.seq_len * 16 * 4  # [rows, T, d] float32
-    theory = megatron_blocks(activation, tensor_size=2, layers=4, token_bytes=rows * CFG.seq_len * 4)
-    return sum(c.payload_bytes * c.count for c in theory.collectives) + 4 * 2 * activation
+    theory = megatron_blocks(
+        _activation_bytes(rows), tensor_size=2, layers=4, token_bytes=rows * CFG.seq_len * 4
+    )
+    return sum(c.payload_bytes * c.count for c in theory.collectives)
 
 
 def test_auto_rules_leave_a_dim_the_tensor_axis_does_not_divide_replicated():
