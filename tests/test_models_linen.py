@@ -77,12 +77,17 @@ def test_a_tied_embedding_is_read_by_the_embedding_and_the_head():
 
 
 def _twin_report(name: str, plan, steps: int = 2, trained: bool = True):
-    _, params, layered = _converted(name, trained=trained)
-    model, params = layered.model, layered.params
+    _, _, layered = _converted(name, trained=trained)
+    return layered_twin_report(layered.model, layered.params, plan, steps)
+
+
+def layered_twin_report(model, params, plan, steps: int = 2, *, in_float64=None):
+    """``model`` on ``plan`` against its single-device twin and a float64 run (of ``in_float64``, a
+    model computing in its parameters' dtype, when ``model`` does not)."""
     optimizer = momentum()
     train = make_train_step(model, optimizer, plan, build_mesh(plan), params)
     twin = make_reference_step(layered_loss(model), optimizer, plan)
-    exact = make_reference_step(layered_loss(model), optimizer, plan, dtype="float64")
+    exact = make_reference_step(layered_loss(in_float64 or model), optimizer, plan, dtype="float64")
     batches = [_batch(train.global_batch_size, seed=i) for i in range(steps)]
     return compare_with_twin(tuple(train), twin, params, batches, exact=exact)
 

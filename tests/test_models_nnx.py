@@ -14,15 +14,10 @@ from conftest import require_devices
 from flax import nnx
 from flax_blocks import NnxGPT2, NnxLlama, next_token_loss
 from helpers import assert_matches_twin
-from test_models_linen import CFG, PLANS, _batch
-from test_pipeline import momentum
+from test_models_linen import CFG, PLANS, _batch, layered_twin_report
 
 from torsh_jax import ModelStructureError, from_nnx
 from torsh_jax.runtime.layered import layered_loss
-from torsh_jax.runtime.mesh import build_mesh
-from torsh_jax.runtime.step import make_train_step
-from torsh_jax.runtime.twin import make_reference_step
-from torsh_jax.runtime.verify import compare_with_twin
 
 BUILD = {
     "llama-scanned": lambda layers: NnxLlama(CFG.vocab, 16, 4, 2, layers, 24, rngs=nnx.Rngs(0)),
@@ -86,16 +81,9 @@ def _computing_in_param_dtype(model):
 
 def _twin_report(name: str, plan, steps: int = 2):
     _, layered = _converted(name, 4)
-    model, params = layered.model, layered.params
-    in_float64 = from_nnx(
-        _computing_in_param_dtype(BUILD[name](4)), _batch(2), loss=next_token_loss, blocks=BLOCKS[name]
-    ).model
-    optimizer = momentum()
-    train = make_train_step(model, optimizer, plan, build_mesh(plan), params)
-    twin = make_reference_step(layered_loss(model), optimizer, plan)
-    exact = make_reference_step(layered_loss(in_float64), optimizer, plan, dtype="float64")
-    batches = [_batch(train.global_batch_size, seed=i) for i in range(steps)]
-    return compare_with_twin(tuple(train), twin, params, batches, exact=exact)
+    lifted = _computing_in_param_dtype(BUILD[name](4))
+    in_float64 = from_nnx(lifted, _batch(2), loss=next_token_loss, blocks=BLOCKS[name]).model
+    return layered_twin_report(layered.model, layered.params, plan, steps, in_float64=in_float64)
 
 
 def test_blocks_it_cannot_find_are_one_error_naming_them():
