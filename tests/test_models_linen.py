@@ -285,3 +285,36 @@ def test_the_pp_1f1b_preset_trains_the_8_block_model_equal_to_its_twin():
     stage."""
     require_devices(8)
     assert_matches_twin(_twin_report("gpt2-tied", load_plan("pp_1f1b"), trained=False), params=True)
+
+
+class _HelperBlock(nn.Module):
+    """A block calling a method of its own (seen by the interceptor as another call of the block)."""
+
+    def setup(self):
+        self.dense = nn.Dense(8)
+
+    def project(self, x):
+        return self.dense(x)
+
+    def __call__(self, x):
+        return x + self.project(x)
+
+
+class _WithHelpers(nn.Module):
+    def setup(self):
+        self.embed = nn.Embed(64, 8)
+        self.blocks = [_HelperBlock() for _ in range(2)]
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.embed.attend(x)
+
+
+def test_a_block_calling_its_own_methods_is_still_one_block():
+    example = _batch(2)
+    params = _WithHelpers().init(jax.random.key(0), example["inputs"])["params"]
+    layered = from_linen(_WithHelpers(), params, example, loss=next_token_loss)
+    assert layered.block_names == ("blocks_0", "blocks_1")
+    assert layered.params["blocks"]["dense"]["kernel"].shape == (2, 8, 8)

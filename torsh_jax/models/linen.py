@@ -84,15 +84,20 @@ def _top_level(context) -> str | None:
 def _watch(module, params, example: Batch, inputs: Callable, names: tuple[str, ...]) -> _Calls:
     import flax.linen as nn
 
-    calls = _Calls()
+    calls, inside = _Calls(), []
 
     def record(next_fun, args, kwargs, context):
         name = _top_level(context)
-        if name is not None:
-            calls.order.append(name)
-            if name in names:
-                calls.blocks.setdefault(name, (context.module.clone(parent=None), args[1:], kwargs))
-        return next_fun(*args, **kwargs)
+        if name is None or inside:  # a child's calls of its own methods are part of its call
+            return next_fun(*args, **kwargs)
+        calls.order.append(name)
+        if name in names:
+            calls.blocks.setdefault(name, (context.module.clone(parent=None), args[1:], kwargs))
+        inside.append(name)
+        try:
+            return next_fun(*args, **kwargs)
+        finally:
+            inside.pop()
 
     with nn.intercept_methods(record):
         jax.eval_shape(lambda p, b: module.apply({"params": p}, *inputs(b)), params, example)
