@@ -29,7 +29,16 @@ from torsh_jax.errors import ModelStructureError
 from torsh_jax.runtime.layered import LayeredModel
 from torsh_jax.typing import PyTree
 
-__all__ = ["FlaxLayers", "block_names", "period", "stack_blocks", "unstack_blocks", "zeros_like"]
+__all__ = [
+    "FlaxLayers",
+    "HiddenState",
+    "block_names",
+    "check_same_loss",
+    "period",
+    "stack_blocks",
+    "unstack_blocks",
+    "zeros_like",
+]
 
 
 @dataclass(frozen=True)
@@ -153,3 +162,34 @@ def unstack_blocks(stacked: PyTree, names: tuple[str, ...], p: int) -> dict:
 def zeros_like(tree: PyTree) -> PyTree:
     """Zeros of every leaf's shape and dtype (arrays or ``jax.ShapeDtypeStruct``)."""
     return jax.tree.map(lambda x: jax.numpy.zeros(np.shape(x), _dtype(x)), tree)
+
+
+class HiddenState(Exception):
+    """The first block's input, carried out of the model's ``__call__`` (the embedding's output)."""
+
+    def __init__(self, value):
+        super().__init__("hidden state")
+        self.value = value
+
+
+def check_same_loss(layered: FlaxLayers, own_loss: Callable, params: PyTree, example, /, *, key: str) -> None:
+    """The converted model's loss equals ``own_loss(params, example)``, the model's (round-off
+    aside); nothing is computed when ``params`` are shapes.
+
+    Raises:
+        ModelStructureError: they differ (``key``: the blocks).
+    """
+    if not all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(params)):
+        return
+    from torsh_jax.runtime.layered import layered_loss
+
+    theirs = jax.jit(own_loss)(params, example)
+    ours = jax.jit(layered_loss(layered.model))(layered.params, example)
+    if not np.allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-4, atol=1e-6):
+        raise ModelStructureError(
+            f"the converted model's loss {float(ours):.6g} differs from the model's {float(theirs):.6g}: "
+            "the head reads something the embedding computed besides the blocks' input, or a block's "
+            "output is not the next block's input (a residual added outside the block)",
+            key=key,
+            fix="compute what the head reads from the batch, or keep each block's residual inside it",
+        )

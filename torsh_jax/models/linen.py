@@ -47,8 +47,8 @@ import jax
 import numpy as np
 
 from torsh_jax.errors import ModelStructureError, NotSupportedYetError
-from torsh_jax.models.blocks import FlaxLayers, block_names, period, zeros_like
-from torsh_jax.runtime.layered import LayeredModel, layered_loss
+from torsh_jax.models.blocks import FlaxLayers, HiddenState, block_names, check_same_loss, period, zeros_like
+from torsh_jax.runtime.layered import LayeredModel
 from torsh_jax.typing import PyTree
 
 __all__ = ["from_linen"]
@@ -58,14 +58,6 @@ Batch = PyTree
 
 def _model_inputs(batch: Batch) -> tuple:
     return (batch["inputs"],)
-
-
-class _Hidden(Exception):
-    """The first block's input, carried out of the model's ``__call__``."""
-
-    def __init__(self, value):
-        super().__init__("hidden state")
-        self.value = value
 
 
 @dataclass
@@ -176,13 +168,13 @@ def _layered(module, params, calls, names, p, inputs, loss, keys, remat) -> Laye
     def embed(e, batch):
         def stop(next_fun, a, k, context):
             if _top_level(context) in names:
-                raise _Hidden(a[0])
+                raise HiddenState(a[0])
             return next_fun(*a, **k)
 
         try:
             with nn.intercept_methods(stop):
                 module.apply({"params": e}, *inputs(batch))
-        except _Hidden as hidden:
+        except HiddenState as hidden:
             return hidden.value
         raise ModelStructureError(
             "the model returned without calling a block on this batch",
@@ -215,21 +207,6 @@ def _layered(module, params, calls, names, p, inputs, loss, keys, remat) -> Laye
 
 def _layers_key(params: PyTree, prefix: str) -> str:
     return prefix if prefix not in params else f"{prefix}_stacked"
-
-
-def _check_same_loss(layered: FlaxLayers, module, params, example, inputs, loss) -> None:
-    """The converted model's loss equals the model's on ``example`` (round-off aside)."""
-    if not all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(params)):
-        return  # shapes only: nothing to compute
-    theirs = jax.jit(lambda p, b: loss(module.apply({"params": p}, *inputs(b)), b))(params, example)
-    ours = jax.jit(layered_loss(layered.model))(layered.params, example)
-    if not np.allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-4, atol=1e-6):
-        raise ModelStructureError(
-            f"the converted model's loss {float(ours):.6g} differs from the model's {float(theirs):.6g}: "
-            "the head reads something the embedding computed besides the blocks' input",
-            key=layered.block_names[0],
-            fix="compute it in the head from the batch, or pass it through the blocks",
-        )
 
 
 def from_linen(
@@ -273,5 +250,6 @@ def from_linen(
     model = model._replace(layers_key=key)
     layered = FlaxLayers(model, None, names, p, key)
     layered = dataclasses.replace(layered, params=layered.to_layered(params))
-    _check_same_loss(layered, module, params, example, inputs, loss)
+    own = lambda p, b: loss(module.apply({"params": p}, *inputs(b)), b)
+    check_same_loss(layered, own, params, example, key=names[0])
     return layered

@@ -42,28 +42,21 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from torsh_jax.errors import ModelStructureError, NotSupportedYetError
-from torsh_jax.models.blocks import FlaxLayers, period, zeros_like
+from torsh_jax.models.blocks import FlaxLayers, HiddenState, check_same_loss, period, zeros_like
 from torsh_jax.models.linen import _model_inputs
 from torsh_jax.models.scanned import from_scan, keys_read
-from torsh_jax.runtime.layered import LayeredModel, layered_loss
+from torsh_jax.runtime.layered import LayeredModel
 
 __all__ = ["from_nnx"]
-
-
-class _Hidden(Exception):
-    def __init__(self, value):
-        super().__init__("hidden state")
-        self.value = value
 
 
 class _Stop:
     """Stands in for the first block: carries its input out of the model's ``__call__``."""
 
     def __call__(self, x, *args, **kwargs):
-        raise _Hidden(x)
+        raise HiddenState(x)
 
 
 class _Pass:
@@ -159,7 +152,7 @@ def _from_list(model, pure, example, blocks, loss, inputs, pure_loss) -> FlaxLay
     def embed(p, batch):
         try:
             run(p, batch, [_Stop()] + [_Pass()] * (len(names) - 1))
-        except _Hidden as hidden:
+        except HiddenState as hidden:
             return hidden.value
         raise ModelStructureError(
             "the model returned without calling a block on this batch",
@@ -177,7 +170,7 @@ def _from_list(model, pure, example, blocks, loss, inputs, pure_loss) -> FlaxLay
     model_ = LayeredModel(embed, layer, head, embed_keys=keys[0], head_keys=keys[1], layers_key=blocks)
     layered = FlaxLayers(model_, None, names, 1, blocks, layout="list")
     layered = dataclasses.replace(layered, params=layered.to_layered(pure))
-    _check_same_loss(layered, pure_loss, pure, example)
+    check_same_loss(layered, pure_loss, pure, example, key=blocks)
     return layered
 
 
@@ -187,14 +180,3 @@ def _list_keys(others: list, embed: Callable, head: Callable, pure: dict, exampl
     hidden = jax.eval_shape(lambda p: embed(p, example), own)
     h = jax.numpy.zeros(hidden.shape, hidden.dtype)
     return keys_read(lambda p: embed(p, example), own), keys_read(lambda p: head(p, h, example), own)
-
-
-def _check_same_loss(layered: FlaxLayers, pure_loss, pure, example) -> None:
-    theirs = jax.jit(pure_loss)(pure, example)
-    ours = jax.jit(layered_loss(layered.model))(layered.params, example)
-    if not np.allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-4, atol=1e-6):
-        raise ModelStructureError(
-            f"the converted model's loss {float(ours):.6g} differs from the model's {float(theirs):.6g}",
-            key=layered.layers_key,
-            fix="compute what the head reads from the batch, or pass it through the blocks",
-        )
