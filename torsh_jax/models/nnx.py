@@ -106,7 +106,8 @@ def from_nnx(
         ModelStructureError: no such attribute, or blocks that do not split into layers.
         NotSupportedYetError: a scanned block reads values computed outside the scan.
     """
-    graphdef, params_state, rest, pure = _split(model)
+    split = _split(model)
+    graphdef, params_state, rest, pure = split
     if blocks not in pure:
         raise ModelStructureError(
             f"the model has no parameters under {blocks!r} (it has {', '.join(map(str, pure))})",
@@ -119,17 +120,18 @@ def from_nnx(
 
     if not _is_list(pure[blocks]):
         return from_scan(pure_loss, pure, example, layers=blocks)
-    return _from_list(model, pure, example, blocks, loss, inputs, pure_loss)
+    return _from_list(model, split, example, blocks, loss, inputs, pure_loss)
 
 
 def _is_list(tree) -> bool:
     return isinstance(tree, dict) and bool(tree) and all(isinstance(k, int) for k in tree)
 
 
-def _from_list(model, pure, example, blocks, loss, inputs, pure_loss) -> FlaxLayers:
+def _from_list(model, split: tuple, example, blocks, loss, inputs, pure_loss) -> FlaxLayers:
+    """``split``: the model's :func:`_split` (graph, parameters, other state, parameters as a dict)."""
     from flax import nnx
 
-    graphdef, params_state, rest, _ = _split(model)
+    graphdef, params_state, rest, pure = split
     items = pure[blocks]
     names = tuple(range(len(items)))
     if period(items, names) != 1:
