@@ -6,6 +6,8 @@ ones named children made in ``__call__``; in nnx the GPT-2-style blocks are an `
 Llama-style ones a scanned stack (``nnx.vmap`` + ``nnx.scan``).
 """
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -101,6 +103,103 @@ class Llama(nn.Module):
             x = LlamaBlock(self.heads, self.kv_heads, head_dim, self.hidden, name=f"layers_{i}")(x)
         x = nn.RMSNorm(name="norm")(x)
         return nn.Dense(self.vocab, use_bias=False, name="output")(x)
+
+
+class HFAttention(nn.Module):
+    """Grouped-query attention with flat projections (``q_proj`` is ``[d, heads * head_dim]``)."""
+
+    heads: int
+    kv_heads: int
+
+    @nn.compact
+    def __call__(self, x):
+        batch, length, d = x.shape
+        head_dim = d // self.heads
+        split = lambda y, n: y.reshape(batch, length, n, head_dim)
+        q = split(nn.Dense(self.heads * head_dim, use_bias=False, name="q_proj")(x), self.heads)
+        k = split(nn.Dense(self.kv_heads * head_dim, use_bias=False, name="k_proj")(x), self.kv_heads)
+        v = split(nn.Dense(self.kv_heads * head_dim, use_bias=False, name="v_proj")(x), self.kv_heads)
+        positions = jnp.arange(length, dtype=jnp.float32)
+        q, k = rotary(q, positions), rotary(k, positions)
+        groups = self.heads // self.kv_heads
+        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim).astype(x.dtype)
+        causal = jnp.tril(jnp.ones((length, length), bool))
+        probs = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(scores.dtype).min), axis=-1)
+        attended = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, length, d)
+        return nn.Dense(d, use_bias=False, name="o_proj")(attended)
+
+
+class HFMLP(nn.Module):
+    hidden: int
+
+    @nn.compact
+    def __call__(self, x):
+        gate = nn.Dense(self.hidden, use_bias=False, name="gate_proj")(x)
+        up = nn.Dense(self.hidden, use_bias=False, name="up_proj")(x)
+        return nn.Dense(x.shape[-1], use_bias=False, name="down_proj")(nn.silu(gate) * up)
+
+
+@dataclasses.dataclass(frozen=True)
+class HFConfig:
+    vocab: int
+    d_model: int
+    heads: int
+    kv_heads: int
+    layers: int
+    hidden: int
+
+
+class HFDecoderLayer(nn.Module):
+    config: HFConfig
+
+    def setup(self):
+        self.input_layernorm = nn.RMSNorm()
+        self.self_attn = HFAttention(self.config.heads, self.config.kv_heads)
+        self.post_attention_layernorm = nn.RMSNorm()
+        self.mlp = HFMLP(self.config.hidden)
+
+    def __call__(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HFLayerCollection(nn.Module):
+    config: HFConfig
+
+    def setup(self):
+        self.blocks = [HFDecoderLayer(self.config, name=str(i)) for i in range(self.config.layers)]
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class HFLlamaModel(nn.Module):
+    config: HFConfig
+
+    def setup(self):
+        self.embed_tokens = nn.Embed(self.config.vocab, self.config.d_model)
+        self.layers = HFLayerCollection(self.config)
+        self.norm = nn.RMSNorm()
+
+    def __call__(self, tokens):
+        return self.norm(self.layers(self.embed_tokens(tokens)))
+
+
+class HFLlamaForCausalLM(nn.Module):
+    """The module layout of Hugging Face's Flax Llama: the blocks at ``model/layers/0 ...``, flat
+    ``q_proj``/``k_proj``/``v_proj``/``o_proj`` and ``gate_proj``/``up_proj``/``down_proj``."""
+
+    config: HFConfig
+
+    def setup(self):
+        self.model = HFLlamaModel(self.config)
+        self.lm_head = nn.Dense(self.config.vocab, use_bias=False)
+
+    def __call__(self, tokens):
+        return self.lm_head(self.model(tokens))
 
 
 def next_token_loss(logits, batch):

@@ -81,14 +81,15 @@ def _twin_report(name: str, plan, steps: int = 2, trained: bool = True):
     return layered_twin_report(layered.model, layered.params, plan, steps)
 
 
-def layered_twin_report(model, params, plan, steps: int = 2, *, in_float64=None):
+def layered_twin_report(model, params, plan, steps: int = 2, *, in_float64=None, batch_of=lambda b: b):
     """``model`` on ``plan`` against its single-device twin and a float64 run (of ``in_float64``, a
-    model computing in its parameters' dtype, when ``model`` does not)."""
+    model computing in its parameters' dtype, when ``model`` does not), on ``batch_of`` the token
+    batches."""
     optimizer = momentum()
     train = make_train_step(model, optimizer, plan, build_mesh(plan), params)
     twin = make_reference_step(layered_loss(model), optimizer, plan)
     exact = make_reference_step(layered_loss(in_float64 or model), optimizer, plan, dtype="float64")
-    batches = [_batch(train.global_batch_size, seed=i) for i in range(steps)]
+    batches = [batch_of(_batch(train.global_batch_size, seed=i)) for i in range(steps)]
     return compare_with_twin(tuple(train), twin, params, batches, exact=exact)
 
 
@@ -137,15 +138,35 @@ class _Odd(nn.Module):
 
 
 class _Masked(nn.Module):
-    """Blocks that take a mask made by the model."""
+    """Blocks that take a mask made by the model: one for all (``tokens > 0``), or with
+    ``per_block`` one each (``tokens > 0``, ``tokens > 32``)."""
+
+    per_block: bool = False
 
     @nn.compact
     def __call__(self, tokens):
         x = nn.Embed(64, 8, name="embed")(tokens)
-        keep = (tokens > 0)[..., None].astype(x.dtype)
         for i in range(2):
+            keep = (tokens > 32 * i * self.per_block)[..., None].astype(x.dtype)
             x = _MaskedBlock(name=f"blocks_{i}")(x, keep)
         return nn.Dense(64, name="head")(x)
+
+
+class _PerBlockFlag(nn.Module):
+    """Each block given a value of its own (``scale=1``, ``scale=2``)."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(64, 8, name="embed")(tokens)
+        for i in range(2):
+            x = _ScaledBlock(name=f"blocks_{i}")(x, scale=i + 1)
+        return nn.Dense(64, name="head")(x)
+
+
+class _ScaledBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, scale):
+        return x + scale * nn.Dense(8)(x)
 
 
 class _MaskedBlock(nn.Module):
@@ -167,10 +188,26 @@ def test_a_model_that_does_not_split_is_one_error_naming_the_child():
     assert err.value.key == "blocks_2"
     with pytest.raises(ModelStructureError, match="no parameters named layers_0") as err:
         from_linen(_Odd(), params, example, loss=next_token_loss, blocks="layers")
-    masked = _Masked().init(jax.random.key(0), example["inputs"])["params"]
-    with pytest.raises(NotSupportedYetError, match="array besides its hidden state") as err:
-        from_linen(_Masked(), masked, example, loss=next_token_loss)
+    own = _Masked(per_block=True).init(jax.random.key(0), example["inputs"])["params"]
+    with pytest.raises(ModelStructureError, match="given different arrays") as err:
+        from_linen(_Masked(per_block=True), own, example, loss=next_token_loss)
     assert err.value.key == "blocks_0"
+    with pytest.raises(NotSupportedYetError, match="blocks_1 is given other arguments") as err:
+        from_linen(_PerBlockFlag(), own, example, loss=next_token_loss)
+    assert err.value.key == "blocks_1"
+
+
+def test_blocks_given_a_mask_made_from_the_batch_compute_it_in_each_layer():
+    """The converted loss equals the model's (``from_linen`` checks it on the example; here on
+    another batch whose mask differs)."""
+    example = _batch(2)
+    params = _Masked().init(jax.random.key(0), example["inputs"])["params"]
+    layered = from_linen(_Masked(), params, example, loss=next_token_loss)
+    assert layered.model.layer_reads_batch
+    batch = _batch(4, seed=3)
+    batch["inputs"] = np.where(np.arange(CFG.seq_len) < 3, 0, batch["inputs"])  # masked positions
+    own = next_token_loss(_Masked().apply({"params": params}, batch["inputs"]), batch)
+    np.testing.assert_allclose(layered_loss(layered.model)(layered.params, batch), own, rtol=1e-6)
 
 
 #: the stacked parameters (one leading layer dim) and what Megatron splits over ``tensor``

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from torsh_jax.errors import ModelStructureError
+from torsh_jax.models.nesting import lift, nest
 from torsh_jax.runtime.layered import LayeredModel
 from torsh_jax.typing import PyTree
 
@@ -55,6 +56,9 @@ class FlaxLayers:
         layout: where the model keeps its blocks: ``"children"`` (top-level ``blocks_0, ...``:
             linen), ``"list"`` (``params[layers_key][0, 1, ...]``: an nnx list), ``"stacked"``
             (already stacked: a scanned stack).
+        lifted: the modules on the way to blocks kept below the top level, outermost first
+            (:func:`~torsh_jax.models.nesting.lifted_chain`); their children are top-level keys
+            in the layered layout.
     """
 
     model: LayeredModel
@@ -63,11 +67,13 @@ class FlaxLayers:
     period: int = 1
     layers_key: str = "layers"
     layout: str = "children"
+    lifted: tuple[str, ...] = ()
 
     def to_layered(self, params: PyTree) -> dict:
         """The model's own parameters in the layered layout."""
         if self.layout == "stacked":
             return dict(params)
+        params = lift(params, self.lifted)
         source = params if self.layout == "children" else params[self.layers_key]
         others = {k: v for k, v in params.items() if k not in self.block_names and k != self.layers_key}
         return {**others, self.layers_key: stack_blocks(source, self.block_names, self.period)}
@@ -78,16 +84,19 @@ class FlaxLayers:
             return dict(params)
         others = {k: v for k, v in params.items() if k != self.layers_key}
         blocks = unstack_blocks(params[self.layers_key], self.block_names, self.period)
-        return {**others, **blocks} if self.layout == "children" else {**others, self.layers_key: blocks}
+        if self.layout == "children":
+            return nest({**others, **blocks}, self.lifted)
+        return {**others, self.layers_key: blocks}
 
 
 def block_names(params: PyTree, prefix: str) -> tuple[str, ...]:
-    """``prefix_0 ... prefix_{n-1}``: the top-level keys of the blocks, in order.
+    """``prefix_0 ... prefix_{n-1}`` (or ``prefix.0 ...``, or ``prefix/0 ...``: blocks lifted from a
+    numbered collection): the top-level keys of the blocks, in order.
 
     Raises:
         ModelStructureError: no such key, or a number is missing.
     """
-    pattern = re.compile(rf"{re.escape(prefix)}_(\d+)")
+    pattern = re.compile(rf"{re.escape(prefix)}[_./](\d+)")
     found = {int(m.group(1)): k for k in params if (m := pattern.fullmatch(k))}
     if not found:
         raise ModelStructureError(
@@ -188,8 +197,9 @@ def check_same_loss(layered: FlaxLayers, own_loss: Callable, params: PyTree, exa
     if not np.allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-4, atol=1e-6):
         raise ModelStructureError(
             f"the converted model's loss {float(ours):.6g} differs from the model's {float(theirs):.6g}: "
-            "the head reads something the embedding computed besides the blocks' input, or a block's "
-            "output is not the next block's input (a residual added outside the block)",
+            "the head reads something the embedding computed besides the blocks' input, a block's "
+            "output is not the next block's input (a residual added outside the block), or the blocks "
+            "are given different arrays besides their hidden state (a mask of their own)",
             key=key,
             fix="compute what the head reads from the batch, or keep each block's residual inside it",
         )

@@ -3,7 +3,9 @@
 The dict form is strict: unknown keys are errors naming their key path and
 the keys that are allowed. An axis size may be written as a number (the
 in-slice size) or as a table ``{ici = 4, dcn = 2}``. A compressor may be
-written as a preset name from ``compression/`` (``gradients = "int8"``).
+written as a preset name from ``compression/`` (``gradients = "int8"``), and
+``param_dims`` as a preset name from ``meshes/param_dims/`` (``param_dims = "hf_llama"``) or a
+list mixing such names with ``[regex, [logical names]]`` entries.
 
 Example:
     >>> from torsh_jax.plan.io import plan_from_dict, plan_to_dict
@@ -40,7 +42,11 @@ __all__ = [
     "load_plan",
     "save_plan",
     "load_compressor",
+    "load_param_dims",
 ]
+
+#: The preset kind (folder) of ``param_dims`` presets.
+PARAM_DIMS_PRESETS = "meshes/param_dims"
 
 
 def _join(path: str, key: str | int) -> str:
@@ -196,8 +202,25 @@ def _strip_none(value: Any) -> Any:
     return value
 
 
+def _expand_param_dims(value: Any) -> Any:
+    """``param_dims`` with each preset name replaced by the preset's entries, in place."""
+    if isinstance(value, str):
+        return [list(entry) for entry in load_param_dims(value, key="param_dims")]
+    if not isinstance(value, list):
+        return value
+    out: list = []
+    for i, entry in enumerate(value):
+        named = isinstance(entry, str)
+        out += _expand_param_dims(entry) if named else [entry]
+        if named and not out:
+            raise PlanError("the preset is empty", key=f"param_dims[{i}]", fix="name a preset with entries")
+    return out
+
+
 def plan_from_dict(data: dict, *, name: str | None = None) -> ParallelPlan:
     """Build a validated plan from plain data (parsed TOML or JSON)."""
+    if "param_dims" in data:
+        data = {**data, "param_dims": _expand_param_dims(data["param_dims"])}
     plan = _convert_dataclass(ParallelPlan, data, "")
     return plan.replace(name=name) if name and "name" not in data else plan
 
@@ -316,3 +339,25 @@ def load_compressor(name_or_path: str | Path) -> CompressorSpec:
     data = _parse(path.read_text(), fmt="toml", source=str(path))
     data.pop("description", None)
     return _convert_dataclass(CompressorSpec, data, path.stem)
+
+
+def load_param_dims(name_or_path: str | Path, *, key: str = "param_dims") -> tuple:
+    """The entries ``((regex, logical names), ...)`` of a ``param_dims`` preset
+    (``meshes/param_dims/<name>.toml``) or file.
+
+    Example:
+        >>> entries = load_param_dims("hf_llama")
+        >>> dict(entries)[r"(^|/)self_attn/(q_proj|k_proj|v_proj)/kernel$"]
+        ('...', 'embed', 'heads')
+    """
+    path = presets.find(PARAM_DIMS_PRESETS, str(name_or_path), key=key)
+    fmt = "json" if path.suffix == ".json" else "toml"
+    data = _parse(path.read_text(encoding="utf-8"), fmt=fmt, source=str(path))
+    entries = data.get("param_dims")
+    if not isinstance(entries, list):
+        raise PlanError(
+            "a param_dims preset holds a list param_dims = [[regex, [logical names]], ...]",
+            key=str(path),
+            fix="write the entries under param_dims",
+        )
+    return _convert(typing.get_type_hints(ParallelPlan)["param_dims"], entries, f"{path.stem}.param_dims")

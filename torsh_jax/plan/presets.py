@@ -1,4 +1,5 @@
-"""Find preset files (``meshes/*.toml``, ``compression/*.toml``) by name or path.
+"""Find preset files (``meshes/*.toml``, ``meshes/param_dims/*.toml``, ``compression/*.toml``) by
+name or path.
 
 Presets ship inside the wheel (``torsh_jax/_presets/<kind>/``) and are read
 from the checkout's top-level folders when running from source.
@@ -20,11 +21,11 @@ __all__ = ["find", "names", "preset_dirs"]
 
 _SUFFIXES = (".toml", ".json")
 #: What a file of each preset kind holds, for messages.
-_WHAT = {"meshes": "plan", "compression": "compressor"}
+_WHAT = {"meshes": "plan", "compression": "compressor", "meshes/param_dims": "param_dims"}
 
 
 def preset_dirs(kind: str) -> list[Path]:
-    """Folders holding presets of ``kind`` (``meshes`` or ``compression``)."""
+    """Folders holding presets of ``kind`` (``meshes``, ``meshes/param_dims`` or ``compression``)."""
     dirs = []
     packaged = Path(str(resources.files("torsh_jax"))) / "_presets" / kind
     checkout = Path(__file__).resolve().parents[2] / kind

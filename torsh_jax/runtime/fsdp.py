@@ -222,11 +222,11 @@ def _tree_collectives(dims: PyTree, specs: PyTree, decided: StepPlan, compiler: 
     return over_tree(0), over_tree(1)
 
 
-def _layer_scan(decided: StepPlan, one_layer: tuple[PyTree, PyTree], gather: Callable) -> Callable:
-    """``scan(stacked_shards, hidden)`` of the step's layers, gathering each on use; with
+def _layer_scan(decided: StepPlan, one_layer: tuple[PyTree, PyTree], gather: Callable, batch) -> Callable:
+    """``scan(stacked_shards, hidden)`` of the step's layers on ``batch``, gathering each on use; with
     ``roles.prefetch_layers`` the next layer is gathered while one computes
     (:func:`~torsh_jax.runtime.prefetch.prefetched_scan`)."""
-    model = decided.model
+    model = decided.model.on(batch)
     if decided.roles.prefetch_layers:
         gather_layer, reduce_layer = _tree_collectives(*one_layer, decided, decided.compiler_axes)
         return prefetched_scan(model.layer, gather=gather_layer, reduce=reduce_layer)
@@ -262,7 +262,7 @@ def gathering_model(decided: StepPlan, dims: PyTree, *, specs: PyTree) -> Layere
     one_layer = _layer_dims(stacked_d, leading), _layer_specs(stacked_p, leading)
     return model._replace(
         embed=lambda s, batch: model.embed(gather(s, embed_d, embed_p), batch),
-        layer=_remat(lambda s, h: model.layer(gather(s, *one_layer), h), plan),
+        layer=_remat(lambda s, h, *batch: model.layer(gather(s, *one_layer), h, *batch), plan),
         head=lambda s, hidden, batch: model.head(gather(s, head_d, head_p), hidden, batch),
     )
 
@@ -287,7 +287,7 @@ def gathered_loss(decided: StepPlan, dims: PyTree, *, specs: PyTree) -> Callable
         hidden = model.embed(embed, batch)
         if model.stacked:
             one_layer = _layer_dims(stacked_d), _layer_specs(stacked_p)
-            hidden = _layer_scan(decided, one_layer, gather)(stacked_s, hidden)
+            hidden = _layer_scan(decided, one_layer, gather, batch)(stacked_s, hidden)
         return model.head(_head_params(model, embed, head_s, head_d, head_p, gather), hidden, batch)
 
     return loss

@@ -57,6 +57,9 @@ class LayeredModel(NamedTuple):
         tensor_blocks: the functions are written with :mod:`torsh_jax.tensor`
             blocks, so they run on local tensor shards (required when the
             plan's ``tensor`` axis is larger than 1).
+        layer_reads_batch: ``layer`` is ``(one_layer_params, hidden, batch) -> hidden``: each layer
+            also reads the (micro-)batch it computes on (blocks given the model's positions or
+            mask). Strategies call :meth:`on` with the batch and run the bound model's layer.
     """
 
     embed: Callable[[PyTree, PyTree], jax.Array]
@@ -67,11 +70,20 @@ class LayeredModel(NamedTuple):
     layers_key: str = "layers"
     remat: bool = False
     tensor_blocks: bool = False
+    layer_reads_batch: bool = False
 
     @property
     def stacked(self) -> bool:
         """Whether the model has stacked layers (a plain loss, :func:`as_model`, has none)."""
         return self.layers_key is not None
+
+    def on(self, batch: PyTree) -> LayeredModel:
+        """The model for one (micro-)batch: a layer that reads the batch gets it bound (``layer(one,
+        hidden)``); any other model is returned as it is."""
+        if not self.layer_reads_batch:
+            return self
+        layer = self.layer
+        return self._replace(layer=lambda one, hidden: layer(one, hidden, batch), layer_reads_batch=False)
 
 
 def _batch_as_hidden(_, batch: PyTree) -> PyTree:
@@ -168,7 +180,7 @@ def layered_loss(model: LayeredModel) -> Callable[[dict, PyTree], jax.Array]:
         embed, stacked, head = split_params(model, params)
         hidden = model.embed(embed, batch)
         if model.stacked:
-            hidden = scan_layers(model.layer, stacked, hidden, remat=model.remat)
+            hidden = scan_layers(model.on(batch).layer, stacked, hidden, remat=model.remat)
         return model.head(head, hidden, batch)
 
     return loss_fn

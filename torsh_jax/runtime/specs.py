@@ -117,13 +117,24 @@ def logical_dims(path: str, leaf: object, plan: ParallelPlan) -> tuple[str | Non
                 break
     if names is None:
         return (None,) * ndim
+    names = _leading_layers(names, ndim)
     if len(names) != ndim:
         raise ShardingError(
             f"logical dims {list(names)} name {len(names)} dims but the parameter has shape {_shape(leaf)}",
             key=path,
-            fix="correct the matching param_dims entry (one name per dim, '' or null for none)",
+            fix="correct the matching param_dims entry (one name per dim, '' for none; a leading '...' "
+            "for stacked layers)",
         )
     return tuple(n or None for n in names)
+
+
+def _leading_layers(names: tuple[str, ...], ndim: int) -> tuple[str, ...]:
+    """``("...", *rest)``: the dims before ``rest`` are stacked layers (none for a block's own
+    parameter, one for blocks stacked on a leading dim)."""
+    if not names or names[0] != "...":
+        return names
+    rest = names[1:]
+    return ("layers",) * max(ndim - len(rest), 0) + rest
 
 
 def _rule_axes(plan: ParallelPlan) -> dict[str, tuple[str, ...]]:

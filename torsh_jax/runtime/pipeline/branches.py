@@ -76,8 +76,12 @@ class StagePass:
     def batch_of(self, micro):
         return _take(self.micro, micro)
 
-    def run_chunk(self, chunk_params, hidden):
-        return scan_layers(self.model.layer, chunk_params, hidden, remat=self.model.remat)
+    def layer_of(self, micro) -> Callable:
+        """``layer(one, hidden)`` for micro-batch ``micro`` (a layer that reads its batch gets it)."""
+        return self.model.on(self.batch_of(micro)).layer
+
+    def run_chunk(self, chunk_params, hidden, micro):
+        return scan_layers(self.layer_of(micro), chunk_params, hidden, remat=self.model.remat)
 
     def branches(self) -> dict[str, Callable]:
         """``name -> (carry, ints) -> (carry, sent forward, sent backward)``."""
@@ -88,16 +92,22 @@ class StagePass:
 
     def F_first(self, carry: Carry, ints):
         batch = self.batch_of(ints["micro"])
-        hidden = self.run_chunk(_take(self.chunks, ints["chunk"]), self.model.embed(self.embed_p, batch))
+        hidden = self.run_chunk(
+            _take(self.chunks, ints["chunk"]), self.model.embed(self.embed_p, batch), ints["micro"]
+        )
         return _counted(carry, 0), hidden.astype(self.dtype), self.zeros
 
     def F_mid(self, carry: Carry, ints):
-        hidden = self.run_chunk(_take(self.chunks, ints["chunk"]), carry.acts[ints["activation_in"]])
+        hidden = self.run_chunk(
+            _take(self.chunks, ints["chunk"]), carry.acts[ints["activation_in"]], ints["micro"]
+        )
         return _counted(carry, 0), hidden.astype(self.dtype), self.zeros
 
     def F_last(self, carry: Carry, ints):
         batch = self.batch_of(ints["micro"])
-        hidden = self.run_chunk(_take(self.chunks, ints["chunk"]), carry.acts[ints["activation_in"]])
+        hidden = self.run_chunk(
+            _take(self.chunks, ints["chunk"]), carry.acts[ints["activation_in"]], ints["micro"]
+        )
         loss = self.model.head(self.head_p, hidden, batch).astype(jnp.float32)
         return _counted(carry._replace(loss_sum=carry.loss_sum + loss), 0), self.zeros, self.zeros
 
@@ -105,11 +115,13 @@ class StagePass:
         batch, chunk = self.batch_of(ints["micro"]), ints["chunk"]
         if self.split:
             chunk_params = _take(self.chunks, chunk)
-            forward = lambda e, z: self._probed_chunk(chunk_params, self.model.embed(e, batch), z)
+            forward = lambda e, z: self._probed_chunk(
+                chunk_params, self.model.embed(e, batch), z, ints["micro"]
+            )
             cotangent = carry.cots[ints["gradient_in"]]
             carry, (g_embed,) = self._split_backward(carry, ints, forward, (self.embed_p,), cotangent)
             return _counted(_added(carry, embed=g_embed), 1), self.zeros, self.zeros
-        forward = lambda e, c: self.run_chunk(c, self.model.embed(e, batch))
+        forward = lambda e, c: self.run_chunk(c, self.model.embed(e, batch), ints["micro"])
         out, vjp = jax.vjp(forward, self.embed_p, _take(self.chunks, chunk))
         g_embed, g_chunk = vjp(cotangent_like(carry.cots[ints["gradient_in"]], out))
         return _counted(_added(carry, embed=g_embed, chunk=(chunk, g_chunk)), 1), self.zeros, self.zeros
@@ -117,11 +129,13 @@ class StagePass:
     def B_mid(self, carry: Carry, ints):
         chunk, hidden = ints["chunk"], carry.acts[ints["activation_in"]]
         if self.split:
-            forward = lambda h, z: self._probed_chunk(_take(self.chunks, chunk), h, z)
+            forward = lambda h, z: self._probed_chunk(_take(self.chunks, chunk), h, z, ints["micro"])
             cotangent = carry.cots[ints["gradient_in"]]
             carry, (g_in,) = self._split_backward(carry, ints, forward, (hidden,), cotangent)
             return _counted(carry, 1), self.zeros, g_in.astype(self.dtype)
-        out, vjp = jax.vjp(self.run_chunk, _take(self.chunks, chunk), hidden)
+        out, vjp = jax.vjp(
+            lambda c, h: self.run_chunk(c, h, ints["micro"]), _take(self.chunks, chunk), hidden
+        )
         g_chunk, g_in = vjp(cotangent_like(carry.cots[ints["gradient_in"]], out))
         return _counted(_added(carry, chunk=(chunk, g_chunk)), 1), self.zeros, g_in.astype(self.dtype)
 
@@ -130,13 +144,13 @@ class StagePass:
         if self.split:
 
             def forward(head_p, h, z):
-                out, inputs = self._probed_chunk(_take(self.chunks, chunk), h, z)
+                out, inputs = self._probed_chunk(_take(self.chunks, chunk), h, z, ints["micro"])
                 return self.model.head(head_p, out, batch), inputs
 
             primals = (self.head_p, hidden)
             carry, (g_head, g_in) = self._split_backward(carry, ints, forward, primals, self.seed)
             return _counted(_added(carry, head=g_head), 1), self.zeros, g_in.astype(self.dtype)
-        forward = lambda c, h, x: self.model.head(h, self.run_chunk(c, x), batch)
+        forward = lambda c, h, x: self.model.head(h, self.run_chunk(c, x, ints["micro"]), batch)
         loss, vjp = jax.vjp(forward, _take(self.chunks, chunk), self.head_p, hidden)
         g_chunk, g_head, g_in = vjp(cotangent_like(self.seed, loss))
         carry = _added(carry, chunk=(chunk, g_chunk), head=g_head)
@@ -145,22 +159,23 @@ class StagePass:
     def W(self, carry: Carry, ints):
         """The weight gradients of a chunk whose ``B`` ran: one ``vjp`` per layer with respect to its
         parameters, at the input and output gradient ``B`` left in the ``W`` stash."""
-        chunk = ints["chunk"]
+        chunk, layer_fn = ints["chunk"], self.layer_of(ints["micro"])
         inputs, g_outs = carry.wstash[ints["weight_stash"]]
 
         def one(_, layer):
             params, hidden, g_out = layer
-            out, vjp = jax.vjp(lambda w: self.model.layer(w, hidden), params)
+            out, vjp = jax.vjp(lambda w: layer_fn(w, hidden), params)
             return None, vjp(cotangent_like(g_out, out))[0]
 
         _, g_chunk = jax.lax.scan(one, None, (_take(self.chunks, chunk), inputs, g_outs))
         return _counted(_added(carry, chunk=(chunk, g_chunk)), 2), self.zeros, self.zeros
 
-    def _probed_chunk(self, chunk_params, hidden, probes):
+    def _probed_chunk(self, chunk_params, hidden, probes, micro):
         """The chunk's output with ``probes[i]`` added to layer ``i``'s output, and every layer's
         input ``[layers per chunk, *hidden]``. Probes are zeros: their gradients are the layers'
         output gradients."""
-        body = jax.checkpoint(self.model.layer) if self.model.remat else self.model.layer
+        layer = self.layer_of(micro)
+        body = jax.checkpoint(layer) if self.model.remat else layer
 
         def one(h, layer):
             params, probe = layer
