@@ -123,8 +123,9 @@ def sbatch_script(script_and_args: Sequence[str], /, *, job: SlurmJob, python: s
     lines += [
         "# Left over from the submitting shell (sbatch exports it), these would win over Slurm's variables.",
         f"unset {' '.join(STALE_COORDINATOR_VARS)}",
-        "# Coordinator: the allocation's first host, where srun starts task 0.",
-        'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        "# Coordinator: the allocation's first host, where srun starts task 0 (sed reads all lines:",
+        "# `head` would close the pipe early and pipefail would end the script).",
+        'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"',
         f"BASE_PORT={SLURM_PORT_EXPR if job.port is None else job.port}",
         "",
     ]
