@@ -199,7 +199,8 @@ class _RayJob:
         previous = _install_signal_handlers(self._on_signal)
         try:
             self._wait_ready(group, count, bundle)
-            actors = self._start_actors(group, count, attempt)
+            actors = self._create_actors(group, count)
+            self._start_ranks(actors, attempt)
             return self._supervise(actors)
         finally:
             self._stop(actors)
@@ -216,13 +217,14 @@ class _RayJob:
                 fix="lower -n or --gpus-per-process, or add nodes to the cluster (`ray status` shows them)",
             ) from None
 
-    def _start_actors(self, group: Any, count: int, attempt: int) -> list[Any]:
+    def _create_actors(self, group: Any, count: int) -> list[Any]:
+        """One actor per bundle of ``group``, bundle ``i`` for rank ``i``."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from torsh_jax.distributed.ray_actor import RankProcess
 
         remote = self.ray.remote(RankProcess)
-        actors = [
+        return [
             remote.options(
                 num_cpus=1,
                 num_gpus=self.gpus or 0,
@@ -234,23 +236,34 @@ class _RayJob:
             ).remote()
             for rank in range(count)
         ]
-        host, port = self.ray.get(actors[0].coordinator.remote())
-        defaults = {} if self.verbose else QUIET_LOG_LEVELS
-        starts = []
-        for rank, actor in enumerate(actors):
-            layout = child_environment(
-                self.extra_env,
-                rank=rank,
-                count=count,
-                port=port,
-                devices=self.devices,
-                verbose_collectives=True,
-                host=host,
-            )
-            overlay = {**layout, RESTART_VAR: str(attempt)}
-            starts.append(actor.start.remote(self.argv, overlay=overlay, defaults=defaults, cwd=os.getcwd()))
-        self.ray.get(starts)
-        return actors
+
+    def _start_ranks(self, actors: list[Any], attempt: int) -> None:
+        """Ask rank 0's actor for the coordinator, then start every rank's subprocess."""
+        try:
+            host, port = self.ray.get(actors[0].coordinator.remote())
+            defaults = {} if self.verbose else QUIET_LOG_LEVELS
+            starts = []
+            for rank, actor in enumerate(actors):
+                layout = child_environment(
+                    self.extra_env,
+                    rank=rank,
+                    count=len(actors),
+                    port=port,
+                    devices=self.devices,
+                    verbose_collectives=True,
+                    host=host,
+                )
+                overlay = {**layout, RESTART_VAR: str(attempt)}
+                starts.append(
+                    actor.start.remote(self.argv, overlay=overlay, defaults=defaults, cwd=os.getcwd())
+                )
+            self.ray.get(starts)
+        except self.ray.exceptions.RayActorError as err:
+            raise DistributedError(
+                f"an actor did not start: {_last_line(err)}",
+                key="--ray",
+                fix="install torsh-jax[ray] (this version) on every node of the cluster",
+            ) from None
 
     def _supervise(self, actors: list[Any]) -> Attempt:
         """Relay output until all ranks exited 0, one failed, time ran out or a signal came."""
@@ -324,6 +337,12 @@ class _RayJob:
 
     def _on_signal(self, signum: int, _frame) -> None:
         self.received_signal = signum
+
+
+def _last_line(err: Exception) -> str:
+    """The last non-empty line of ``err``'s message (where Ray puts the cause), at most 200 characters."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(err).__name__)[:200]
 
 
 def _install_signal_handlers(handler) -> dict[int, Any]:
