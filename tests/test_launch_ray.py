@@ -218,3 +218,32 @@ def test_a_rank_killed_on_ray_restarts_and_resumes_from_the_newest_checkpoint(cl
     assert recovered["grad_norms"] == straight[0]["grad_norms"][1:]
     assert 0 < recovered["first_step_time"] - recovered["killed_at"] < 60, "kill to first resumed step"
     assert leftovers(head_pid, tmp_path / "r.json") == []
+
+
+#: Rank 1 SIGKILLs its actor's process (the subprocess's parent), as if its node were lost.
+LOSE_ACTOR = """import os, signal, sys, time
+print("started", flush=True)
+if os.environ["TORSH_JAX_PROCESS_ID"] == "1":
+    time.sleep(1)
+    open(sys.argv[1], "w").write(str(time.time()))
+    os.kill(os.getppid(), signal.SIGKILL)
+time.sleep(120)
+"""
+
+
+def test_a_lost_actor_ends_the_job_quickly_and_is_named(cluster, tmp_path):
+    address, env, head_pid = cluster
+    script = tmp_path / "lose_actor.py"
+    script.write_text(LOSE_ACTOR)
+    killed_at = tmp_path / "killed_at"
+    argv = [sys.executable, "-m", "torsh_jax.cli.main", "launch", "--ray", address, "-n", "2", str(script)]
+    done = subprocess.run(
+        [*argv, str(killed_at)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    elapsed = time.time() - float(killed_at.read_text())
+    assert done.returncode == 1, done.stderr
+    assert elapsed < 30, f"the job ended {elapsed:.0f} s after rank 1's actor died"
+    assert "[launch] rank 1: its Ray actor died" in done.stderr
+    assert "[launch] job failed: rank 1 lost its Ray actor first" in done.stderr
+    assert done.stdout.count("started") == 2
+    assert leftovers(head_pid, script) == []  # rank 0 stopped; rank 1's script died with its actor
