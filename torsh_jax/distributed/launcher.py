@@ -57,6 +57,7 @@ __all__ = [
     "Attempt",
     "run_attempts",
     "how_it_ended",
+    "check_launch_arguments",
 ]
 
 #: Exit code when the whole job exceeds ``timeout_s`` (as coreutils ``timeout``), or a
@@ -137,9 +138,16 @@ def launch(
     Raises:
         DistributedError: bad arguments or a missing script.
     """
-    _check_arguments(script_and_args, num_processes, devices_per_process, port, timeout_s)
-    _check_exit_grace(exit_grace_s)
-    _check_restarts(max_restarts, min_processes, num_processes)
+    check_launch_arguments(
+        script_and_args,
+        num_processes=num_processes,
+        devices_per_process=devices_per_process,
+        port=port,
+        timeout_s=timeout_s,
+        exit_grace_s=exit_grace_s,
+        max_restarts=max_restarts,
+        min_processes=min_processes,
+    )
     base = os.environ if environ is None else environ
     out = sys.stdout if output is None else output
     err = error_output if error_output is not None else (sys.stderr if output is None else output)
@@ -218,6 +226,28 @@ def run_attempts(
         say(f"restarting on {next_count} process(es) ({lost}restart {attempt + 1} of {max_restarts})")
         count = next_count
     return result.code
+
+
+def check_launch_arguments(
+    script_and_args: Sequence[str],
+    /,
+    *,
+    num_processes: int,
+    devices_per_process: int | None,
+    port: int | None,
+    timeout_s: float | None,
+    exit_grace_s: float,
+    max_restarts: int,
+    min_processes: int | None,
+) -> None:
+    """Check what every launch backend takes (see :func:`launch`) before anything starts.
+
+    Raises:
+        DistributedError: naming the argument (``num_processes``, ``port``, ...) and its fix.
+    """
+    _check_arguments(script_and_args, num_processes, devices_per_process, port, timeout_s)
+    _check_exit_grace(exit_grace_s)
+    _check_restarts(max_restarts, min_processes, num_processes)
 
 
 def _check_exit_grace(exit_grace_s: float) -> None:

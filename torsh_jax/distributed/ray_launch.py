@@ -35,9 +35,7 @@ from torsh_jax.distributed.launcher import (
     QUIET_LOG_LEVELS,
     RESTART_VAR,
     Attempt,
-    _check_arguments,
-    _check_exit_grace,
-    _check_restarts,
+    check_launch_arguments,
     child_environment,
     how_it_ended,
     is_collectives_chatter,
@@ -111,9 +109,16 @@ def ray_launch(
         DistributedError: bad arguments, Ray missing, no cluster at
             ``address``, or resources for the bundles missing.
     """
-    _check_arguments(script_and_args, num_processes, devices_per_process, None, timeout_s)
-    _check_exit_grace(exit_grace_s)
-    _check_restarts(max_restarts, min_processes, num_processes)
+    check_launch_arguments(
+        script_and_args,
+        num_processes=num_processes,
+        devices_per_process=devices_per_process,
+        port=None,
+        timeout_s=timeout_s,
+        exit_grace_s=exit_grace_s,
+        max_restarts=max_restarts,
+        min_processes=min_processes,
+    )
     if gpus_per_process is not None and (isinstance(gpus_per_process, bool) or gpus_per_process < 1):
         raise DistributedError(
             f"must be >= 1, got {gpus_per_process!r}", key="gpus_per_process", fix="pass --gpus-per-process 1"
