@@ -17,6 +17,7 @@ import pytest
 from torsh_jax.cli.main import main
 from torsh_jax.distributed.env import detect_environment
 from torsh_jax.distributed.slurm import SlurmJob, sbatch_script, submit_sbatch
+from torsh_jax.distributed.stale import stale_coordinator_warnings
 from torsh_jax.errors import DistributedError
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "train_multiprocess.py")
@@ -291,3 +292,24 @@ def test_importing_torsh_jax_and_its_launch_command_imports_no_ray():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert done.stdout.strip() == "False"
+
+
+STEP_VARS = {
+    "SLURM_PROCID": "0",
+    "SLURM_NTASKS": "2",
+    "SLURM_JOB_ID": "7",
+    "SLURM_JOB_NODELIST": "gpu[1-2]",
+}
+
+
+@pytest.mark.parametrize(
+    ("hostname", "stale"),
+    [("gpu2", False), ("gpu2.cluster.local", False), ("laptop", True)],
+    ids=["in-allocation", "fqdn-in-allocation", "elsewhere"],
+)
+def test_slurm_step_variables_are_stale_only_outside_their_allocation(hostname, stale):
+    warnings = stale_coordinator_warnings(STEP_VARS, hostname=hostname)
+    assert len(warnings) == stale
+    if stale:
+        assert warnings[0].startswith("SLURM_PROCID, SLURM_NTASKS set but this host (laptop) is not in")
+        assert warnings[0].endswith("Fix: unset SLURM_PROCID SLURM_NTASKS")
