@@ -313,3 +313,11 @@ def test_slurm_step_variables_are_stale_only_outside_their_allocation(hostname, 
     if stale:
         assert warnings[0].startswith("SLURM_PROCID, SLURM_NTASKS set but this host (laptop) is not in")
         assert warnings[0].endswith("Fix: unset SLURM_PROCID SLURM_NTASKS")
+
+
+def test_script_read_as_the_ray_address_is_a_one_line_error(capsys):
+    with pytest.raises(SystemExit) as ended:
+        main(["launch", "-n", "2", "--ray", "train.py"])
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and err.count("\n") == 1
+    assert "'train.py' is the script, read as the Ray address. Fix: write --ray auto train.py" in err

@@ -105,6 +105,15 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
+def _ray_address(text: str) -> str:
+    """``--ray``'s value; a Python file there is the script read as the address (``-n 2 --ray train.py``)."""
+    if text.endswith(".py"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is the script, read as the Ray address. Fix: write --ray auto {text} (or --ray first)"
+        )
+    return text
+
+
 def _add_backend_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
@@ -112,6 +121,7 @@ def _add_backend_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         const="auto",
         default=None,
+        type=_ray_address,
         metavar="ADDRESS",
         help="run on a Ray cluster (ADDRESS as ray.init takes it; default: auto). Put it before -n "
         "or give ADDRESS, or the script is read as the address. Needs pip install 'torsh-jax[ray]'",
