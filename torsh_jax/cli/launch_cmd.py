@@ -1,9 +1,11 @@
-"""``torsh-jax launch``: run a script as N local processes, like ``torchrun --standalone``.
+"""``torsh-jax launch``: run a script as N processes: on this host (like ``torchrun --standalone``),
+on a Ray cluster (``--ray``) or as a Slurm batch job (``--slurm``); ``--dry-run`` shows what would start.
 
 Example:
     $ torsh-jax launch -n 2 --devices-per-process 4 train.py --steps 10
     [rank 0] ...
     [rank 1] ...
+    $ torsh-jax launch --slurm --nodes 2 --gpus-per-node 8 --tasks-per-node 8 --dry-run train.py
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ Once a process exited 0, the others get --exit-grace seconds to exit; those stil
 running are then named, stopped and the exit code is 124. Each process leads a
 process group of its own: what it leaves there is killed when it ends, and all
 groups are killed when the launcher dies, even by SIGKILL.
+
+--ray [ADDRESS] runs each process in a Ray actor of its own (one placement-group
+bundle each, spread over the nodes), with the same rules. --slurm writes an sbatch
+script (--nodes, --tasks-per-node, --gpus-per-node, --time, --partition, --account)
+whose srun tasks initialize() reads, and submits it. --dry-run prints what would
+start (each rank's variables, the coordinator, with --plan the plan resolved for
+the job's devices) and warns about coordinator variables left in the environment.
 """
 
 
@@ -54,8 +63,8 @@ def register(subparsers) -> None:
         formatter_class=_UsageFormatter,
     )
     parser.add_argument(
-        "-n", "--num-processes", type=count_type(1, MAX_LOCAL_PROCESSES, fix="pass -n 2"), required=True,
-        help=f"processes to start on this host (1..{MAX_LOCAL_PROCESSES})",
+        "-n", "--num-processes", type=count_type(1, MAX_LOCAL_PROCESSES, fix="pass -n 2"), default=None,
+        help=f"processes to start (1..{MAX_LOCAL_PROCESSES}); required except with --slurm",
     )  # fmt: skip
     parser.add_argument(
         "--devices-per-process", type=count_type(1, MAX_DEVICES, fix="pass --devices-per-process 4"),
@@ -90,24 +99,212 @@ def register(subparsers) -> None:
         help="keep gloo/XLA C++ INFO and WARNING logs (default: TF_CPP_MIN_LOG_LEVEL=2 and "
         "GLOG_minloglevel=2 unless set, and gloo's per-connection lines dropped)",
     )
+    _add_backend_arguments(parser)
     parser.add_argument("script", help="Python script to run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Start the processes described by ``args``; returns the job's exit code."""
-    from torsh_jax.distributed.launcher import DEFAULT_EXIT_GRACE_S, launch
+def _ray_address(text: str) -> str:
+    """``--ray``'s value; a Python file there is the script read as the address (``-n 2 --ray train.py``)."""
+    if text.endswith(".py"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is the script, read as the Ray address. Fix: write --ray auto {text} (or --ray first)"
+        )
+    return text
 
-    return launch(
-        [args.script, *args.script_args],
-        num_processes=args.num_processes,
-        devices_per_process=args.devices_per_process,
-        port=args.port,
-        timeout_s=args.timeout,
-        grace_period_s=args.grace_period,
-        exit_grace_s=DEFAULT_EXIT_GRACE_S if args.exit_grace is None else args.exit_grace,
-        verbose_collectives=args.verbose_collectives,
-        max_restarts=args.max_restarts,
-        min_processes=args.min_processes,
+
+def _add_backend_arguments(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--ray",
+        nargs="?",
+        const="auto",
+        default=None,
+        type=_ray_address,
+        metavar="ADDRESS",
+        help="run on a Ray cluster (ADDRESS as ray.init takes it; default: auto). Put it before -n "
+        "or give ADDRESS, or the script is read as the address. Needs pip install 'torsh-jax[ray]'",
     )
+    where.add_argument(
+        "--slurm", action="store_true", help="write an sbatch script running srun and submit it"
+    )
+    parser.add_argument(
+        "--gpus-per-process",
+        type=count_type(1, 1024, fix="pass --gpus-per-process 1"),
+        default=None,
+        help="--ray: GPUs in each process's bundle",
+    )
+    parser.add_argument(
+        "--nodes", type=count_type(1, 100_000, fix="pass --nodes 2"), default=1, help="--slurm: nodes [1]"
+    )
+    parser.add_argument(
+        "--tasks-per-node",
+        type=count_type(1, 1024, fix="pass --tasks-per-node 1"),
+        default=1,
+        help="--slurm: processes per node: 1 (each with all the node's GPUs) or --gpus-per-node [1]",
+    )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=count_type(1, 1024, fix="pass --gpus-per-node 8"),
+        default=None,
+        help="--slurm: GPUs per node [none]",
+    )
+    parser.add_argument("--time", default=None, help="--slurm: time limit HH:MM:SS [the partition's]")
+    parser.add_argument("--partition", default=None, help="--slurm: partition [the cluster's default]")
+    parser.add_argument("--account", default=None, help="--slurm: account to charge [your default]")
+    parser.add_argument("--dry-run", action="store_true", help="print what would start; start nothing")
+    parser.add_argument(
+        "--plan", default=None, help="--dry-run: also resolve this plan for the job's devices"
+    )
+    parser.add_argument("--json", action="store_true", help="--dry-run: print the preview as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start (or with ``--dry-run`` describe) the processes described by ``args``; returns the exit code."""
+    _check_combination(args)
+    if args.dry_run:
+        return _dry_run(args)
+    if args.slurm:
+        return _submit_slurm(args)
+    if args.ray is not None:
+        return _run_ray(args)
+    return _run_local(args)
+
+
+def _supervision(args: argparse.Namespace) -> dict:
+    """The keyword arguments that the local and the Ray launch share."""
+    from torsh_jax.distributed.launcher import DEFAULT_EXIT_GRACE_S
+
+    return {
+        "num_processes": args.num_processes,
+        "devices_per_process": args.devices_per_process,
+        "timeout_s": args.timeout,
+        "grace_period_s": args.grace_period,
+        "exit_grace_s": DEFAULT_EXIT_GRACE_S if args.exit_grace is None else args.exit_grace,
+        "verbose_collectives": args.verbose_collectives,
+        "max_restarts": args.max_restarts,
+        "min_processes": args.min_processes,
+    }
+
+
+def _run_local(args: argparse.Namespace) -> int:
+    from torsh_jax.distributed.launcher import launch
+
+    return launch([args.script, *args.script_args], port=args.port, **_supervision(args))
+
+
+def _run_ray(args: argparse.Namespace) -> int:
+    from torsh_jax.distributed.ray_launch import ray_launch
+
+    if args.port is not None:
+        from torsh_jax.errors import DistributedError
+
+        raise DistributedError("is chosen on rank 0's node under --ray", key="--port", fix="remove --port")
+    script = [args.script, *args.script_args]
+    return ray_launch(script, address=args.ray, gpus_per_process=args.gpus_per_process, **_supervision(args))
+
+
+def _slurm_job(args: argparse.Namespace):
+    from pathlib import Path
+
+    from torsh_jax.distributed.slurm import SlurmJob
+
+    return SlurmJob(
+        nodes=args.nodes,
+        tasks_per_node=args.tasks_per_node,
+        gpus_per_node=args.gpus_per_node,
+        time=args.time,
+        partition=args.partition,
+        account=args.account,
+        job_name=Path(args.script).stem or "torsh-jax",
+        port=args.port,
+        max_restarts=args.max_restarts,
+    )
+
+
+def _submit_slurm(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from torsh_jax.distributed.slurm import sbatch_script, submit_sbatch
+
+    text = sbatch_script([args.script, *args.script_args], job=_slurm_job(args))
+    job_id = submit_sbatch(text, directory=Path.cwd())
+    print(f"submitted Slurm job {job_id}", flush=True)
+    return 0
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    import os
+    import sys
+
+    from torsh_jax.cli.output import print_json
+    from torsh_jax.distributed import preview
+
+    script = [args.script, *args.script_args]
+    if args.slurm:
+        found = preview.preview_slurm(script, job=_slurm_job(args), environ=os.environ)
+    else:
+        common = {"num_processes": args.num_processes, "devices_per_process": args.devices_per_process}
+        if args.ray is not None:
+            found = preview.preview_ray(script, address=args.ray, gpus_per_process=args.gpus_per_process,
+                                        environ=os.environ, **common)  # fmt: skip
+        else:
+            found = preview.preview_local(script, port=args.port, environ=os.environ, **common)
+    found = found.with_plan(args.plan)
+    if args.json:
+        print_json(found.as_dict())
+        return 0
+    print("\n".join(found.lines()), flush=True)
+    for warning in found.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return 0
+
+
+#: Flags that only one backend reads: flag -> (attribute, the backends that read it).
+_BACKEND_ONLY = {
+    "--gpus-per-process": ("gpus_per_process", ("ray",)),
+    "--nodes": ("nodes", ("slurm",)),
+    "--tasks-per-node": ("tasks_per_node", ("slurm",)),
+    "--gpus-per-node": ("gpus_per_node", ("slurm",)),
+    "--time": ("time", ("slurm",)),
+    "--partition": ("partition", ("slurm",)),
+    "--account": ("account", ("slurm",)),
+    "--min-processes": ("min_processes", ("local", "ray")),
+    "--devices-per-process": ("devices_per_process", ("local", "ray")),
+    "--timeout": ("timeout", ("local", "ray")),
+    "--grace-period": ("grace_period", ("local", "ray")),
+    "--exit-grace": ("exit_grace", ("local", "ray")),
+    "--verbose-collectives": ("verbose_collectives", ("local", "ray")),
+}
+_DEFAULTS = {"nodes": 1, "tasks_per_node": 1, "grace_period": 5.0, "verbose_collectives": False}
+
+
+def _check_combination(args: argparse.Namespace) -> None:
+    """Flags that the chosen backend does not read, and a missing -n, are errors naming the flag."""
+    from torsh_jax.errors import DistributedError
+
+    backend = "slurm" if args.slurm else "ray" if args.ray is not None else "local"
+    for flag, (attribute, backends) in _BACKEND_ONLY.items():
+        if backend not in backends and getattr(args, attribute) not in (None, _DEFAULTS.get(attribute)):
+            where = " or ".join(f"--{b}" if b != "local" else "a local launch" for b in backends)
+            raise DistributedError(f"is read only by {where}", key=flag, fix=f"remove {flag}")
+    if backend != "slurm" and args.num_processes is None:
+        raise DistributedError("is required (processes to start)", key="-n/--num-processes", fix="pass -n 2")
+    if backend == "slurm" and args.num_processes is not None:
+        raise DistributedError(
+            "is --nodes x --tasks-per-node under --slurm",
+            key="-n/--num-processes",
+            fix="remove -n; pass --nodes and --tasks-per-node",
+        )
+    if args.devices_per_process is not None and args.gpus_per_process is not None:
+        raise DistributedError(
+            "--devices-per-process (simulated CPU devices) with GPUs",
+            key="--gpus-per-process",
+            fix="pass only one of the two",
+        )
+    for flag, value in (("--plan", args.plan), ("--json", args.json)):
+        if value and not args.dry_run:
+            raise DistributedError(
+                "is read only with --dry-run", key=flag, fix=f"add --dry-run or remove {flag}"
+            )

@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "global_batch_from_local": "torsh_jax.distributed.data",
     "local_batch_slice": "torsh_jax.distributed.data",
     "launch": "torsh_jax.distributed.launcher",
+    "ray_launch": "torsh_jax.distributed.ray_launch",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -38,3 +39,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from torsh_jax.distributed.env import ProcessEnv, detect_environment, expand_hostlist
     from torsh_jax.distributed.init import initialize, initialized_environment
     from torsh_jax.distributed.launcher import launch
+    from torsh_jax.distributed.ray_launch import ray_launch

@@ -5,13 +5,15 @@ turns them into one :class:`ProcessEnv`. Sources, in order of precedence:
 
 1. ``torsh_launch``: ``TORSH_JAX_COORDINATOR``, ``TORSH_JAX_NUM_PROCESSES``,
    ``TORSH_JAX_PROCESS_ID`` (set by ``torsh-jax launch``).
-2. ``jax``: ``JAX_COORDINATOR_ADDRESS`` with ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``.
+2. ``jax``: ``JAX_COORDINATOR_ADDRESS`` with ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``
+   (or a Kubernetes indexed Job's ``JOB_COMPLETION_INDEX``).
 3. ``torchrun``: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
    ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
 4. ``openmpi``: ``OMPI_COMM_WORLD_SIZE``/``RANK``/``LOCAL_RANK``/``LOCAL_SIZE``
    plus ``MASTER_ADDR`` and ``MASTER_PORT``.
-5. ``slurm``: ``SLURM_NTASKS``, ``SLURM_PROCID``, ``SLURM_LOCALID``, the node list
-   (first host is the coordinator) and a port derived from ``SLURM_JOB_ID``.
+5. ``slurm``: ``SLURM_STEP_NUM_TASKS`` (or ``SLURM_NTASKS``), ``SLURM_PROCID``,
+   ``SLURM_LOCALID``, the node list (the step's first host is the coordinator) and a
+   port derived from ``SLURM_JOB_ID``.
 6. ``single``: none of the above; one process, no coordinator.
 
 ``JAX_COORDINATOR_ADDRESS`` (``host:port``) overrides the coordinator of any

@@ -33,6 +33,8 @@ LAUNCH_VARS = {
 }
 #: Where JAX itself reads the coordinator ``host:port``.
 JAX_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+#: The pod's index in a Kubernetes indexed Job (``completionMode: Indexed``).
+_K8S_INDEX = "JOB_COMPLETION_INDEX"
 
 
 @dataclass
@@ -126,7 +128,7 @@ def draft_from(reader: Reader) -> Draft:
         return _torchrun(reader)
     if reader.has("OMPI_COMM_WORLD_SIZE") or reader.has("OMPI_COMM_WORLD_RANK"):
         return _openmpi(reader)
-    if reader.has("SLURM_NTASKS") and reader.has("SLURM_PROCID"):
+    if (reader.has("SLURM_NTASKS") or reader.has("SLURM_STEP_NUM_TASKS")) and reader.has("SLURM_PROCID"):
         return _slurm(reader)
     return Draft(kind="single", num_processes=1, process_id=0, rank_key="process_id", local_key="process_id")
 
@@ -150,15 +152,17 @@ def _torsh_launch(reader: Reader) -> Draft:
 
 
 def _jax(reader: Reader) -> Draft:
+    # A Kubernetes indexed Job gives each pod its index, not JAX_PROCESS_ID.
+    rank_key = "JAX_PROCESS_ID" if reader.has("JAX_PROCESS_ID") or not reader.has(_K8S_INDEX) else _K8S_INDEX
     return Draft(
         kind="jax",
-        num_processes=reader.required("JAX_NUM_PROCESSES", minimum=1, why="JAX_PROCESS_ID is"),
-        process_id=reader.required("JAX_PROCESS_ID", why="JAX_NUM_PROCESSES is"),
+        num_processes=reader.required("JAX_NUM_PROCESSES", minimum=1, why=f"{rank_key} is"),
+        process_id=reader.required(rank_key, why="JAX_NUM_PROCESSES is"),
         coordinator=reader.text(JAX_COORDINATOR),
         coordinator_key=JAX_COORDINATOR,
         coordinator_fix=f"export {JAX_COORDINATOR}=<host of process 0>:<port>",
-        rank_key="JAX_PROCESS_ID",
-        local_key="JAX_PROCESS_ID",
+        rank_key=rank_key,
+        local_key=rank_key,
     )
 
 
@@ -208,7 +212,11 @@ def _openmpi(reader: Reader) -> Draft:
 
 
 def _slurm(reader: Reader) -> Draft:
-    ntasks = reader.required("SLURM_NTASKS", minimum=1, why="SLURM_PROCID is")
+    # Variables as srun documents them (https://slurm.schedmd.com/srun.html, OUTPUT ENVIRONMENT
+    # VARIABLES): the step's own counts and node list (SLURM_STEP_*) first, as a step may use part
+    # of the allocation; SLURM_NODEID and SLURM_LOCALID are relative to the step's nodes.
+    count_key = "SLURM_STEP_NUM_TASKS" if reader.has("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
+    ntasks = reader.required(count_key, minimum=1, why="SLURM_PROCID is")
     num_nodes = _first_int(reader, ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"))
     node_rank = reader.integer("SLURM_NODEID")
     draft = Draft(

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -54,6 +54,10 @@ __all__ = [
     "DEFAULT_EXIT_GRACE_S",
     "RESTART_VAR",
     "QUIET_LOG_LEVELS",
+    "Attempt",
+    "run_attempts",
+    "how_it_ended",
+    "check_launch_arguments",
 ]
 
 #: Exit code when the whole job exceeds ``timeout_s`` (as coreutils ``timeout``), or a
@@ -134,39 +138,116 @@ def launch(
     Raises:
         DistributedError: bad arguments or a missing script.
     """
-    _check_arguments(script_and_args, num_processes, devices_per_process, port, timeout_s)
-    _check_exit_grace(exit_grace_s)
-    _check_restarts(max_restarts, min_processes, num_processes)
-    fewest = num_processes if min_processes is None else min_processes
+    check_launch_arguments(
+        script_and_args,
+        num_processes=num_processes,
+        devices_per_process=devices_per_process,
+        port=port,
+        timeout_s=timeout_s,
+        exit_grace_s=exit_grace_s,
+        max_restarts=max_restarts,
+        min_processes=min_processes,
+    )
     base = os.environ if environ is None else environ
     out = sys.stdout if output is None else output
     err = error_output if error_output is not None else (sys.stderr if output is None else output)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    count = num_processes
     reaper = Reaper.start()  # before the first process: none may outlive the launcher
+    say = _Supervisor(out, err, grace_period_s, reaper)._say
+
+    def attempt_once(attempt: int, count: int) -> Attempt:
+        chosen_port = port if port is not None else free_port()
+        layout = {"count": count, "port": chosen_port, "devices": devices_per_process}
+        envs = [
+            {**child_environment(base, rank=rank, verbose_collectives=verbose_collectives, **layout),
+             RESTART_VAR: str(attempt)}
+            for rank in range(count)
+        ]  # fmt: skip
+        supervisor = _Supervisor(
+            out, err, grace_period_s, reaper, exit_grace_s, verbose_collectives=verbose_collectives
+        )
+        code = supervisor.run(script_and_args, envs, timeout_s, deadline)
+        failed = supervisor.first_failure
+        return Attempt(code=code, failed_rank=None if failed is None else failed.rank)
+
     try:
-        for attempt in range(max_restarts + 1):
-            chosen_port = port if port is not None else free_port()
-            layout = {"count": count, "port": chosen_port, "devices": devices_per_process}
-            envs = [
-                {**child_environment(base, rank=rank, verbose_collectives=verbose_collectives, **layout),
-                 RESTART_VAR: str(attempt)}
-                for rank in range(count)
-            ]  # fmt: skip
-            supervisor = _Supervisor(
-                out, err, grace_period_s, reaper, exit_grace_s, verbose_collectives=verbose_collectives
-            )
-            code = supervisor.run(script_and_args, envs, timeout_s, deadline)
-            if code == 0 or supervisor.first_failure is None or attempt == max_restarts:
-                return code  # done, timed out, stopped by a signal, or out of restarts
-            count = max(fewest, count - 1)
-            lost = f"rank {supervisor.first_failure.rank} dropped, " if count < len(envs) else ""
-            supervisor._say(
-                f"restarting on {count} process(es) ({lost}restart {attempt + 1} of {max_restarts})"
-            )
+        return run_attempts(
+            attempt_once,
+            num_processes=num_processes,
+            max_restarts=max_restarts,
+            min_processes=min_processes,
+            say=say,
+        )
     finally:
         reaper.close()
-    return code
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """How one start of all processes ended: the job's exit code and the rank that failed first
+    (``None``: all exited 0, or the job was stopped by a timeout or a signal: no restart)."""
+
+    code: int
+    failed_rank: int | None = None
+
+
+def run_attempts(
+    attempt_once: Callable[[int, int], Attempt],
+    /,
+    *,
+    num_processes: int,
+    max_restarts: int,
+    min_processes: int | None,
+    say: Callable[[str], None],
+) -> int:
+    """Run ``attempt_once(attempt, count)`` until it succeeds, is stopped or restarts run out.
+
+    The restart rule every backend shares: after a failure, start again (up to
+    ``max_restarts`` times), each time one process fewer (the failed one, as if
+    its host were lost) while more than ``min_processes`` are left; ``None``
+    keeps ``num_processes``. Returns the last attempt's exit code.
+
+    Example:
+        >>> codes = iter([Attempt(1, failed_rank=1), Attempt(0)])
+        >>> run_attempts(lambda attempt, count: next(codes), num_processes=2, max_restarts=1,
+        ...              min_processes=1, say=print)
+        restarting on 1 process(es) (rank 1 dropped, restart 1 of 1)
+        0
+    """
+    _check_restarts(max_restarts, min_processes, num_processes)
+    fewest = num_processes if min_processes is None else min_processes
+    count = num_processes
+    for attempt in range(max_restarts + 1):
+        result = attempt_once(attempt, count)
+        if result.code == 0 or result.failed_rank is None or attempt == max_restarts:
+            return result.code  # done, timed out, stopped by a signal, or out of restarts
+        next_count = max(fewest, count - 1)
+        lost = f"rank {result.failed_rank} dropped, " if next_count < count else ""
+        say(f"restarting on {next_count} process(es) ({lost}restart {attempt + 1} of {max_restarts})")
+        count = next_count
+    return result.code
+
+
+def check_launch_arguments(
+    script_and_args: Sequence[str],
+    /,
+    *,
+    num_processes: int,
+    devices_per_process: int | None,
+    port: int | None,
+    timeout_s: float | None,
+    exit_grace_s: float,
+    max_restarts: int,
+    min_processes: int | None,
+) -> None:
+    """Check what every launch backend takes (see :func:`launch`) before anything starts.
+
+    Raises:
+        DistributedError: naming the argument (``num_processes``, ``port``, ...) and its fix.
+    """
+    _check_arguments(script_and_args, num_processes, devices_per_process, port, timeout_s)
+    _check_exit_grace(exit_grace_s)
+    _check_restarts(max_restarts, min_processes, num_processes)
 
 
 def _check_exit_grace(exit_grace_s: float) -> None:
@@ -251,8 +332,11 @@ def child_environment(
     port: int,
     devices: int | None,
     verbose_collectives: bool = False,
+    host: str = "127.0.0.1",
 ) -> dict[str, str]:
     """The environment of process ``rank``: ``base`` plus the ``TORSH_JAX_*`` layout variables.
+
+    The coordinator is ``host:port`` (rank 0's host).
 
     Unless ``verbose_collectives``, ``TF_CPP_MIN_LOG_LEVEL`` and ``GLOG_minloglevel``
     default to ``2`` (XLA/gloo C++ errors only; a value already in ``base`` wins).
@@ -263,7 +347,7 @@ def child_environment(
         ('127.0.0.1:29500', '1', '2')
     """
     env = dict(base)
-    env[LAUNCH_VARS["coordinator"]] = f"127.0.0.1:{port}"
+    env[LAUNCH_VARS["coordinator"]] = f"{host}:{port}"
     env[LAUNCH_VARS["num_processes"]] = str(count)
     env[LAUNCH_VARS["process_id"]] = str(rank)
     env.pop(LAUNCH_VARS["devices_per_process"], None)
@@ -459,8 +543,19 @@ class _Supervisor:
 
 
 def _how(child: _Child) -> str:
-    code = child.process.returncode
-    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    return how_it_ended(child.process.returncode)
+
+
+def how_it_ended(returncode: int) -> str:
+    """``exited with code 3`` or ``was killed by SIGKILL`` (a negative ``returncode``: the signal).
+
+    Example:
+        >>> how_it_ended(-9), how_it_ended(1)
+        ('was killed by SIGKILL', 'exited with code 1')
+    """
+    if returncode < 0:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    return f"exited with code {returncode}"
 
 
 def _wait_unreaped(process: subprocess.Popen) -> None:
