@@ -64,6 +64,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--resume", action="store_true",
         help="continue from the newest complete checkpoint in --checkpoint-dir, up to --steps in total",
     )  # fmt: skip
+    parser.add_argument("--log-dir", metavar="DIR", default=None,
+                        help="write a run log here: plan, inspect report, one JSON line per step "
+                             "(docs/report.md)")  # fmt: skip
+    parser.add_argument("--profile", metavar="STEPS", default=None,
+                        help="trace steps FIRST:LAST (3:5) with jax.profiler into --log-dir")  # fmt: skip
+    parser.add_argument("--tensorboard", action="store_true",
+                        help="also write TensorBoard scalars into --log-dir (tensorboardX)")  # fmt: skip
     parser.set_defaults(func=run)
 
 
@@ -148,6 +155,9 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir,
         save_every=args.save_every,
         resume=args.resume,
+        log_dir=args.log_dir,
+        profile=args.profile,
+        tensorboard=args.tensorboard,
     )
     if args.json:
         print_json(run_demo(config, emit=print_json))
@@ -174,9 +184,9 @@ def _compile_for_target(args: argparse.Namespace) -> int:
         raise TargetError(
             "slices need a TPU target", key="--slices", fix="add --target v5e-16, or drop --slices"
         )
-    if args.verify or args.checkpoint_dir or args.resume:
+    if args.verify or args.checkpoint_dir or args.resume or args.log_dir:
         raise TargetError(
-            "--verify and checkpoints need a run",
+            "--verify, checkpoints and --log-dir need a run",
             key="--target",
             fix="drop them with --compile-only --target",
         )

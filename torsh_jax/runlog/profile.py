@@ -1,0 +1,68 @@
+"""Which steps ``jax.profiler`` traces: ``--profile 3:5`` (steps 3 to 5, both included) or ``--profile 4``.
+
+Example:
+    >>> ProfileWindow.parse("3:5")
+    ProfileWindow(first=3, last=5)
+    >>> 4 in ProfileWindow.parse("3:5"), 6 in ProfileWindow.parse("3:5")
+    (True, False)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from torsh_jax.errors import RunLogError
+
+__all__ = ["ProfileWindow", "trace_files", "HOW_TO_OPEN"]
+
+#: How to look at a trace, shown in the report.
+HOW_TO_OPEN = (
+    "open perfetto_trace.json.gz at https://ui.perfetto.dev (Open trace file; the file stays in the "
+    "browser), or the directory with XProf: pip install xprof && xprof --logdir DIR/profile"
+)
+
+
+@dataclass(frozen=True)
+class ProfileWindow:
+    """Global steps ``first`` to ``last`` (1-based, both included)."""
+
+    first: int
+    last: int
+
+    def __contains__(self, step: int) -> bool:
+        return self.first <= step <= self.last
+
+    @classmethod
+    def parse(cls, text: str, /, *, key: str = "--profile") -> ProfileWindow:
+        """``"3:5"`` or ``"4"``.
+
+        Raises:
+            RunLogError: another form, a step below 1 or a last step before the first.
+        """
+        match = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(text))
+        if match is None:
+            raise RunLogError(
+                f"cannot read {text!r}", key=key, fix="write FIRST:LAST steps, e.g. 3:5, or one step"
+            )
+        first = int(match.group(1))
+        last = int(match.group(2) or first)
+        if first < 1 or last < first:
+            raise RunLogError(
+                f"steps {first} to {last} are not a window of steps counted from 1",
+                key=key,
+                fix=f"write {max(first, 1)}:{max(first, last, 1)}",
+            )
+        return cls(first, last)
+
+    def to_dict(self) -> dict:
+        return {"first": self.first, "last": self.last}
+
+
+def trace_files(profile_dir: Path) -> list[Path]:
+    """The traces ``jax.profiler`` wrote under ``profile_dir``: Perfetto JSON and XProf ``.xplane.pb``."""
+    if not profile_dir.is_dir():
+        return []
+    found = [*profile_dir.rglob("*.trace.json.gz"), *profile_dir.rglob("perfetto_trace.json.gz")]
+    return sorted(set(found) | set(profile_dir.rglob("*.xplane.pb")))
