@@ -12,6 +12,7 @@ from typing import Any
 from torsh_jax.demo.model import LMConfig, param_count
 from torsh_jax.runlog.flops import peak_flops, step_flops
 from torsh_jax.runlog.log import RunLog, describe_devices
+from torsh_jax.runlog.profile import hlo_module_name
 
 __all__ = ["demo_run_log", "model_flops_per_step", "MODEL_FLOPS_SOURCE"]
 
@@ -39,6 +40,7 @@ def demo_run_log(config, train, compiled, summary: dict, *, cfg: LMConfig, shape
     )
     header = describe_devices(devices, train.mesh) | {
         "command": "demo",
+        "hlo_module": hlo_module_name(compiled),
         "plan": train.plan.name,
         "model": {"d_model": cfg.d_model, "layers": cfg.layers, "vocab": cfg.vocab, "seq_len": cfg.seq_len},
         "global_batch_size": train.global_batch_size,

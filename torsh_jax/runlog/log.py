@@ -72,6 +72,8 @@ class RunLog:
         profile: steps to trace with ``jax.profiler`` (``"3:5"`` or a :class:`ProfileWindow`).
         tensorboard: also write TensorBoard scalars (needs ``tensorboardX``; skipped, and said so in
             ``run.json``, without it).
+        machine: a :class:`~torsh_jax.planner.Machine` (``torsh-jax calibrate``, or a target's): its
+            links' α-β figures model the communication time when no profile measures it.
 
     Raises:
         RunLogError: the directory cannot be written, or ``profile`` is malformed.
@@ -91,6 +93,7 @@ class RunLog:
         inspect: dict | None = None,
         profile: str | ProfileWindow | None = None,
         tensorboard: bool = False,
+        machine: Any = None,
     ):
         self.window = ProfileWindow.parse(profile) if isinstance(profile, str) else profile
         self.path = files.make_run_dir(directory)
@@ -105,6 +108,9 @@ class RunLog:
             **self.peak.to_dict(),
             "profile": self.window.to_dict() if self.window else None,
         }
+        if machine is not None:
+            self._header["links"] = {kind: vars(link) for kind, link in machine.links.items()}
+            self._header["links_source"] = f"{machine.name}: {machine.source}"
         self._writer = _tensorboard_writer(self.path) if tensorboard else None
         self._header["tensorboard"] = _tensorboard_state(tensorboard, self._writer)
         self._write_static(plan, inspect)
@@ -120,6 +126,7 @@ class RunLog:
         from the compiled program and the peak from the devices. ``options`` as for the constructor,
         and ``model_flops_per_step``, ``peak_flops``."""
         from torsh_jax.runlog.flops import peak_flops, step_flops
+        from torsh_jax.runlog.profile import hlo_module_name
         from torsh_jax.runtime.inspect import inspect_step
 
         compiled = train.lower(state, batch).compile()
@@ -129,7 +136,8 @@ class RunLog:
         )
         peak = peak_flops(devices, given=options.pop("peak_flops", None))
         summary = inspect_step(train, state, batch, compiled=compiled)
-        header = describe_devices(devices, train.mesh) | options.pop("header", {})
+        header = describe_devices(devices, train.mesh) | {"hlo_module": hlo_module_name(compiled)}
+        header |= options.pop("header", {})
         return cls(
             directory,
             header=header,

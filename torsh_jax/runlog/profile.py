@@ -9,13 +9,16 @@ Example:
 
 from __future__ import annotations
 
+import gzip
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torsh_jax.errors import RunLogError
 
-__all__ = ["ProfileWindow", "trace_files", "HOW_TO_OPEN"]
+__all__ = ["ProfileWindow", "trace_files", "HOW_TO_OPEN", "hlo_module_name", "collective_seconds"]
 
 #: How to look at a trace, shown in the report.
 HOW_TO_OPEN = (
@@ -66,3 +69,36 @@ def trace_files(profile_dir: Path) -> list[Path]:
         return []
     found = [*profile_dir.rglob("*.trace.json.gz"), *profile_dir.rglob("perfetto_trace.json.gz")]
     return sorted(set(found) | set(profile_dir.rglob("*.xplane.pb")))
+
+
+def hlo_module_name(compiled: Any) -> str | None:
+    """The compiled program's HLO module name (``jit_step``), which names its ops in a trace."""
+    first = compiled.as_text().split("\n", 1)[0].split()
+    return first[1].rstrip(",") if len(first) > 1 and first[0] == "HloModule" else None
+
+
+def _trace_events(path: Path) -> list[dict]:
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        data = json.load(handle)
+    return data.get("traceEvents", []) if isinstance(data, dict) else data
+
+
+def collective_seconds(
+    trace: Path, collectives: list[dict], /, *, module: str | None = None
+) -> dict[str, float]:
+    """Seconds the traced devices spent in each mesh-axis set's collectives, summed over devices and
+    traced steps: the trace's op events named as ``collectives`` (the ``inspect`` summary's rows) are,
+    in the program ``module``. On CPU an op's time includes waiting for the other devices."""
+    axes_of = {
+        c["name"]: "+".join(c["axes"]) if c["axes"] else "-" for c in collectives if c.get("axes") is not None
+    }
+    seconds: dict[str, float] = {}
+    for event in _trace_events(trace):
+        args = event.get("args") or {}
+        op = args.get("hlo_op")
+        if event.get("ph") != "X" or op not in axes_of:
+            continue
+        if module is not None and args.get("hlo_module", module) != module:
+            continue
+        seconds[axes_of[op]] = seconds.get(axes_of[op], 0.0) + float(event.get("dur", 0.0)) / 1e6
+    return seconds
