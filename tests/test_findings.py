@@ -28,15 +28,35 @@ def _run(
     """A healthy run of ``plan_name`` on 8 devices: steady 0.1 s steps, 0.4 % of memory, fast links."""
     plan = load_plan(plan_name)
     mesh = mesh or {"data": 1, "stage": 1, "fsdp": 8, "tensor": 1}
-    header = {"devices": 8, "plan": plan.name, "memory_capacity_bytes": CAPACITY, "memory_capacity_source": "test",
-              "model": {"layers": 4}, "links": links, "links_source": "test machine"}  # fmt: skip
-    summary = {"mesh": mesh, "shard_param_count": params, "collectives": [],
-               "state_bytes_per_device": {"opt_state": params * 8 // mesh["fsdp"]},
-               "memory": {"peak_estimate_bytes": peak},
-               "totals": {"by_axis": {"fsdp": {"count": 12, "wire_bytes": 2.3e6}}}, **inspect}  # fmt: skip
+    header = {
+        "devices": 8,
+        "plan": plan.name,
+        "memory_capacity_bytes": CAPACITY,
+        "memory_capacity_source": "test",
+        "model": {"layers": 4},
+        "links": links,
+        "links_source": "test machine",
+    }
+    summary = {
+        "mesh": mesh,
+        "shard_param_count": params,
+        "collectives": [],
+        "state_bytes_per_device": {"opt_state": params * 8 // mesh["fsdp"]},
+        "memory": {"peak_estimate_bytes": peak},
+        "totals": {"by_axis": {"fsdp": {"count": 12, "wire_bytes": 2.3e6}}},
+        **inspect,
+    }
     steps = [{"step": 1, "step_time_s": 0.5, "compiles": 1, "compile_s": 0.4, "profiled": False}]
-    steps += [{"step": i, "step_time_s": 0.1 * (1 + 0.01 * (i % 3)), "compiles": 0, "compile_s": 0.0,
-               "profiled": False} for i in range(2, 13)]  # fmt: skip
+    steps += [
+        {
+            "step": i,
+            "step_time_s": 0.1 * (1 + 0.01 * (i % 3)),
+            "compiles": 0,
+            "compile_s": 0.0,
+            "profiled": False,
+        }
+        for i in range(2, 13)
+    ]
     return Run(tmp_path, header, summary, plan_to_toml(plan), steps)
 
 
@@ -51,8 +71,10 @@ def test_heavy_communication_suggests_the_stage_with_fewer_bytes(tmp_path):
     share = (12 * 1e-6 + 2.3e6 / 3e7) / 0.101  # the steady steps' median
     assert found.figures["share"] == pytest.approx(share, rel=0.02) and found.source.startswith("modelled")
     plan = load_plan("zero3")
-    now, zero2 = (plan_theory(p, param_count=PARAMS, num_devices=8, layers=4).wire_bytes
-                  for p in (plan, replace(plan, zero=replace(plan.zero, stage=2))))  # fmt: skip
+    now, zero2 = (
+        plan_theory(p, param_count=PARAMS, num_devices=8, layers=4).wire_bytes
+        for p in (plan, replace(plan, zero=replace(plan.zero, stage=2)))
+    )
     (suggestion,) = found.suggestions
     assert (
         suggestion.startswith("ZeRO-2 instead of ZeRO-3") and f"{now / zero2:.2g}× fewer bytes" in suggestion
@@ -78,8 +100,10 @@ def test_a_large_bubble_suggests_more_microbatches(tmp_path):
     (found,) = findings(run)
     assert found.kind == "bubble" and found.severity == "high" and found.figures["bubble"] == pipe["bubble"]
     eight = build_pipeline_schedule("1f1b", stages=4, microbatches=8).bubble
-    assert any(f"microbatches 4 -> 8: bubble {100 * pipe['bubble']:.0f} % -> {100 * eight:.0f} %" in s
-               for s in found.suggestions)  # fmt: skip
+    assert any(
+        f"microbatches 4 -> 8: bubble {100 * pipe['bubble']:.0f} % -> {100 * eight:.0f} %" in s
+        for s in found.suggestions
+    )
 
 
 def test_a_recompiling_step_is_named(tmp_path):
@@ -104,8 +128,10 @@ def test_communication_is_measured_on_a_profile(tmp_path):
     run = _run(tmp_path, collectives=collectives, links=None)
     for record in run.steps[2:4]:
         record["profiled"] = True  # steps 3 and 4, 0.1 s each
-    events = [{"ph": "X", "name": op, "dur": dur, "args": {"hlo_op": op, "hlo_module": "jit_step"}}
-              for op, dur in (("all-gather.1", 40_000.0), ("all-reduce.2", 8_000.0), ("fusion.3", 9e6))]  # fmt: skip
+    events = [
+        {"ph": "X", "name": op, "dur": dur, "args": {"hlo_op": op, "hlo_module": "jit_step"}}
+        for op, dur in (("all-gather.1", 40_000.0), ("all-reduce.2", 8_000.0), ("fusion.3", 9e6))
+    ]
     trace = tmp_path / "profile" / "plugins" / "profile" / "x" / "perfetto_trace.json.gz"
     trace.parent.mkdir(parents=True)
     trace.write_bytes(gzip.compress(json.dumps({"traceEvents": events * 8}).encode()))  # 8 devices

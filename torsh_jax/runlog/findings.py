@@ -70,8 +70,12 @@ def _measured_share(run: Run) -> dict | None:
     step_s = statistics.mean(s["step_time_s"] for s in profiled)
     first, last = profiled[0]["step"], profiled[-1]["step"]
     source = f"measured: collective ops in the profile of steps {first}-{last} (waiting for peers included)"
-    return {"share": sum(per_step.values()) / step_s, "seconds_by_axis": per_step, "step_s": step_s,
-            "source": source}  # fmt: skip
+    return {
+        "share": sum(per_step.values()) / step_s,
+        "seconds_by_axis": per_step,
+        "step_s": step_s,
+        "source": source,
+    }
 
 
 def _modelled_share(run: Run) -> dict | None:
@@ -87,8 +91,12 @@ def _modelled_share(run: Run) -> dict | None:
     source = (
         f"modelled: inspect's wire bytes per axis over the in-slice link ({run.header.get('links_source')})"
     )
-    return {"share": sum(per_step.values()) / step_s, "seconds_by_axis": per_step, "step_s": step_s,
-            "source": source}  # fmt: skip
+    return {
+        "share": sum(per_step.values()) / step_s,
+        "seconds_by_axis": per_step,
+        "step_s": step_s,
+        "source": source,
+    }
 
 
 def communication_share(run: Run) -> dict | None:
@@ -105,20 +113,23 @@ def _communication(run: Run) -> Finding | None:
     capacity = run.header.get("memory_capacity_bytes")
     fewer = [o for o in zero_options(run, stages=(0, 1, 2, 3)) if o.wire_bytes < o.current_wire_bytes]
     best = max(fewer, key=lambda o: (-o.wire_bytes, o.stage), default=None)  # fewest bytes, least memory
-    suggestions = (
-        []
-        if best is None
-        else [
-            f"{best.label} instead of ZeRO-{run.plan().zero.stage}: {best.bytes_phrase()}, {best.memory_phrase(capacity)}"
-        ]
-    )
+    suggestions = []
+    if best is not None:
+        instead = f"{best.label} instead of ZeRO-{run.plan().zero.stage}"
+        suggestions.append(f"{instead}: {best.bytes_phrase()}, {best.memory_phrase(capacity)}")
     title = f"communication takes {percent(comm['share'], 1)} of the step ({axes})"
     if comm["share"] > 1:
         title += ": more than the measured step, so the machine's link figures do not describe this run"
     else:
         suggestions += _accumulation_suggestion(run, comm)
-    return Finding("communication", "high" if comm["share"] >= 0.5 else "medium", title,
-                   comm["source"], tuple(suggestions), comm)  # fmt: skip
+    return Finding(
+        "communication",
+        "high" if comm["share"] >= 0.5 else "medium",
+        title,
+        comm["source"],
+        tuple(suggestions),
+        comm,
+    )
 
 
 def _accumulation_suggestion(run: Run, comm: dict) -> list[str]:
@@ -129,8 +140,10 @@ def _accumulation_suggestion(run: Run, comm: dict) -> list[str]:
     c = comm["share"] * comm["step_s"]
     new = c / (c + 2 * (comm["step_s"] - c))
     a = plan.batch.accumulation_steps
-    return [f"batch.accumulation_steps {a} -> {2 * a} (twice the global batch): communication "
-            f"{percent(comm['share'], 1)} -> {percent(new, 1)} of the step (one reduction per step)"]  # fmt: skip
+    return [
+        f"batch.accumulation_steps {a} -> {2 * a} (twice the global batch): communication "
+        f"{percent(comm['share'], 1)} -> {percent(new, 1)} of the step (one reduction per step)"
+    ]
 
 
 def _memory(run: Run) -> Finding | None:
@@ -141,20 +154,29 @@ def _memory(run: Run) -> Finding | None:
     plan = run.plan()
     stage = plan.zero.stage if plan else None
     worthwhile = 0.01 * capacity  # a change that saves less is not shown
-    suggestions = [f"{o.label} instead of ZeRO-{stage}: {o.memory_phrase(capacity)}, {o.bytes_phrase()}"
-                   for o in zero_options(run, stages=(1, 2, 3))
-                   if o.peak_bytes is not None and o.peak_bytes < peak - worthwhile]  # fmt: skip
+    suggestions = [
+        f"{o.label} instead of ZeRO-{stage}: {o.memory_phrase(capacity)}, {o.bytes_phrase()}"
+        for o in zero_options(run, stages=(1, 2, 3))
+        if o.peak_bytes is not None and o.peak_bytes < peak - worthwhile
+    ]
     optimizer = (run.inspect.get("state_bytes_per_device") or {}).get("opt_state", 0)
     if plan is not None and optimizer >= worthwhile and not plan.zero.offload_optimizer:
         rest = peak - optimizer
-        suggestions.append(f"zero.offload_optimizer = true: peak ≈ {format_bytes(rest)} "
-                           f"({percent(rest, capacity)} of {format_bytes(capacity)}), the "
-                           f"{format_bytes(optimizer)} of optimizer state per device in host memory")  # fmt: skip
+        suggestions.append(
+            f"zero.offload_optimizer = true: peak ≈ {format_bytes(rest)} "
+            f"({percent(rest, capacity)} of {format_bytes(capacity)}), the "
+            f"{format_bytes(optimizer)} of optimizer state per device in host memory"
+        )
     source = f"compiled step's memory_analysis peak; capacity: {run.header.get('memory_capacity_source')}"
-    return Finding("memory", "high" if peak >= 0.9 * capacity else "medium",
-                   f"peak memory {format_bytes(peak)} is {percent(peak, capacity)} of the device's "
-                   f"{format_bytes(capacity)}", source, tuple(suggestions or _activation_hint(run, peak)),
-                   {"peak_bytes": peak, "capacity_bytes": capacity})  # fmt: skip
+    return Finding(
+        "memory",
+        "high" if peak >= 0.9 * capacity else "medium",
+        f"peak memory {format_bytes(peak)} is {percent(peak, capacity)} of the device's "
+        f"{format_bytes(capacity)}",
+        source,
+        tuple(suggestions or _activation_hint(run, peak)),
+        {"peak_bytes": peak, "capacity_bytes": capacity},
+    )
 
 
 def _activation_hint(run: Run, peak: int) -> tuple[str, ...]:
@@ -163,9 +185,11 @@ def _activation_hint(run: Run, peak: int) -> tuple[str, ...]:
     temp = (run.inspect.get("memory") or {}).get("temp_bytes")
     if state is None or temp is None:
         return ()
-    return (f"the training state is {format_bytes(state)} of the {format_bytes(peak)} peak and the "
-            f"temporaries {format_bytes(temp)} (activations, gradients): they scale with "
-            f"batch.micro_batch_size (fewer rows per micro-step, more accumulation steps)",)  # fmt: skip
+    return (
+        f"the training state is {format_bytes(state)} of the {format_bytes(peak)} peak and the "
+        f"temporaries {format_bytes(temp)} (activations, gradients): they scale with "
+        f"batch.micro_batch_size (fewer rows per micro-step, more accumulation steps)",
+    )
 
 
 def _bubble(run: Run) -> Finding | None:
@@ -173,22 +197,32 @@ def _bubble(run: Run) -> Finding | None:
     if not pipe or pipe["bubble"] < 0.15:
         return None
     plan, step_s = run.plan(), _median_step_s(run)
-    options = pipeline_options(pipe, micro_batch_size=plan.batch.micro_batch_size if plan else None,
-                               layers=(run.header.get("model") or {}).get("layers"))  # fmt: skip
+    options = pipeline_options(
+        pipe,
+        micro_batch_size=plan.batch.micro_batch_size if plan else None,
+        layers=(run.header.get("model") or {}).get("layers"),
+    )
     suggestions = []
     for change, bubble in options:
         if bubble >= pipe["bubble"]:
             continue
         text = f"{change}: bubble {percent(pipe['bubble'], 1)} -> {percent(bubble, 1)}"
         if step_s:  # the busy time kept, the idle share changed
-            text += f", step ≈ {step_s * (1 - pipe['bubble']) / (1 - bubble) * 1e3:.1f} ms (now {step_s * 1e3:.1f})"
+            busy_ms = step_s * (1 - pipe["bubble"]) * 1e3
+            text += f", step ≈ {busy_ms / (1 - bubble):.1f} ms (now {step_s * 1e3:.1f})"
         suggestions.append(text)
     title = (
         f"pipeline bubble: {percent(pipe['bubble'], 1)} of the {pipe['schedule']} schedule's slots idle "
         f"({pipe['stages']} stages, {pipe['microbatches']} micro-batches)"
     )
-    return Finding("bubble", "high" if pipe["bubble"] >= 0.3 else "medium", title,
-                   "the schedule table of the compiled step", tuple(suggestions), {"bubble": pipe["bubble"]})  # fmt: skip
+    return Finding(
+        "bubble",
+        "high" if pipe["bubble"] >= 0.3 else "medium",
+        title,
+        "the schedule table of the compiled step",
+        tuple(suggestions),
+        {"bubble": pipe["bubble"]},
+    )
 
 
 def _recompilation(run: Run) -> Finding | None:
@@ -199,13 +233,20 @@ def _recompilation(run: Run) -> Finding | None:
     total = sum(s.get("step_time_s") or 0.0 for s in run.steps) or 1.0
     compiles = sum(s["compiles"] for s in again)
     steps = ", ".join(str(s["step"]) for s in again[:8]) + (" ..." if len(again) > 8 else "")
-    suggestions = (f"keep the shapes and dtypes of the step's inputs fixed (pad the last batch): "
-                   f"{seconds:.2f} s of compiling, {percent(seconds, total)} of the steps' time",
-                   "check for it in tests: TrainStep.traces (or chex.assert_max_traces) must stay 1")  # fmt: skip
+    suggestions = (
+        f"keep the shapes and dtypes of the step's inputs fixed (pad the last batch): "
+        f"{seconds:.2f} s of compiling, {percent(seconds, total)} of the steps' time",
+        "check for it in tests: TrainStep.traces (or chex.assert_max_traces) must stay 1",
+    )
     severity = "high" if len(again) >= 2 or seconds >= 0.1 * total else "medium"
-    return Finding("recompilation", severity, f"{compiles} compiles after the first step (steps {steps})",
-                   "jax.monitoring backend-compile events counted per step", suggestions,
-                   {"steps": [s["step"] for s in again], "compiles": compiles, "compile_s": seconds})  # fmt: skip
+    return Finding(
+        "recompilation",
+        severity,
+        f"{compiles} compiles after the first step (steps {steps})",
+        "jax.monitoring backend-compile events counted per step",
+        suggestions,
+        {"steps": [s["step"] for s in again], "compiles": compiles, "compile_s": seconds},
+    )
 
 
 def _jitter(run: Run) -> Finding | None:
@@ -218,18 +259,27 @@ def _jitter(run: Run) -> Finding | None:
         return None
     slow = sorted((s for s in steady if s["step_time_s"] > 1.5 * median), key=lambda s: -s["step_time_s"])
     lost = sum(s["step_time_s"] - median for s in slow)
-    suggestions = [f"{len(slow)} steps over 1.5× the median cost {lost:.3f} s more than median steps "
-                   f"({percent(lost, sum(times))} of the steady steps' time)"]  # fmt: skip
+    suggestions = [
+        f"{len(slow)} steps over 1.5× the median cost {lost:.3f} s more than median steps "
+        f"({percent(lost, sum(times))} of the steady steps' time)"
+    ]
     if slow:
         worst = slow[0]["step"]
-        suggestions.append(f"trace the slowest, step {worst} ({slow[0]['step_time_s'] * 1e3:.1f} ms): "
-                           f"--profile {worst}:{worst}")  # fmt: skip
+        suggestions.append(
+            f"trace the slowest, step {worst} ({slow[0]['step_time_s'] * 1e3:.1f} ms): "
+            f"--profile {worst}:{worst}"
+        )
     title = (
         f"step time jitter: p90 {p90 * 1e3:.1f} ms is {p90 / median:.2f}× the median {median * 1e3:.1f} ms"
     )
-    return Finding("jitter", "medium" if p90 >= 1.5 * median else "low", title,
-                   f"step_time_s of {len(steady)} steady steps", tuple(suggestions),
-                   {"median_s": median, "p90_s": p90})  # fmt: skip
+    return Finding(
+        "jitter",
+        "medium" if p90 >= 1.5 * median else "low",
+        title,
+        f"step_time_s of {len(steady)} steady steps",
+        tuple(suggestions),
+        {"median_s": median, "p90_s": p90},
+    )
 
 
 def findings(run: Run) -> list[Finding]:

@@ -124,8 +124,11 @@ def pipeline_options(
     from torsh_jax.pipeline.schedule import build_pipeline_schedule
 
     p, m, v, name = pipe["stages"], pipe["microbatches"], pipe["virtual_stages"], pipe["schedule"]
-    tries = [(f"pipeline.microbatches {m} -> {k * m}", name, k * m, v) for k in (2, 4)
-             if micro_batch_size is None or micro_batch_size % (k * m) == 0]  # fmt: skip
+    tries = [
+        (f"pipeline.microbatches {m} -> {k * m}", name, k * m, v)
+        for k in (2, 4)
+        if micro_batch_size is None or micro_batch_size % (k * m) == 0
+    ]
     if name != "interleaved" and layers and layers % (2 * p) == 0 and m % p == 0:
         tries.append(("schedule interleaved with virtual_stages 2", "interleaved", m, 2))
     options = []
