@@ -101,3 +101,91 @@ def test_demo_model_flops_are_the_planners_count():
     widths = {"d_model": 32, "seq_len": cfg.seq_len, "vocab": cfg.vocab, "heads": 2, "mlp": 128}
     per_token = ModelShape.from_params(shapes, **widths).train_flops_per_token(recompute=False)
     assert model_flops_per_step(cfg, shapes, 1000) == pytest.approx(per_token * 1000)
+
+
+# --- the report and the dashboard (the same run) -------------------------------------------------
+
+
+def _report(run_dir: Path, out: Path, *more: Path) -> str:
+    assert main(["report", str(run_dir), *map(str, more), "-o", str(out)]) == 0
+    return out.read_text()
+
+
+def test_the_report_is_one_offline_file_with_a_point_per_step(run_dir, tmp_path, capsys):
+    html = _report(run_dir, tmp_path / "report.html")
+    assert "<script" not in html and "<link" not in html and " src=" not in html and "url(" not in html
+    loss = html.split('data-key="loss"', 1)[1].split("</svg>", 1)[0]
+    assert loss.count('class="pt"') == STEPS
+    traces = [line for line in html.split('href="')[1:] if "perfetto_trace.json.gz" in line.split('"')[0]]
+    assert traces and (tmp_path / traces[0].split('"')[0]).resolve().is_file()  # relative to the page
+    both = _report(run_dir, tmp_path / "compare.html", run_dir)
+    assert both.split('data-key="loss"', 1)[1].split("</svg>", 1)[0].count('class="pt"') == 2 * STEPS
+    assert "B / A" in both
+
+
+def test_report_of_a_directory_without_a_run_is_one_line(capsys, tmp_path):
+    assert main(["report", str(tmp_path), "-o", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not a run directory" in err and "Fix:" in err
+
+
+@pytest.fixture
+def dashboard(run_dir, tmp_path):
+    """A dashboard on a copy of the run (its last step held back), on a free port of 127.0.0.1."""
+    import shutil
+    import threading
+
+    from torsh_jax.runlog.dashboard import make_server
+
+    live = tmp_path / "live"
+    shutil.copytree(run_dir, live)
+    lines = (live / STEPS_FILE).read_text().splitlines(keepends=True)
+    (live / STEPS_FILE).write_text("".join(lines[:-1]))
+    server = make_server(live, port=0)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", live, lines[-1]
+    server.shutdown()
+    server.server_close()
+
+
+def _status(url: str, method: str = "GET") -> int:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=10) as answer:
+            return answer.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/files/..%2f..%2fetc%2fpasswd",
+        "/files/%2e%2e/%2e%2e/etc/passwd",
+        "/files/%2fetc%2fpasswd",
+        "/files/..%5c..%5crun.json",
+        "/files/%252e%252e/run.json",
+        "/files/profile",
+        "/files/../run.json",
+    ],
+)
+def test_dashboard_serves_only_files_of_the_run(dashboard, path):
+    import http.client
+
+    url, _, _ = dashboard
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=10)
+    connection.request("GET", path)  # sent as written: no client-side normalisation
+    assert connection.getresponse().status == 404
+    assert _status(url + "/files/run.json") == 200
+
+
+def test_dashboard_is_read_only(dashboard):
+    url, live, _ = dashboard
+    before = {p: p.stat().st_mtime_ns for p in live.rglob("*")}
+    for method in ("POST", "PUT", "DELETE", "PATCH"):
+        assert _status(url + "/api/parts", method) == 405
+    assert _status(url + "/") == 200 and _status(url + "/api/steps?after=0") == 200
+    assert {p: p.stat().st_mtime_ns for p in live.rglob("*")} == before

@@ -77,7 +77,20 @@ def hlo_module_name(compiled: Any) -> str | None:
     return first[1].rstrip(",") if len(first) > 1 and first[0] == "HloModule" else None
 
 
+#: Parsed traces by (path, modification time, size): the dashboard asks again every poll.
+_PARSED: dict[tuple, list[dict]] = {}
+
+
 def _trace_events(path: Path) -> list[dict]:
+    stat = path.stat()
+    key = (str(path), stat.st_mtime_ns, stat.st_size)
+    if key not in _PARSED:
+        _PARSED.clear()
+        _PARSED[key] = _read_trace(path)
+    return _PARSED[key]
+
+
+def _read_trace(path: Path) -> list[dict]:
     with gzip.open(path, "rt", encoding="utf-8") as handle:
         data = json.load(handle)
     return data.get("traceEvents", []) if isinstance(data, dict) else data

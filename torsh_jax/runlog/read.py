@@ -32,6 +32,7 @@ class Run:
         inspect: ``inspect.json`` (the compiled step's summary), or ``None``.
         plan_toml: ``plan.toml``, or ``None``.
         steps: the step records of ``steps.jsonl``, in order.
+        label: the name pages show (default: the directory's name).
     """
 
     path: Path
@@ -39,10 +40,12 @@ class Run:
     inspect: dict | None = None
     plan_toml: str | None = None
     steps: list[dict] = field(default_factory=list)
+    label: str | None = None
 
     @property
     def name(self) -> str:
-        return self.path.name
+        """``label``, else the directory's name."""
+        return self.label or self.path.name
 
     @property
     def traces(self) -> list[Path]:
