@@ -189,3 +189,95 @@ def test_dashboard_is_read_only(dashboard):
         assert _status(url + "/api/parts", method) == 405
     assert _status(url + "/") == 200 and _status(url + "/api/steps?after=0") == 200
     assert {p: p.stat().st_mtime_ns for p in live.rglob("*")} == before
+
+
+# --- in headless Chromium (skipped without playwright or the system's chromium) --------------------
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    sync_api = pytest.importorskip("playwright.sync_api", reason='pip install "torsh-jax[report]"')
+    if not Path(CHROMIUM).exists():
+        pytest.skip("no /usr/bin/chromium (apt-get install chromium)")
+    with sync_api.sync_playwright() as driver:
+        profile = tmp_path_factory.mktemp("chromium-profile")
+        context = driver.chromium.launch_persistent_context(
+            str(profile), executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS
+        )
+        yield context
+        context.close()
+
+
+class _Watched:
+    """A page with every request and every console error it makes recorded."""
+
+    def __init__(self, context):
+        self.page, self.requests, self.errors = context.new_page(), [], []
+        self.page.on("request", lambda request: self.requests.append(request.url))
+        self.page.on("console", lambda message: message.type == "error" and self.errors.append(message.text))
+        self.page.on("pageerror", lambda error: self.errors.append(str(error)))
+
+    def points(self, key: str = "loss") -> int:
+        return self.page.locator(f'[data-key="{key}"] circle.pt').count()
+
+    def distinct_colours(self, selector: str) -> int:
+        """Distinct byte values of the element's screenshot, decoded (one value: a blank picture)."""
+        import struct
+        import zlib
+
+        png = self.page.locator(selector).first.screenshot()
+        chunks, at = [], 8
+        while at < len(png):
+            size, kind = struct.unpack(">I4s", png[at : at + 8])
+            chunks += [png[at + 8 : at + 8 + size]] if kind == b"IDAT" else []
+            at += size + 12
+        return len(set(zlib.decompress(b"".join(chunks))))
+
+
+def _only_local(urls: list[str]) -> bool:
+    return all(u.startswith(("file:", "http://127.0.0.1:", "data:", "about:")) for u in urls)
+
+
+def test_report_in_chromium(browser, run_dir, tmp_path):
+    out = tmp_path / "report.html"
+    _report(run_dir, out)
+    watched = _Watched(browser)
+    watched.page.goto(out.as_uri())
+    watched.page.wait_for_load_state("load")
+    assert watched.errors == [] and _only_local(watched.requests), (watched.errors, watched.requests)
+    assert watched.points("loss") == STEPS and watched.points("step_time_s") == STEPS
+    assert watched.distinct_colours('[data-key="loss"] svg') > 2
+    assert watched.distinct_colours("#breakdown svg") > 2
+    watched.page.close()
+
+
+def test_dashboard_in_chromium_shows_a_new_step_within_2_s(browser, dashboard):
+    import time
+
+    url, live, last_line = dashboard
+    watched = _Watched(browser)
+    watched.page.goto(url + "/")
+    assert watched.points() == STEPS - 1
+    with (live / STEPS_FILE).open("a") as steps:
+        steps.write(last_line)
+    logged = time.perf_counter()
+    watched.page.wait_for_function(
+        f"document.querySelectorAll('[data-key=loss] circle.pt').length == {STEPS}", timeout=2000
+    )
+    assert time.perf_counter() - logged < 2.0
+    assert watched.distinct_colours('[data-key="loss"] svg') > 2
+    assert watched.errors == [] and _only_local(watched.requests), (watched.errors, watched.requests)
+    assert any("/api/parts" in u for u in watched.requests)
+    watched.page.close()

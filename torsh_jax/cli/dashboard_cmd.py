@@ -24,12 +24,8 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("dashboard", help="serve a live page over a run directory")
     parser.add_argument("run", metavar="DIR", help="run directory (demo --log-dir, RunLog)")
-    parser.add_argument(
-        "--port",
-        type=count_type(0, 65535, fix="pass --port 8080"),
-        default=8080,
-        help="port; 0 picks a free one [8080]",
-    )
+    port = count_type(0, 65535, fix="pass --port 8080")
+    parser.add_argument("--port", type=port, default=8080, help="port; 0 picks a free one [8080]")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind [127.0.0.1: this machine only]")
     parser.set_defaults(func=run)
 

@@ -133,6 +133,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(_parts(self.root, after))
         elif url.path == "/api/steps":
             self._json(read_steps(self.root, after=after))
+        elif url.path == "/favicon.ico":  # browsers ask; no icon, and no console error
+            self._send(HTTPStatus.NO_CONTENT, b"", "image/x-icon")
         elif url.path.startswith("/files/"):
             self._file(unquote(url.path.removeprefix("/files/")))
         else:

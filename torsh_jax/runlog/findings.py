@@ -69,13 +69,11 @@ def _measured_share(run: Run) -> dict | None:
     per_step = {axes: s / (run.header["devices"] * len(profiled)) for axes, s in seconds.items()}
     step_s = statistics.mean(s["step_time_s"] for s in profiled)
     first, last = profiled[0]["step"], profiled[-1]["step"]
-    source = f"measured: collective ops in the profile of steps {first}-{last} (waiting for peers included)"
-    return {
-        "share": sum(per_step.values()) / step_s,
-        "seconds_by_axis": per_step,
-        "step_s": step_s,
-        "source": source,
-    }
+    return _share(
+        per_step,
+        step_s,
+        f"measured: collective ops in the profile of steps {first}-{last} (waiting for peers included)",
+    )
 
 
 def _modelled_share(run: Run) -> dict | None:
@@ -88,9 +86,13 @@ def _modelled_share(run: Run) -> dict | None:
         for axes, entry in run.inspect["totals"]["by_axis"].items()
         if axes != "-"
     }
-    source = (
-        f"modelled: inspect's wire bytes per axis over the in-slice link ({run.header.get('links_source')})"
+    links_source = run.header.get("links_source")
+    return _share(
+        per_step, step_s, f"modelled: inspect's wire bytes per axis over the in-slice link ({links_source})"
     )
+
+
+def _share(per_step: dict[str, float], step_s: float, source: str) -> dict:
     return {
         "share": sum(per_step.values()) / step_s,
         "seconds_by_axis": per_step,
