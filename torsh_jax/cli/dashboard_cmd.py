@@ -4,9 +4,8 @@ Prints the address on stdout and serves until Ctrl-C. The page updates without r
 are logged; the server is read-only and serves only files inside ``DIR``.
 
 Example:
-    $ torsh-jax demo --plan zero3 --steps 200 --log-dir runs/z3 &
-    $ torsh-jax dashboard runs/z3
-    http://127.0.0.1:8080/
+    $ torsh-jax demo --plan zero3 --steps 200 --log-dir runs/z3
+    $ torsh-jax dashboard runs/z3 --port 8080
 """
 
 from __future__ import annotations

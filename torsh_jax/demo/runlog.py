@@ -3,6 +3,14 @@
 The step's FLOPs are the compiled program's (``cost_analysis``) when it has no while loop, else
 the demo model's formula (:meth:`~torsh_jax.planner.shape.ModelShape.train_flops_per_token`, no
 recomputation) times the tokens of a step.
+
+Example:
+    >>> import jax
+    >>> from torsh_jax.demo.model import init_params
+    >>> cfg = LMConfig(layers=1)
+    >>> shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    >>> f"{model_flops_per_step(cfg, shapes, 1000) / 1e9:.2f} GFLOP"
+    '0.42 GFLOP'
 """
 
 from __future__ import annotations

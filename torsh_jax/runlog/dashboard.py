@@ -9,6 +9,13 @@ unless told otherwise.
 
 Routes: ``/`` (the page), ``/api/parts?after=N``, ``/api/steps?after=N`` (the step records after
 step ``N`` as JSON), ``/files/PATH``.
+
+Example:
+    >>> import tempfile
+    >>> server = make_server(tempfile.mkdtemp(), port=0)  # serve_forever() answers until shutdown()
+    >>> server.server_address[0]
+    '127.0.0.1'
+    >>> server.server_close()
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ from, and changes to the plan with their computed effect) or nothing:
   over their median, from 1.25 (medium from 1.5); at least 5 steady steps.
 
 Example:
-    >>> from torsh_jax.runlog.read import read_run
-    >>> [f.kind for f in findings(read_run("runs/a"))]  # doctest: +SKIP
-    ['communication', 'jitter']
+    >>> from pathlib import Path
+    >>> steps = [{"step": 1, "step_time_s": 0.5, "compiles": 1}, {"step": 2, "compiles": 2}]
+    >>> [(f.kind, f.title) for f in findings(Run(Path("runs/a"), {"devices": 1}, steps=steps))]
+    [('recompilation', '2 compiles after the first step (steps 2)')]
 """
 
 from __future__ import annotations

@@ -8,6 +8,15 @@ scaling), ``mfu`` with ``flops_per_step``, ``flops_source``, ``peak_flops_per_de
 seconds, counted from ``jax.monitoring``), and ``profiled`` (the step ran under the profiler).
 
 Example:
+    >>> import tempfile
+    >>> log = RunLog(tempfile.mkdtemp(), tokens_per_step=100)
+    >>> log.begin(1)
+    >>> log.end(1, {"loss": 2.5}, step_time_s=0.5)["tokens_per_s"]
+    200.0
+    >>> log.close()
+
+    A train step's log (its plan, ``inspect`` summary, FLOPs and peak):
+
     >>> log = RunLog.for_step("runs/a", train, state, batch, tokens_per_step=2048)  # doctest: +SKIP
     >>> for i in range(10):  # doctest: +SKIP
     ...     log.begin(i + 1)

@@ -4,8 +4,10 @@ The pages are self-contained: styles inline, charts inline SVG, no script and no
 (the dashboard's page adds a script that asks its own server for new parts).
 
 Example:
-    >>> from torsh_jax.runlog.read import read_run
-    >>> html = report_html(read_run("runs/a"))  # doctest: +SKIP
+    >>> from torsh_jax.runlog.read import Run
+    >>> html = report_html(Run(Path("runs/a"), {"plan": "ddp"}, steps=[{"step": 1, "loss": 2.0}]))
+    >>> html.startswith("<!DOCTYPE html>"), "<script" in html
+    (True, False)
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 A run still being written is read as far as it goes: a last line cut in the middle is left out.
 
 Example:
+    >>> read_steps("no/such/run")  # nothing logged yet
+    []
     >>> run = read_run("runs/a")  # doctest: +SKIP
     >>> run.header["plan"], len(run.steps)  # doctest: +SKIP
     ('zero3', 20)

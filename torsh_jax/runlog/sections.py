@@ -2,6 +2,13 @@
 
 Every figure is read from the run directory (the step log, ``run.json``, the ``inspect`` summary)
 and shown with its source.
+
+Example:
+    >>> from torsh_jax.runlog.read import Run
+    >>> steps = [{"step": 1, "step_time_s": 0.2}, {"step": 2, "step_time_s": 0.1}]
+    >>> run = Run(Path("runs/a"), {}, steps=steps)
+    >>> headline(run)["median_step_time_s"]
+    0.1
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ The estimates change one thing of the measured run: the peak of another ZeRO sta
 compiled peak plus the difference of the two stages' training-state bytes
 (:func:`~torsh_jax.analysis.theory.theoretical_memory_per_device`); the bytes are
 :func:`~torsh_jax.analysis.theory.plan_theory` of both plans, counted alike.
+
+Example:
+    >>> percent(0.61, 1), percent(0.0022, 1)
+    ('61 %', '0.22 %')
 """
 
 from __future__ import annotations
