@@ -184,9 +184,9 @@ def _compile_for_target(args: argparse.Namespace) -> int:
         raise TargetError(
             "slices need a TPU target", key="--slices", fix="add --target v5e-16, or drop --slices"
         )
-    if args.verify or args.checkpoint_dir or args.resume or args.log_dir:
+    if args.verify or args.checkpoint_dir or args.resume or args.log_dir or args.profile or args.tensorboard:
         raise TargetError(
-            "--verify, checkpoints and --log-dir need a run",
+            "--verify, checkpoints and run logs need a run",
             key="--target",
             fix="drop them with --compile-only --target",
         )
