@@ -14,8 +14,9 @@ from conftest import require_devices
 
 from torsh_jax.cli.main import main
 from torsh_jax.plan.io import load_plan
-from torsh_jax.runlog import RunLog
+from torsh_jax.runlog import RunLog, read_run
 from torsh_jax.runlog.files import INSPECT_FILE, PLAN_TOML, RUN_FILE, STEPS_FILE
+from torsh_jax.runlog.findings import communication_share
 
 STEPS = 4
 
@@ -59,6 +60,8 @@ def test_plan_inspect_and_trace_files(run_dir):
     assert inspected["totals"]["wire_bytes"] > 0 and inspected["memory"]["peak_estimate_bytes"] > 0
     traces = list((run_dir / "profile").rglob("perfetto_trace.json.gz"))
     assert traces and traces[0].stat().st_size > 0
+    comm = communication_share(read_run(run_dir))  # the trace's collectives are the step's, by name
+    assert comm["source"].startswith("measured") and 0 < comm["seconds_by_axis"]["fsdp"] < comm["step_s"]
 
 
 def test_each_step_is_on_disk_when_it_ends_and_compiles_are_counted(tmp_path):

@@ -98,6 +98,8 @@ def _summary_rows(summary: dict) -> dict[str, str]:
         rows["resumed from step"] = str(summary["resumed_from_step"])
     if summary.get("checkpoint_steps"):
         rows["checkpoints kept"] = ", ".join(map(str, summary["checkpoint_steps"]))
+    if summary.get("log_dir"):
+        rows["run log"] = f"{summary['log_dir']} (torsh-jax report {summary['log_dir']})"
     return rows
 
 

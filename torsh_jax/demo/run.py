@@ -214,6 +214,7 @@ def run_demo(
         "compiles": train.traces,
         "resumed_from_step": first_step if config.resume else None,
         "checkpoint_steps": saver.steps if saver else None,
+        "log_dir": config.log_dir,
         **report,
     }
     if twins:

@@ -70,13 +70,9 @@ def _run_or_none(path: Path) -> Run | None:
 
 
 def _page(path: Path) -> str:
-    run = _run_or_none(path)
-    body = (
-        run_body(run, href=_file_link(path))
-        if run
-        else f"<h1>torsh-jax run {path.name}</h1><p>waiting for {files.RUN_FILE}</p>"
-    )
-    steps = len(run.steps) if run else 0
+    run = _run_or_none(path) or Run(path, {"plan": f"(waiting for {files.RUN_FILE})"})
+    body = run_body(run, href=_file_link(path))
+    steps = len(run.steps)
     live = '<p id="live" class="note">live</p>'
     html = page(
         f"torsh-jax dashboard {path.name}", live + body, script=_SCRIPT.replace("POLL_MS", str(POLL_MS))

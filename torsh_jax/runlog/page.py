@@ -67,6 +67,10 @@ def live_parts(run: Run, *, href: Callable[[Path], str]) -> dict[str, str]:
         "breakdown": sections.breakdown(run),
         "findings": sections.findings_list(run),
         "profile": sections.profile_links(run, href=href),
+        "bytes": sections.bytes_table(run),
+        "memory": sections.memory(run),
+        "pipeline": sections.pipeline(run),
+        "plan": sections.plan_text(run),
     }
 
 
