@@ -206,13 +206,14 @@ def _bubble(run: Run) -> Finding | None:
         layers=(run.header.get("model") or {}).get("layers"),
     )
     suggestions = []
-    for change, bubble in options:
+    for change, bubble, examples in options:
         if bubble >= pipe["bubble"]:
             continue
         text = f"{change}: bubble {percent(pipe['bubble'], 1)} -> {percent(bubble, 1)}"
-        if step_s:  # the busy time kept, the idle share changed
-            busy_ms = step_s * (1 - pipe["bubble"]) * 1e3
-            text += f", step ≈ {busy_ms / (1 - bubble):.1f} ms (now {step_s * 1e3:.1f})"
+        if step_s:  # the busy time per example kept, the idle share changed
+            new_ms = step_s * (1 - pipe["bubble"]) * examples / (1 - bubble) * 1e3
+            more = "" if examples == 1 else f" for {examples:g}× the examples"
+            text += f", step ≈ {new_ms:.1f} ms{more} (now {step_s * 1e3:.1f})"
         suggestions.append(text)
     title = (
         f"pipeline bubble: {percent(pipe['bubble'], 1)} of the {pipe['schedule']} schedule's slots idle "
@@ -222,10 +223,17 @@ def _bubble(run: Run) -> Finding | None:
         "bubble",
         "high" if pipe["bubble"] >= 0.3 else "medium",
         title,
-        "the schedule table of the compiled step",
+        _bubble_source(run),
         tuple(suggestions),
         {"bubble": pipe["bubble"]},
     )
+
+
+def _bubble_source(run: Run) -> str:
+    source = "the schedule table of the compiled step; step times assume an idle slot costs its time"
+    if run.header.get("platform") == "cpu":
+        source += " (simulated CPU devices share the host's cores: an idle stage lends its core, so less)"
+    return source
 
 
 def _recompilation(run: Run) -> Finding | None:
@@ -260,18 +268,16 @@ def _jitter(run: Run) -> Finding | None:
     median, p90 = statistics.median(times), times[min(len(times) - 1, round(0.9 * (len(times) - 1)))]
     if p90 < 1.25 * median:
         return None
-    slow = sorted((s for s in steady if s["step_time_s"] > 1.5 * median), key=lambda s: -s["step_time_s"])
-    lost = sum(s["step_time_s"] - median for s in slow)
+    slow = [s for s in steady if s["step_time_s"] > 1.5 * median]
+    worst = max(steady, key=lambda s: s["step_time_s"])
     suggestions = [
-        f"{len(slow)} steps over 1.5× the median cost {lost:.3f} s more than median steps "
-        f"({percent(lost, sum(times))} of the steady steps' time)"
+        f"trace the slowest steady step, {worst['step']} ({worst['step_time_s'] * 1e3:.1f} ms): "
+        f"--profile {worst['step']}:{worst['step']}"
     ]
     if slow:
-        worst = slow[0]["step"]
-        suggestions.append(
-            f"trace the slowest, step {worst} ({slow[0]['step_time_s'] * 1e3:.1f} ms): "
-            f"--profile {worst}:{worst}"
-        )
+        lost = sum(s["step_time_s"] - median for s in slow)
+        spent = f"{lost:.3f} s more than median steps ({percent(lost, sum(times))} of the steady steps' time)"
+        suggestions.insert(0, f"{len(slow)} steps over 1.5× the median cost {spent}")
     title = (
         f"step time jitter: p90 {p90 * 1e3:.1f} ms is {p90 / median:.2f}× the median {median * 1e3:.1f} ms"
     )

@@ -154,7 +154,9 @@ def breakdown(run: Run) -> str:
         parts = [(label, share / used) for label, share in parts]
         notes.append(f"the parts add up to {100 * used:.0f} % (they overlap): scaled to the step")
     parts.append(("compute and the rest", max(0.0, 1 - sum(share for _, share in parts))))
-    return stacked_bar(parts, total_label="; ".join(notes))
+    listed = "".join(f"<li>{escape(label)}: {100 * share:.1f} %</li>" for label, share in parts)
+    sources = "".join(f"<li>{escape(note)}</li>" for note in notes)
+    return f'{stacked_bar(parts)}<ul class="note">{listed}{sources}</ul>'
 
 
 def bytes_table(run: Run) -> str:

@@ -119,27 +119,39 @@ def zero_options(run: Run, *, stages: tuple[int, ...]) -> list[ZeroOption]:
     return options
 
 
+def _more_microbatches(m: int, k: int, micro_batch_size: int | None) -> tuple[str, float]:
+    """``k`` times the micro-batches, and the factor of the examples per step: the micro batch grows
+    with them where it would not split."""
+    change = f"pipeline.microbatches {m} -> {k * m}"
+    if micro_batch_size is None or micro_batch_size % (k * m) == 0:
+        return change, 1.0
+    bigger = _multiple(micro_batch_size, k * m)
+    return f"{change} with batch.micro_batch_size {micro_batch_size} -> {bigger}", bigger / micro_batch_size
+
+
+def _multiple(value: int, of: int) -> int:
+    """The smallest multiple of ``of`` that is at least ``value``."""
+    return -(-value // of) * of
+
+
 def pipeline_options(
     pipe: dict, *, micro_batch_size: int | None, layers: int | None
-) -> list[tuple[str, float]]:
-    """``(change, bubble)`` for more micro-batches (that divide the micro batch) and an interleaved
-    schedule (when the layers split into 2 chunks per stage), from the schedule tables."""
+) -> list[tuple[str, float, float]]:
+    """``(change, bubble, examples)`` for 2× and 4× the micro-batches (the micro batch grown to split
+    into them where needed; ``examples``: the factor of the examples per step) and an interleaved
+    schedule (when the layers split into 2 chunks per stage), bubbles from the schedule tables."""
     from torsh_jax.errors import PlanError
     from torsh_jax.pipeline.schedule import build_pipeline_schedule
 
     p, m, v, name = pipe["stages"], pipe["microbatches"], pipe["virtual_stages"], pipe["schedule"]
-    tries = [
-        (f"pipeline.microbatches {m} -> {k * m}", name, k * m, v)
-        for k in (2, 4)
-        if micro_batch_size is None or micro_batch_size % (k * m) == 0
-    ]
+    tries = [(*_more_microbatches(m, k, micro_batch_size), name, k * m, v) for k in (2, 4)]
     if name != "interleaved" and layers and layers % (2 * p) == 0 and m % p == 0:
-        tries.append(("schedule interleaved with virtual_stages 2", "interleaved", m, 2))
+        tries.append(("schedule interleaved with virtual_stages 2", 1.0, "interleaved", m, 2))
     options = []
-    for change, schedule, micro, virtual in tries:
+    for change, examples, schedule, micro, virtual in tries:
         try:
             table = build_pipeline_schedule(schedule, stages=p, microbatches=micro, virtual_stages=virtual)
         except PlanError:
             continue
-        options.append((change, table.bubble))
+        options.append((change, table.bubble, examples))
     return options

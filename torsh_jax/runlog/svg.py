@@ -100,7 +100,7 @@ def _legend(names: list[str], y_label: str) -> list[str]:
     return out
 
 
-def stacked_bar(parts: list[tuple[str, float]], /, *, total_label: str) -> str:
+def stacked_bar(parts: list[tuple[str, float]], /) -> str:
     """One horizontal bar split into ``(label, share)`` segments (shares of 1)."""
     width, x, body = _W - 20, 10.0, []
     for (label, share), color in zip(parts, COLORS * 4):
@@ -112,7 +112,7 @@ def stacked_bar(parts: list[tuple[str, float]], /, *, total_label: str) -> str:
         if w > 60:
             body.append(_label(x + 4, 25, f"{label} {100 * share:.0f} %", cls="seglabel"))
         x += w
-    return _svg(_W, 70, [*body, _label(10, 52, total_label)])
+    return _svg(_W, 40, body)
 
 
 def bars(rows: list[tuple[str, float]], /, *, limit: float | None, unit) -> str:
