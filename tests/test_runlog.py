@@ -284,3 +284,27 @@ def test_dashboard_in_chromium_shows_a_new_step_within_2_s(browser, dashboard):
     assert watched.errors == [] and _only_local(watched.requests), (watched.errors, watched.requests)
     assert any("/api/parts" in u for u in watched.requests)
     watched.page.close()
+
+
+def test_run_log_of_a_user_loop_counts_the_compiled_programs_flops(tmp_path):
+    import optax
+
+    from torsh_jax.demo.model import LMConfig, init_params, loss_fn, synthetic_tokens
+    from torsh_jax.runtime.mesh import build_mesh
+    from torsh_jax.runtime.step import make_train_step
+
+    cfg, plan = LMConfig(layers=1, d_model=16, heads=1, head_dim=16, mlp=32), load_plan("ddp")
+    mesh = build_mesh(plan, require_devices(2)[:2])
+    params = init_params(cfg, jax.random.key(0))
+    train = make_train_step(loss_fn(cfg), optax.sgd(0.1), plan, mesh, params)  # a plain loss: no loop
+    state, batch = train.init(params), synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=0)
+    with RunLog.for_step(tmp_path, train, state, batch, tokens_per_step=64, peak_flops=1e9) as log:
+        log.begin(1)
+        state, metrics = train.step(state, batch)
+        record = log.end(1, metrics)
+    counted = train.lower(state, batch).compile().cost_analysis()["flops"]
+    assert record["flops_source"] == "cost_analysis" and record["flops_per_step"] == counted * 2
+    assert record["peak_flops_source"] == "given" and record["mfu"] == pytest.approx(
+        counted * 2 / (record["step_time_s"] * 1e9 * 2)
+    )
+    assert json.loads((tmp_path / RUN_FILE).read_text())["finished"]

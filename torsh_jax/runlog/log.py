@@ -126,7 +126,8 @@ class RunLog:
         self._steps = (self.path / files.STEPS_FILE).open("w", encoding="utf-8")
         self._compiles = _CompileCounter()
         self._compiles.register()
-        self._seen, self._started, self._tracing = (0, 0.0), None, False
+        self._seen, self._started, self._tracing, self._traced = (0, 0.0), None, False, False
+        self._closed = False
 
     @classmethod
     def for_step(cls, directory: str | Path, train, state, batch, /, **options: Any) -> RunLog:
@@ -171,12 +172,13 @@ class RunLog:
         files.write_json(self.path / files.RUN_FILE, self._header)
 
     def begin(self, step: int) -> None:
-        """Call before running ``step``: starts the profiler at the window's first step, and the clock."""
-        if self.window is not None and step == self.window.first and not self._tracing:
+        """Call before running ``step``: starts the profiler at the window's first step (or the first
+        step in the window, for a resumed run), and the clock."""
+        if self.window is not None and step in self.window and not self._traced:
             import jax
 
             jax.profiler.start_trace(str(self.path / files.PROFILE_DIR), create_perfetto_trace=True)
-            self._tracing = True
+            self._tracing = self._traced = True
         self._started = time.perf_counter()
 
     def end(self, step: int, metrics: dict, /, *, step_time_s: float | None = None) -> dict:
@@ -231,7 +233,11 @@ class RunLog:
         self._tracing = False
 
     def close(self, **summary: Any) -> None:
-        """Stop a trace still running, close the files and mark ``run.json`` finished (with ``summary``)."""
+        """Stop a trace still running, close the files and mark ``run.json`` finished (with ``summary``);
+        a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if self._tracing:
             self._stop_trace()
         self._compiles.unregister()
