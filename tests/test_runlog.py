@@ -83,8 +83,9 @@ def test_each_step_is_on_disk_when_it_ends_and_compiles_are_counted(tmp_path):
         (["--profile", "2:3"], "--profile: needs a run directory"),
         (["--log-dir", "LOG", "--profile", "5:2"], "--profile: steps 5 to 2"),
         (["--log-dir", "FILE"], "--log-dir: cannot write the run directory"),
+        (["--log-dir", "LOG", "--machine", "FILE"], "--machine: cannot read machine file"),
     ],
-    ids=["profile-without-dir", "window-backwards", "dir-is-a-file"],
+    ids=["profile-without-dir", "window-backwards", "dir-is-a-file", "machine-not-json"],
 )
 def test_bad_log_options_are_one_line(capsys, tmp_path, argv, says):
     (tmp_path / "FILE").write_text("")

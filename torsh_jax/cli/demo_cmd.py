@@ -71,6 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="trace steps FIRST:LAST (3:5) with jax.profiler into --log-dir")  # fmt: skip
     parser.add_argument("--tensorboard", action="store_true",
                         help="also write TensorBoard scalars into --log-dir (tensorboardX)")  # fmt: skip
+    parser.add_argument("--machine", metavar="FILE", default=None,
+                        help="machine file (calibrate -o) to model communication in the log")  # fmt: skip
     parser.set_defaults(func=run)
 
 
@@ -160,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         profile=args.profile,
         tensorboard=args.tensorboard,
+        machine=args.machine,
     )
     if args.json:
         print_json(run_demo(config, emit=print_json))
@@ -186,7 +189,9 @@ def _compile_for_target(args: argparse.Namespace) -> int:
         raise TargetError(
             "slices need a TPU target", key="--slices", fix="add --target v5e-16, or drop --slices"
         )
-    if args.verify or args.checkpoint_dir or args.resume or args.log_dir or args.profile or args.tensorboard:
+    run_only = (args.verify, args.checkpoint_dir, args.resume, args.log_dir, args.profile, args.tensorboard,
+                args.machine)  # fmt: skip
+    if any(run_only):
         raise TargetError(
             "--verify, checkpoints and run logs need a run",
             key="--target",

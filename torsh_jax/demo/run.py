@@ -29,6 +29,7 @@ from torsh_jax.plan.io import load_plan
 from torsh_jax.plan.roles import compose
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runlog.files import make_run_dir
+from torsh_jax.runlog.log import machine_file
 from torsh_jax.runlog.profile import ProfileWindow
 from torsh_jax.runtime.fit import batch_like, check_step_fits
 from torsh_jax.runtime.inspect import headline, inspect_step
@@ -64,6 +65,8 @@ class DemoConfig:
             JSON line per step.
         profile: steps to trace with ``jax.profiler`` into ``log_dir`` (``"3:5"``).
         tensorboard: also write TensorBoard scalars into ``log_dir`` (needs ``tensorboardX``).
+        machine: a machine file (``torsh-jax calibrate -o``) whose links model the communication
+            time in the run log's findings when no profile measures it.
     """
 
     plan: str | ParallelPlan = "ddp"
@@ -79,6 +82,7 @@ class DemoConfig:
     log_dir: str | None = None
     profile: str | None = None
     tensorboard: bool = False
+    machine: str | None = None
 
     def __post_init__(self):
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
@@ -86,8 +90,8 @@ class DemoConfig:
         if (self.resume or self.save_every) and not self.checkpoint_dir:
             flag = "--resume" if self.resume else "--save-every"
             raise PlanError("needs a checkpoint directory", key=flag, fix="pass --checkpoint-dir DIR")
-        if (self.profile or self.tensorboard) and not self.log_dir:
-            flag = "--profile" if self.profile else "--tensorboard"
+        if (self.profile or self.tensorboard or self.machine) and not self.log_dir:
+            flag = "--profile" if self.profile else "--tensorboard" if self.tensorboard else "--machine"
             raise PlanError("needs a run directory", key=flag, fix="pass --log-dir DIR")
         if self.profile:
             ProfileWindow.parse(self.profile)
@@ -152,6 +156,8 @@ def run_demo(
     _check_checkpoint_dir(config)
     if config.log_dir:
         make_run_dir(config.log_dir, key="--log-dir")
+    if config.machine:
+        machine_file(config.machine, key="--machine")  # a bad file fails before anything compiles
     phase(f"starting {config.devices or 'all'} devices")
     devices = select_devices(config.devices)
     plan = _plan_to_continue(config, plan, len(devices), phase)

@@ -19,7 +19,7 @@ from typing import Any
 
 from torsh_jax.demo.model import LMConfig, param_count
 from torsh_jax.runlog.flops import peak_flops, step_flops
-from torsh_jax.runlog.log import RunLog, describe_devices
+from torsh_jax.runlog.log import RunLog, describe_devices, machine_file
 from torsh_jax.runlog.profile import hlo_module_name
 
 __all__ = ["demo_run_log", "model_flops_per_step", "MODEL_FLOPS_SOURCE"]
@@ -54,6 +54,7 @@ def demo_run_log(config, train, compiled, summary: dict, *, cfg: LMConfig, shape
         "global_batch_size": train.global_batch_size,
         "steps_planned": config.steps,
     }
+    machine = machine_file(config.machine, key="--machine") if config.machine else None
     return RunLog(
         config.log_dir,
         header=header,
@@ -65,4 +66,5 @@ def demo_run_log(config, train, compiled, summary: dict, *, cfg: LMConfig, shape
         inspect=summary,
         profile=config.profile,
         tensorboard=config.tensorboard,
+        machine=machine,
     )

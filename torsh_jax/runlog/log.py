@@ -27,15 +27,18 @@ Example:
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torsh_jax.errors import RunLogError
 from torsh_jax.runlog import files
 from torsh_jax.runlog.flops import PeakFlops, StepFlops, mfu
 from torsh_jax.runlog.profile import ProfileWindow
 
-__all__ = ["RunLog"]
+__all__ = ["RunLog", "MachineLinks", "machine_file", "describe_devices"]
 
 #: The event jax records once per backend compilation.
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -81,8 +84,9 @@ class RunLog:
         profile: steps to trace with ``jax.profiler`` (``"3:5"`` or a :class:`ProfileWindow`).
         tensorboard: also write TensorBoard scalars (needs ``tensorboardX``; skipped, and said so in
             ``run.json``, without it).
-        machine: a :class:`~torsh_jax.planner.Machine` (``torsh-jax calibrate``, or a target's): its
-            links' α-β figures model the communication time when no profile measures it.
+        machine: a :class:`~torsh_jax.planner.Machine` (``torsh-jax calibrate``, or a target's) or
+            :func:`machine_file`: its links' α-β figures model the communication time when no
+            profile measures it.
 
     Raises:
         RunLogError: the directory cannot be written, or ``profile`` is malformed.
@@ -118,7 +122,10 @@ class RunLog:
             "profile": self.window.to_dict() if self.window else None,
         }
         if machine is not None:
-            self._header["links"] = {kind: vars(link) for kind, link in machine.links.items()}
+            self._header["links"] = {
+                kind: dict(vars(link)) if not isinstance(link, dict) else link
+                for kind, link in machine.links.items()
+            }
             self._header["links_source"] = f"{machine.name}: {machine.source}"
         self._writer = _tensorboard_writer(self.path) if tensorboard else None
         self._header["tensorboard"] = _tensorboard_state(tensorboard, self._writer)
@@ -252,6 +259,36 @@ class RunLog:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class MachineLinks:
+    """The links of a machine file (``torsh-jax calibrate -o``) as :class:`RunLog` reads them."""
+
+    name: str
+    source: str
+    links: dict
+
+
+def machine_file(path: str | Path, /, *, key: str = "machine") -> MachineLinks:
+    """The name, source and links (``{"ici": {"alpha_s", "bytes_per_s"}, ...}``) of a machine file.
+
+    Raises:
+        RunLogError: the file is missing or is not a machine file.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+        links = {
+            kind: {"alpha_s": float(v["alpha_s"]), "bytes_per_s": float(v["bytes_per_s"])}
+            for kind, v in data["links"].items()
+        }
+        return MachineLinks(str(data["name"]), str(data.get("source", "")), links)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+        raise RunLogError(
+            f"cannot read machine file {path}: {err}",
+            key=key,
+            fix="write it with torsh-jax calibrate -o machine.json",
+        ) from None
 
 
 def describe_devices(devices: list, mesh: Any = None) -> dict:
