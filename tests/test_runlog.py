@@ -309,3 +309,17 @@ def test_run_log_of_a_user_loop_counts_the_compiled_programs_flops(tmp_path):
         counted * 2 / (record["step_time_s"] * 1e9 * 2)
     )
     assert json.loads((tmp_path / RUN_FILE).read_text())["finished"]
+
+
+def test_tensorboard_scalars_are_written_or_skipped_with_a_reason(tmp_path):
+    log = RunLog(tmp_path, tensorboard=True)
+    log.begin(1)
+    log.end(1, {"loss": 1.0}, step_time_s=0.1)
+    log.close()
+    state = json.loads((tmp_path / RUN_FILE).read_text())["tensorboard"]
+    try:
+        import tensorboardX  # noqa: F401
+    except ImportError:
+        assert state.startswith("skipped: tensorboardX is not installed")
+    else:
+        assert state == "written" and list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
