@@ -323,3 +323,13 @@ def test_tensorboard_scalars_are_written_or_skipped_with_a_reason(tmp_path):
         assert state.startswith("skipped: tensorboardX is not installed")
     else:
         assert state == "written" and list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_a_step_being_written_is_left_out_until_its_line_ends(tmp_path):
+    from torsh_jax.runlog.read import read_steps
+
+    (tmp_path / STEPS_FILE).write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.')
+    assert [r["step"] for r in read_steps(tmp_path)] == [1]
+    with (tmp_path / STEPS_FILE).open("a") as steps:
+        steps.write('5}\n{"step": 3, "loss": 1.2}\n')
+    assert [r["step"] for r in read_steps(tmp_path, after=1)] == [2, 3]
