@@ -95,7 +95,14 @@ def _legend(names: list[str], y_label: str) -> list[str]:
     if len(names) > 1:
         for i, (name, color) in enumerate(zip(names, COLORS * 4)):
             out.append(
-                _el("text", f"■ {escape(name)}", x=_PAD_L + 160 + 150 * i, y=16, fill=color, class_="tick")
+                _el(
+                    "text",
+                    f"■ {escape(name)}",
+                    x=_PAD_L + 160 + 150 * i,
+                    y=16,
+                    style=f"fill:{color}",
+                    class_="tick",
+                )
             )
     return out
 
