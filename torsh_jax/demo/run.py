@@ -190,22 +190,26 @@ def run_demo(
     saver = _saver(config)
     tokens = train.global_batch_size * cfg.seq_len
     loss = None
-    for i in range(first_step, config.steps):
-        batch = batch_of(i)
+    try:
+        for i in range(first_step, config.steps):
+            batch = batch_of(i)
+            if log:
+                log.begin(i + 1)
+            start = time.perf_counter()
+            state, metrics = train.step(state, batch)
+            loss = float(metrics["loss"])
+            elapsed = time.perf_counter() - start
+            if log:
+                log.end(i + 1, metrics, step_time_s=elapsed)
+            record = {"step": i + 1, "loss": loss, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed}
+            if twins:
+                record["twin_loss"] = twins.step(batch, loss=loss)
+            emit({**record, **report})
+            if saver and _due(config, i + 1):
+                saver.save(state, plan=plan, data_position={"next_step": i + 1, "seed": config.seed})
+    finally:  # a step that raises (or Ctrl-C) still leaves a closed log and no running trace
         if log:
-            log.begin(i + 1)
-        start = time.perf_counter()
-        state, metrics = train.step(state, batch)
-        loss = float(metrics["loss"])
-        elapsed = time.perf_counter() - start
-        if log:
-            log.end(i + 1, metrics, step_time_s=elapsed)
-        record = {"step": i + 1, "loss": loss, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed}
-        if twins:
-            record["twin_loss"] = twins.step(batch, loss=loss)
-        emit({**record, **report})
-        if saver and _due(config, i + 1):
-            saver.save(state, plan=plan, data_position={"next_step": i + 1, "seed": config.seed})
+            log.close(final_loss=loss, compiles_of_step=train.traces)
     if saver:
         saver.close()  # waits for the last asynchronous save
     summary = {
@@ -225,8 +229,6 @@ def run_demo(
     }
     if twins:
         summary.update(twins.summary())
-    if log:
-        log.close(final_loss=loss, compiles_of_step=train.traces)
     return summary
 
 
