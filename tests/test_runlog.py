@@ -110,6 +110,11 @@ def test_demo_model_flops_are_the_planners_count():
 # --- the report and the dashboard (the same run) -------------------------------------------------
 
 
+def _loss_points(html: str) -> int:
+    """Data points of the loss chart in a page or part."""
+    return html.split('data-key="loss"', 1)[1].split("</svg>", 1)[0].count('class="pt"')
+
+
 def _report(run_dir: Path, out: Path, *more: Path) -> str:
     assert main(["report", str(run_dir), *map(str, more), "-o", str(out)]) == 0
     return out.read_text()
@@ -118,12 +123,11 @@ def _report(run_dir: Path, out: Path, *more: Path) -> str:
 def test_the_report_is_one_offline_file_with_a_point_per_step(run_dir, tmp_path, capsys):
     html = _report(run_dir, tmp_path / "report.html")
     assert "<script" not in html and "<link" not in html and " src=" not in html and "url(" not in html
-    loss = html.split('data-key="loss"', 1)[1].split("</svg>", 1)[0]
-    assert loss.count('class="pt"') == STEPS
+    assert _loss_points(html) == STEPS
     traces = [line for line in html.split('href="')[1:] if "perfetto_trace.json.gz" in line.split('"')[0]]
     assert traces and (tmp_path / traces[0].split('"')[0]).resolve().is_file()  # relative to the page
     both = _report(run_dir, tmp_path / "compare.html", run_dir)
-    assert both.split('data-key="loss"', 1)[1].split("</svg>", 1)[0].count('class="pt"') == 2 * STEPS
+    assert _loss_points(both) == 2 * STEPS
     assert "B / A" in both
 
 
@@ -333,3 +337,24 @@ def test_a_step_being_written_is_left_out_until_its_line_ends(tmp_path):
     with (tmp_path / STEPS_FILE).open("a") as steps:
         steps.write('5}\n{"step": 3, "loss": 1.2}\n')
     assert [r["step"] for r in read_steps(tmp_path, after=1)] == [2, 3]
+
+
+def test_dashboard_opened_before_the_run_fills_in(run_dir, tmp_path):
+    import shutil
+    import threading
+    import urllib.request
+
+    from torsh_jax.runlog.dashboard import make_server
+
+    server = make_server(tmp_path, port=0)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    read = lambda path: urllib.request.urlopen(url + path, timeout=10).read().decode()
+    try:
+        assert 'id="curves"' in read("/") and json.loads(read("/api/parts?after=0"))["parts"] is None
+        shutil.copytree(run_dir, tmp_path, dirs_exist_ok=True)  # the run starts writing
+        parts = json.loads(read("/api/parts?after=0"))
+        assert parts["steps"] == STEPS and _loss_points(parts["parts"]["curves"]) == STEPS
+    finally:
+        server.shutdown()
+        server.server_close()
