@@ -358,3 +358,16 @@ def test_dashboard_opened_before_the_run_fills_in(run_dir, tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_datasheet_peak_only_for_a_device_kind_known_exactly():
+    from types import SimpleNamespace
+
+    from torsh_jax.runlog.flops import peak_flops
+    from torsh_jax.targets.catalog import CHIPS
+
+    device = lambda kind: SimpleNamespace(platform="gpu", device_kind=kind)
+    sxm = peak_flops([device("NVIDIA H100 80GB HBM3")])
+    assert sxm.peak_flops_per_device == CHIPS["h100"].peak_bf16_flops and "datasheet" in sxm.peak_flops_source
+    pcie = peak_flops([device("NVIDIA H100 PCIe")])  # another chip: no figure rather than a wrong one
+    assert pcie.peak_flops_per_device is None and pcie.peak_flops_source.startswith("unknown")

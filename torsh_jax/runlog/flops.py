@@ -12,9 +12,9 @@ counts the whole step over all devices:
   token, Kaplan et al. 2020, without recomputation), times the tokens of the step;
 * ``given``: a figure the caller passes.
 
-The peak is a chip's datasheet figure (:data:`torsh_jax.targets.catalog.CHIPS`, dense bf16) on
-TPU and GPU, a figure the caller passes, or on CPU measured here: an f32 matmul run on every
-device at once (simulated CPU devices share the host's cores), best of a few runs.
+The peak is a chip's datasheet figure (:data:`torsh_jax.targets.catalog.CHIPS`, dense bf16) for
+the device kinds of :data:`DEVICE_KINDS`, a figure the caller passes, or on CPU measured here: an
+f32 matmul run on every device at once (simulated CPU devices share the host's cores), best of 5.
 
 Example:
     >>> mfu(flops_per_step=1e12, step_time_s=0.5, peak_flops_per_device=1e12, devices=4)
@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["StepFlops", "PeakFlops", "step_flops", "peak_flops", "mfu", "while_loops"]
+__all__ = ["StepFlops", "PeakFlops", "step_flops", "peak_flops", "mfu", "while_loops", "DEVICE_KINDS"]
 
 #: Side of the square matmul timed to measure a CPU device's FLOP/s.
 _MATMUL_SIDE = 512
@@ -93,14 +93,24 @@ def step_flops(
     return StepFlops(None, why if counted is not None else "unknown: no cost_analysis", counted, loops)
 
 
+#: ``device.device_kind`` -> the chip of :data:`torsh_jax.targets.catalog.CHIPS` it is, exactly (a
+#: kind not listed has no datasheet peak here: an H100 PCIe is not an H100 SXM).
+DEVICE_KINDS = {
+    "TPU v4": "v4",
+    "TPU v5 lite": "v5e",
+    "TPU v5": "v5p",
+    "TPU v5p": "v5p",
+    "TPU v6 lite": "v6e",
+    "NVIDIA H100 80GB HBM3": "h100",
+    "NVIDIA A100-SXM4-80GB": "a100",
+}
+
+
 def _chip_of(device: Any):
     from torsh_jax.targets.catalog import CHIPS
 
-    kind = device.device_kind.lower().replace(" ", "")
-    for key, chip in CHIPS.items():
-        if key in kind or chip.name.lower().replace(" ", "") in kind:
-            return chip
-    return None
+    key = DEVICE_KINDS.get(device.device_kind)
+    return CHIPS[key] if key else None
 
 
 def _measured_cpu_peak(devices: list) -> PeakFlops:
