@@ -22,22 +22,31 @@ STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
+def demo_run(tmp_path_factory) -> tuple[Path, dict]:
+    """The run directory and the demo's summary."""
     from torsh_jax.demo.run import DemoConfig, run_demo
 
     require_devices(4)
     path = tmp_path_factory.mktemp("run")
     config = DemoConfig(plan="zero3", devices=4, steps=STEPS, layers=2, log_dir=str(path), profile="2:3")
-    run_demo(config, emit=lambda record: None)
-    return path
+    return path, run_demo(config, emit=lambda record: None)
+
+
+@pytest.fixture(scope="module")
+def run_dir(demo_run) -> Path:
+    return demo_run[0]
 
 
 def _steps(path: Path) -> list[dict]:
     return [json.loads(line) for line in (path / STEPS_FILE).read_text().splitlines()]
 
 
-def test_step_records_are_computed_from_the_named_figures(run_dir):
+def test_step_records_are_computed_from_the_named_figures(demo_run):
+    run_dir, summary = demo_run
     header = json.loads((run_dir / RUN_FILE).read_text())
+    for key, value in header["inspect_headline"].items():  # the figures the demo prints
+        assert summary[key] == value, key
+    assert [r["loss"] for r in _steps(run_dir)][-1] == summary["final_loss"] == header["final_loss"]
     records = _steps(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert header["finished"] and header["devices"] == 4 and header["plan"] == "zero3"

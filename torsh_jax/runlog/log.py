@@ -80,7 +80,8 @@ class RunLog:
         devices: devices the step runs on.
         tokens_per_step: tokens one step trains on (``tokens_per_s`` is ``None`` without it).
         plan: the :class:`~torsh_jax.plan.ParallelPlan`, written as ``plan.toml`` and ``plan.json``.
-        inspect: the ``inspect`` summary of the compiled step (:func:`~torsh_jax.runtime.inspect_step`).
+        inspect: the ``inspect`` summary of the compiled step (:func:`~torsh_jax.runtime.inspect_step`);
+            its headline (:func:`~torsh_jax.runtime.inspect.headline`) goes into ``run.json``.
         profile: steps to trace with ``jax.profiler`` (``"3:5"`` or a :class:`ProfileWindow`).
         tensorboard: also write TensorBoard scalars (needs ``tensorboardX``; skipped, and said so in
             ``run.json``, without it).
@@ -174,7 +175,10 @@ class RunLog:
             (self.path / files.PLAN_JSON).write_text(plan_to_json(plan))
             self._header.setdefault("plan", plan.name)
         if inspect is not None:
+            from torsh_jax.runtime.inspect import headline
+
             files.write_json(self.path / files.INSPECT_FILE, inspect)
+            self._header["inspect_headline"] = headline(inspect)  # what the demo prints per step
         self._header.update(started=time.time(), finished=None)
         files.write_json(self.path / files.RUN_FILE, self._header)
 

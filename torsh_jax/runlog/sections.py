@@ -58,8 +58,7 @@ def _median(values: list) -> float | None:
 def headline(run: Run) -> dict[str, float | int | None]:
     """The run's few numbers: medians over the steady steps, final loss, bytes and memory."""
     steady = steady_steps(run) or run.steps
-    inspected = run.inspect or {}
-    theory = inspected.get("theory") or {}
+    measured = run.header.get("inspect_headline") or {}
     return {
         "steps": len(run.steps),
         "final_loss": run.steps[-1].get("loss") if run.steps else None,
@@ -67,9 +66,10 @@ def headline(run: Run) -> dict[str, float | int | None]:
         "median_tokens_per_s": _median([s.get("tokens_per_s") for s in steady]),
         "median_mfu": _median([s.get("mfu") for s in steady]),
         "compiles_after_first_step": sum(s.get("compiles") or 0 for s in run.steps[1:]),
-        "wire_bytes_per_step": (inspected.get("totals") or {}).get("wire_bytes"),
-        "theory_wire_bytes_per_step": theory.get("wire_bytes"),
-        "peak_memory_bytes": (inspected.get("memory") or {}).get("peak_estimate_bytes"),
+        "wire_bytes_per_step": measured.get("wire_bytes_per_step"),
+        "theoretical_wire_bytes_per_step": measured.get("theoretical_wire_bytes_per_step"),
+        "wire_ratio_by_axis": measured.get("wire_ratio_by_axis"),
+        "peak_memory_bytes": measured.get("memory_per_device_bytes"),
         "memory_capacity_bytes": run.header.get("memory_capacity_bytes"),
     }
 
@@ -77,6 +77,8 @@ def headline(run: Run) -> dict[str, float | int | None]:
 def _fmt(key: str, value) -> str:
     if value is None:
         return "n/a"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {'n/a' if v is None else f'{v:.2f}'}" for k, v in value.items()) or "n/a"
     if key.endswith("_bytes") or key.endswith("_bytes_per_step"):
         return format_bytes(value)
     if key == "median_step_time_s":
@@ -89,8 +91,9 @@ def _fmt(key: str, value) -> str:
 _HEADLINE_SOURCES = {
     "median_step_time_s": "steady steps (after the first, not compiling, not profiled)",
     "median_mfu": "flops_source and peak_flops_source below",
-    "wire_bytes_per_step": "compiled program (inspect), per device",
-    "theory_wire_bytes_per_step": "plan theory of the data-parallel axes",
+    "wire_bytes_per_step": "compiled program (inspect), every axis, per device",
+    "theoretical_wire_bytes_per_step": "plan theory of the axes it models (inspect)",
+    "wire_ratio_by_axis": "measured / theory per modelled axis (inspect)",
     "peak_memory_bytes": "compiled program's memory_analysis, per device",
     "memory_capacity_bytes": "memory_capacity_source below",
 }
@@ -105,7 +108,8 @@ def headline_table(runs: list[Run]) -> str:
         cells = "".join(f'<td class="num">{_fmt(key, n[key])}</td>' for n in numbers)
         if len(runs) == 2:
             a, b = numbers[0][key], numbers[1][key]
-            cells += f'<td class="num">{b / a:.3g}</td>' if a and b is not None else "<td>n/a</td>"
+            ratio = isinstance(a, int | float) and isinstance(b, int | float) and a
+            cells += f'<td class="num">{b / a:.3g}</td>' if ratio else "<td>n/a</td>"
         rows.append(
             f"<tr><td>{key}</td>{cells}<td>{escape(_HEADLINE_SOURCES.get(key, 'step log'))}</td></tr>"
         )
