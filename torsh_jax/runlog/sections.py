@@ -175,12 +175,12 @@ def bytes_table(run: Run) -> str:
             f"<td class='num'>{format_bytes(entry['wire_bytes'])}</td></tr>"
         )
     theory = inspected.get("theory") or {}
-    if theory:
-        ratio = theory.get("wire_ratio")
+    for section in [theory, *(theory.get("axes") or {}).values()] if theory else []:
+        ratio = section.get("wire_ratio")
         rows.append(
-            f"<tr><td>theory: {escape(theory.get('description', ''))}</td><td></td>"
-            f"<td class='num'>{format_bytes(theory.get('payload_bytes'))}</td>"
-            f"<td class='num'>{format_bytes(theory.get('wire_bytes'))} (measured / theory "
+            f"<tr><td>theory: {escape(section.get('description', ''))}</td><td></td>"
+            f"<td class='num'>{format_bytes(section.get('payload_bytes'))}</td>"
+            f"<td class='num'>{format_bytes(section.get('wire_bytes'))} (measured / theory "
             f"{'n/a' if ratio is None else f'{ratio:.2f}'})</td></tr>"
         )
     return f'<table class="bytes">{"".join(rows)}</table>'
