@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "ArgumentError": "torsh_jax.errors",
     "TargetError": "torsh_jax.errors",
     "ModelStructureError": "torsh_jax.errors",
+    "RunLogError": "torsh_jax.errors",
     "PrecisionWarning": "torsh_jax.errors",
     # plans
     "ParallelPlan": "torsh_jax.plan",
@@ -106,6 +107,10 @@ _EXPORTS: dict[str, str] = {
     "detect_environment": "torsh_jax.distributed",
     "ProcessEnv": "torsh_jax.distributed",
     "global_batch_from_local": "torsh_jax.distributed",
+    # run logs
+    "RunLog": "torsh_jax.runlog.log",
+    "read_run": "torsh_jax.runlog.read",
+    "findings": "torsh_jax.runlog.findings",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -132,6 +137,7 @@ if TYPE_CHECKING:  # pragma: no cover - what a type checker sees; at run time __
         PlanError,
         PrecisionWarning,
         PresetNotFoundError,
+        RunLogError,
         ShardingError,
         TargetError,
         TorshError,
@@ -166,6 +172,9 @@ if TYPE_CHECKING:  # pragma: no cover - what a type checker sees; at run time __
         save_plan,
     )
     from torsh_jax.plan.roles import Roles, compose
+    from torsh_jax.runlog.findings import findings
+    from torsh_jax.runlog.log import RunLog
+    from torsh_jax.runlog.read import read_run
     from torsh_jax.runtime.decide import StepPlan, decide
     from torsh_jax.runtime.inspect import inspect_step
     from torsh_jax.runtime.layered import LayeredModel

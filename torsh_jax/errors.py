@@ -30,6 +30,7 @@ __all__ = [
     "ArgumentError",
     "TargetError",
     "ModelStructureError",
+    "RunLogError",
     "PrecisionWarning",
 ]
 
@@ -117,6 +118,10 @@ class TargetError(TorshError, ValueError):
 class ModelStructureError(TorshError, ValueError):
     """A model does not split into embedding, repeated blocks and head (names the submodule that
     broke the pattern)."""
+
+
+class RunLogError(TorshError, ValueError):
+    """A run directory cannot be written or read, or a run-log option is malformed (``--profile``)."""
 
 
 class PrecisionWarning(UserWarning):

@@ -64,6 +64,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--resume", action="store_true",
         help="continue from the newest complete checkpoint in --checkpoint-dir, up to --steps in total",
     )  # fmt: skip
+    parser.add_argument("--log-dir", metavar="DIR", default=None,
+                        help="write a run log here: plan, inspect report, one JSON line per step "
+                             "(docs/report.md)")  # fmt: skip
+    parser.add_argument("--profile", metavar="STEPS", default=None,
+                        help="trace steps FIRST:LAST (3:5) with jax.profiler into --log-dir")  # fmt: skip
+    parser.add_argument("--tensorboard", action="store_true",
+                        help="also write TensorBoard scalars into --log-dir (tensorboardX)")  # fmt: skip
+    parser.add_argument("--machine", metavar="FILE", default=None,
+                        help="machine file (calibrate -o) to model communication in the log")  # fmt: skip
     parser.set_defaults(func=run)
 
 
@@ -91,6 +100,8 @@ def _summary_rows(summary: dict) -> dict[str, str]:
         rows["resumed from step"] = str(summary["resumed_from_step"])
     if summary.get("checkpoint_steps"):
         rows["checkpoints kept"] = ", ".join(map(str, summary["checkpoint_steps"]))
+    if summary.get("log_dir"):
+        rows["run log"] = f"{summary['log_dir']} (torsh-jax report {summary['log_dir']})"
     return rows
 
 
@@ -148,6 +159,10 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir,
         save_every=args.save_every,
         resume=args.resume,
+        log_dir=args.log_dir,
+        profile=args.profile,
+        tensorboard=args.tensorboard,
+        machine=args.machine,
     )
     if args.json:
         print_json(run_demo(config, emit=print_json))
@@ -174,9 +189,11 @@ def _compile_for_target(args: argparse.Namespace) -> int:
         raise TargetError(
             "slices need a TPU target", key="--slices", fix="add --target v5e-16, or drop --slices"
         )
-    if args.verify or args.checkpoint_dir or args.resume:
+    run_only = (args.verify, args.checkpoint_dir, args.resume, args.log_dir, args.profile, args.tensorboard,
+                args.machine)  # fmt: skip
+    if any(run_only):
         raise TargetError(
-            "--verify and checkpoints need a run",
+            "--verify, checkpoints and run logs need a run",
             key="--target",
             fix="drop them with --compile-only --target",
         )

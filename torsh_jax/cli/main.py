@@ -33,6 +33,8 @@ COMMANDS = (
     "torsh_jax.cli.plan_cmd",
     "torsh_jax.cli.calibrate_cmd",
     "torsh_jax.cli.translate_cmd",
+    "torsh_jax.cli.report_cmd",
+    "torsh_jax.cli.dashboard_cmd",
 )
 
 

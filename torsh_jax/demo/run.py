@@ -28,6 +28,9 @@ from torsh_jax.optim import build_optimizer
 from torsh_jax.plan.io import load_plan
 from torsh_jax.plan.roles import compose
 from torsh_jax.plan.spec import ParallelPlan
+from torsh_jax.runlog.files import make_run_dir
+from torsh_jax.runlog.log import machine_file
+from torsh_jax.runlog.profile import ProfileWindow
 from torsh_jax.runtime.fit import batch_like, check_step_fits
 from torsh_jax.runtime.inspect import headline, inspect_step
 from torsh_jax.runtime.mesh import build_mesh
@@ -58,6 +61,12 @@ class DemoConfig:
         resume: continue from the newest complete checkpoint in
             ``checkpoint_dir`` (falling back to an older one if it cannot be
             read), on the batches the run would have seen; ``steps`` is the total.
+        log_dir: write a run log here (:mod:`torsh_jax.runlog`): plan, ``inspect`` summary, one
+            JSON line per step.
+        profile: steps to trace with ``jax.profiler`` into ``log_dir`` (``"3:5"``).
+        tensorboard: also write TensorBoard scalars into ``log_dir`` (needs ``tensorboardX``).
+        machine: a machine file (``torsh-jax calibrate -o``) whose links model the communication
+            time in the run log's findings when no profile measures it.
     """
 
     plan: str | ParallelPlan = "ddp"
@@ -70,6 +79,10 @@ class DemoConfig:
     checkpoint_dir: str | None = None
     save_every: int = 0
     resume: bool = False
+    log_dir: str | None = None
+    profile: str | None = None
+    tensorboard: bool = False
+    machine: str | None = None
 
     def __post_init__(self):
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
@@ -77,6 +90,11 @@ class DemoConfig:
         if (self.resume or self.save_every) and not self.checkpoint_dir:
             flag = "--resume" if self.resume else "--save-every"
             raise PlanError("needs a checkpoint directory", key=flag, fix="pass --checkpoint-dir DIR")
+        if (self.profile or self.tensorboard or self.machine) and not self.log_dir:
+            flag = "--profile" if self.profile else "--tensorboard" if self.tensorboard else "--machine"
+            raise PlanError("needs a run directory", key=flag, fix="pass --log-dir DIR")
+        if self.profile:
+            ProfileWindow.parse(self.profile)
 
 
 def model_config(config: DemoConfig, mesh_shape: dict | None = None) -> LMConfig:
@@ -136,6 +154,10 @@ def run_demo(
     """
     plan = config.plan if isinstance(config.plan, ParallelPlan) else load_plan(config.plan)
     _check_checkpoint_dir(config)
+    if config.log_dir:
+        make_run_dir(config.log_dir, key="--log-dir")
+    if config.machine:
+        machine_file(config.machine, key="--machine")  # a bad file fails before anything compiles
     phase(f"starting {config.devices or 'all'} devices")
     devices = select_devices(config.devices)
     plan = _plan_to_continue(config, plan, len(devices), phase)
@@ -156,7 +178,10 @@ def run_demo(
     )
     phase("compiling the train step")
     state = train.init(params)
-    report = headline(inspect_step(train, state, batch_of(0)))
+    compiled = train.lower(state, batch_of(0)).compile()
+    inspected = inspect_step(train, state, batch_of(0), compiled=compiled)
+    report = headline(inspected)
+    log = _run_log(config, train, compiled, inspected, cfg=cfg, shapes=shapes)
     state, first_step = _resumed(config, train, state, phase)
     twins = _twins(config, loss_fn(cfg, tp=tp), optimizer, plan, params, state, resumed=first_step > 0)
     if twins and first_step < config.steps:
@@ -165,18 +190,26 @@ def run_demo(
     saver = _saver(config)
     tokens = train.global_batch_size * cfg.seq_len
     loss = None
-    for i in range(first_step, config.steps):
-        batch = batch_of(i)
-        start = time.perf_counter()
-        state, metrics = train.step(state, batch)
-        loss = float(metrics["loss"])
-        elapsed = time.perf_counter() - start
-        record = {"step": i + 1, "loss": loss, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed}
-        if twins:
-            record["twin_loss"] = twins.step(batch, loss=loss)
-        emit({**record, **report})
-        if saver and _due(config, i + 1):
-            saver.save(state, plan=plan, data_position={"next_step": i + 1, "seed": config.seed})
+    try:
+        for i in range(first_step, config.steps):
+            batch = batch_of(i)
+            if log:
+                log.begin(i + 1)
+            start = time.perf_counter()
+            state, metrics = train.step(state, batch)
+            loss = float(metrics["loss"])
+            elapsed = time.perf_counter() - start
+            if log:
+                log.end(i + 1, metrics, step_time_s=elapsed)
+            record = {"step": i + 1, "loss": loss, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed}
+            if twins:
+                record["twin_loss"] = twins.step(batch, loss=loss)
+            emit({**record, **report})
+            if saver and _due(config, i + 1):
+                saver.save(state, plan=plan, data_position={"next_step": i + 1, "seed": config.seed})
+    finally:  # a step that raises (or Ctrl-C) still leaves a closed log and no running trace
+        if log:
+            log.close(final_loss=loss, compiles_of_step=train.traces)
     if saver:
         saver.close()  # waits for the last asynchronous save
     summary = {
@@ -191,6 +224,7 @@ def run_demo(
         "compiles": train.traces,
         "resumed_from_step": first_step if config.resume else None,
         "checkpoint_steps": saver.steps if saver else None,
+        "log_dir": config.log_dir,
         **report,
     }
     if twins:
@@ -238,6 +272,15 @@ def _twins(config: DemoConfig, loss, optimizer, plan, params, state, *, resumed:
     twins = DemoTwins(loss, optimizer, plan)
     twins.start(params, state if resumed else None)
     return twins
+
+
+def _run_log(config: DemoConfig, train, compiled, inspected: dict, *, cfg, shapes):
+    """The run log with ``log_dir`` (else ``None``)."""
+    from torsh_jax.demo.runlog import demo_run_log
+
+    if not config.log_dir:
+        return None
+    return demo_run_log(config, train, compiled, inspected, cfg=cfg, shapes=shapes)
 
 
 def _check_checkpoint_dir(config: DemoConfig) -> None:
