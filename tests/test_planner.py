@@ -18,7 +18,7 @@ from torsh_jax.cli.main import main
 from torsh_jax.demo.run import abstract_train_step
 from torsh_jax.errors import PlanError
 from torsh_jax.plan import load_plan
-from torsh_jax.planner.cost import predict, theories
+from torsh_jax.planner.cost import optimizer_state_factor, predict, theories
 from torsh_jax.planner.machine import Link, Machine
 from torsh_jax.planner.rank import search, verify
 from torsh_jax.planner.shape import ModelShape, demo_config, parse_model
@@ -273,3 +273,40 @@ def test_verify_compiles_down_the_ranking_and_learns_from_a_plan_that_does_not_f
     assert refused.compiled["fits"] is False
     _, unchecked, same = search_verified(tiny, CPU8, global_batch=64, budget=0, check=check)
     assert unchecked.candidate.label == first.candidate.label and same is CPU8 and len(seen) == 2
+
+
+#: the benchmark's small model (benchmarks/bench_planner.py): the plans whose memory the cost model
+#: derives from the compiled programs' layout (accumulation, ZeRO-3's recomputed layers, ZeRO-3 with
+#: tensor parallelism, compression's error feedback)
+SMALL = "demo:d_model=128,layers=4,vocab=1024,seq_len=128"
+MEMORY_PLANS = ("zero2 fsdp=8 acc=2", "zero3 fsdp=8 acc=1", "zero3 fsdp=4 tensor=2 acc=1", "ddp data=8 acc=1")
+
+
+def test_predicted_memory_is_the_compiled_peak_within_5_percent():
+    """The machine's activation and recomputed-layer scales measured here (``calibrate``'s
+    compiles), each plan's prediction against ``memory_analysis()`` of its compiled step."""
+    import dataclasses
+
+    import jax
+
+    from torsh_jax.analysis.memory import memory_report
+    from torsh_jax.demo.model import synthetic_tokens
+    from torsh_jax.plan import AxisCompression, CompressorSpec
+    from torsh_jax.planner.calibrate import activation_scales
+
+    require_devices(8)
+    shape, devices = parse_model(SMALL), jax.devices()[:8]
+    activations, recomputed = activation_scales(shape, devices[0])
+    machine = dataclasses.replace(CPU8, activation_scale=activations, recompute_scale=recomputed)
+    by_label = {c.label: c for c in candidates(shape, devices=8, global_batch=32)}
+    int8 = (AxisCompression(axis="data", gradients=CompressorSpec(method="int8")),)
+    chosen = [by_label[label] for label in MEMORY_PLANS]
+    chosen[-1] = dataclasses.replace(chosen[-1], plan=chosen[-1].plan.replace(compression=int8))
+    errors = {}
+    for candidate in chosen:
+        train, _ = abstract_train_step(candidate.plan, shape.demo_config(), devices)
+        batch = synthetic_tokens(shape.demo_config(), batch_size=train.global_batch_size, seed=0)
+        peak = memory_report(train.lower(train.abstract_state(), batch).compile()).peak_estimate_bytes
+        predicted = predict(candidate, shape, machine, opt_factor=optimizer_state_factor(candidate.plan))
+        errors[candidate.label] = predicted.memory["total"] / peak - 1
+    assert all(abs(e) <= 0.05 for e in errors.values()), errors

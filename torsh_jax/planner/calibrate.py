@@ -12,7 +12,8 @@ On the present devices (simulated CPU devices, or one host's accelerators):
 * **overhead**: a step that does nothing but cross a ``shard_map`` over the devices;
 * **codec**: int8 encode and decode of 1 Mi gradient values on every device at once;
 * **activations**: the compiler's temporaries of the model's gradient at four layers minus two, per
-  layer, over the cost model's per-layer formula (``activation_scale``).
+  layer, over the cost model's per-layer formula (``activation_scale``), and the working set of one
+  layer recomputed in the backward pass (``recompute_scale``, :func:`activation_scales`).
 
 Times are medians of ``repeats`` runs after a warm-up; nothing here is a constant.
 
@@ -35,7 +36,7 @@ import numpy as np
 from torsh_jax.planner.machine import Link, Machine
 from torsh_jax.planner.shape import ModelShape
 
-__all__ = ["calibrate", "fit_alpha_beta", "activation_scale", "LINK_SIZES"]
+__all__ = ["calibrate", "fit_alpha_beta", "activation_scales", "LINK_SIZES"]
 
 #: Bytes per device of the collectives timed for the link fit.
 LINK_SIZES = tuple(4096 * 4**k for k in range(6))  # 4 KiB .. 4 MiB
@@ -152,33 +153,46 @@ def _codec_seconds_per_element(mesh, repeats: int, elements: int = 1 << 20) -> f
     return _median_seconds(fn, x, repeats=repeats) / elements
 
 
-def activation_scale(shape: ModelShape, device, /) -> float:
-    """The compiler's activation bytes of one layer per token over the cost model's formula
-    (:func:`~torsh_jax.planner.cost.full_layer_bytes_per_token`): the temporaries of the model's
-    gradient at four layers minus at two, per layer, compiled for ``device`` (one of a target's
-    compile-only devices too: nothing runs)."""
+def activation_scales(shape: ModelShape, device, /) -> tuple[float, float]:
+    """``(activation_scale, recompute_scale)``: the compiler's bytes per token over the cost model's
+    per-layer formula (:func:`~torsh_jax.planner.cost.full_layer_bytes_per_token`) of a layer's
+    activations, and of the working set while one layer is recomputed in the backward pass.
+
+    From the temporaries of the model's gradient at two and four layers, plain and with each layer
+    recomputed, compiled for ``device`` (one of a target's compile-only devices too: nothing runs):
+    with ``plain(L) = C + L F`` and ``recomputed(L) = C + L S + W`` (``F``: a layer's activations,
+    ``S``: its saved input, ``W``: the working set), ``W = recomputed(2) - plain(2) + 2 F - 2 S``."""
     from torsh_jax.planner.cost import full_layer_bytes_per_token
 
-    per_layer = (_gradient_temp_bytes(shape, 4, device) - _gradient_temp_bytes(shape, 2, device)) / 2
+    plain = [_gradient_temp_bytes(shape, n, device) for n in (2, 4)]
+    recomputed = [_gradient_temp_bytes(shape, n, device, remat=True) for n in (2, 4)]
+    full, saved = (plain[1] - plain[0]) / 2, (recomputed[1] - recomputed[0]) / 2
+    working = recomputed[0] - plain[0] + 2 * full - 2 * saved
     bits32 = 2  # float32 activations: twice the formula's 16-bit bytes
-    return max(per_layer, 0) / (full_layer_bytes_per_token(shape) * bits32 * _ROWS * shape.seq_len)
+    formula = full_layer_bytes_per_token(shape) * bits32 * _ROWS * shape.seq_len
+    return max(full, 0) / formula, max(working, 0) / formula
 
 
-def _gradient_temp_bytes(shape: ModelShape, layers: int, device) -> int:
+def _gradient_temp_bytes(shape: ModelShape, layers: int, device, *, remat: bool = False) -> int:
     import jax
     import jax.numpy as jnp
     from jax.sharding import AxisType
     from jax.sharding import PartitionSpec as P
 
     from torsh_jax.analysis.memory import memory_report
-    from torsh_jax.demo.model import init_params, loss_fn
+    from torsh_jax.demo.model import init_params, layered_model
+    from torsh_jax.runtime.layered import layered_loss
 
     cfg = shape.demo_config(layers=layers)
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct((_ROWS, shape.seq_len), jnp.int32)
     mesh = jax.make_mesh((1, 1), ("devices", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=[device])
     grads = jax.shard_map(
-        jax.grad(loss_fn(cfg)), mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False
+        jax.grad(layered_loss(layered_model(cfg, remat=remat))),
+        mesh=mesh,
+        in_specs=(P(), P()),
+        out_specs=P(),
+        check_vma=False,
     )
     compiled = jax.jit(grads).lower(params, {"inputs": tokens, "targets": tokens}).compile()
     return memory_report(compiled).temp_bytes
@@ -211,6 +225,7 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
     link = fit_alpha_beta(_collective_times(mesh, repeats), len(devices), overhead_s=overhead)
     limit = device_memory_limit(mesh)
     platform = devices[0].platform
+    activations, recomputed = activation_scales(shape, devices[0])
     return Machine(
         name=name or f"{platform}-{len(devices)} (calibrated)",
         devices=len(devices),
@@ -223,7 +238,8 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         shared_cores=platform == "cpu",
         step_overhead_s=overhead,
         codec_s_per_element=_codec_seconds_per_element(mesh, repeats),
-        activation_scale=activation_scale(shape, devices[0]),
+        activation_scale=activations,
+        recompute_scale=recomputed,
         platform=platform,
         source=f"torsh-jax calibrate on {len(devices)} {platform} devices with {shape.name}",
     )

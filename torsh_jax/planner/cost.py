@@ -2,16 +2,18 @@
 
 **Memory per device** = training state (the ZeRO split of parameters, gradients and optimizer state,
 :func:`~torsh_jax.analysis.theory.theoretical_memory_per_device`) + gradient buffers (below ZeRO-3
-the whole local gradient, its reduced copy and the updated parameters; an accumulator) + ZeRO-3's
-gathered working set
-(one layer twice, embedding and head once, in the compute dtype) + activations. Activations per
-token and layer follow Korthikanti et al. 2022 (eq. 2 and 4; ``34 d + 5 a s`` bytes in 16-bit
-with no tensor parallelism, ``(10 + 24/t) d + 5 a s / t`` with ``t``, ``34 d / t + 5 a s / t``
-with sequence parallelism), scaled by the compute dtype; a recomputed layer keeps its input only
-(``2 d`` bytes), plus one layer's full set while it is recomputed. The logits and their gradient
-are float32. A pipeline stage stashes the input of ``min(microbatches, stages)`` micro-batches
-(1F1B, the first stage) and recomputes its chunk's forward in the backward pass (one micro-batch's
-full set).
+the whole local gradient and its reduced copy, accumulating or not; ZeRO-3: one layer's whole
+gradient with the embedding's and head's) + ZeRO-3's gathered working set (one layer twice,
+embedding and head once, in the compute dtype) + compressed reductions' error feedback +
+activations. Activations per token and layer follow Korthikanti et al. 2022 (eq. 2 and 4;
+``34 d + 5 a s`` bytes in 16-bit with no tensor parallelism, ``(10 + 24/t) d + 5 a s / t`` with
+``t``, ``34 d / t + 5 a s / t`` with sequence parallelism), scaled by the compute dtype and the
+machine's ``activation_scale``; a recomputed layer keeps its input only (``2 d`` bytes), plus the
+working set of one layer while it is recomputed (the formula times the machine's
+``recompute_scale``; not divided by ``tensor``: measured on CPU, that set does not shrink with
+it). The logits and their gradient are float32. A pipeline stage stashes the input of
+``min(microbatches, stages)`` micro-batches (1F1B, the first stage) and recomputes its chunk's
+forward in the backward pass (one micro-batch's full set).
 
 **Step time** = the machine's per-step overhead + compute + pipeline bubble + exposed communication:
 
@@ -159,7 +161,7 @@ def predict(
     comm = _comm_seconds(candidate, shape, machine)
     return Prediction(
         candidate,
-        _memory(candidate, shape, opt_factor, machine.activation_scale),
+        _memory(candidate, shape, opt_factor, machine.activation_scale, machine.recompute_scale),
         compute,
         bubble,
         comm,
@@ -178,7 +180,9 @@ def _local_params(c: Candidate, shape: ModelShape) -> tuple[int, int]:
     return shape.layers // s * shape.layer_params // t, (shape.embed_params + shape.head_params) // t
 
 
-def _memory(c: Candidate, shape: ModelShape, opt_factor: float, activation_scale: float) -> dict[str, int]:
+def _memory(
+    c: Candidate, shape: ModelShape, opt_factor: float, activation_scale: float, recompute_scale: float
+) -> dict[str, int]:
     plan = c.plan
     layers, shared = _local_params(c, shape)
     count = layers + shared
@@ -189,33 +193,46 @@ def _memory(c: Candidate, shape: ModelShape, opt_factor: float, activation_scale
         count * pb, int(count * opt_factor * 4), count * pb, zero_stage, fsdp
     )
     gathered = 0
+    one_layer = layers // max(1, shape.layers // c.sizes["stage"])
     if sharded:
-        one_layer = layers // max(1, shape.layers // c.sizes["stage"])
         gathered = (2 * one_layer + shared) * cb
-    activations, logits = _activation_bytes(c, shape, activation_scale)
+    activations, logits = _activation_bytes(c, shape, activation_scale, recompute_scale)
+    one_gathered = (one_layer + shared) * pb if sharded else 0
     parts = {
         "state": state.total_bytes,
-        "gradients": _gradient_buffers(
-            count * pb, state.grad_bytes, sharded, c.plan.batch.accumulation_steps, fsdp
-        ),
+        "gradients": _gradient_buffers(count * pb, state.grad_bytes, one_gathered),
         "gathered": gathered,
         "activations": activations,
         "logits": logits,
+        "feedback": _feedback_bytes(c, count * pb),
     }
     return {**parts, "total": sum(parts.values())}
 
 
-def _gradient_buffers(
-    param_bytes: int, stored_grads: int, sharded: bool, accumulation: int, fsdp: int
-) -> int:
+def _gradient_buffers(param_bytes: int, stored_grads: int, one_gathered: int) -> int:
     """Buffers beyond the stored gradients. Below ZeRO-3 the whole local gradient exists before its
     reduction, next to the reduced copy (2 parameter-sized buffers in all; the updated parameters
-    reuse the donated ones: what the compiled CPU programs of the demo model hold, DDP to ZeRO-2,
-    tests/test_planner.py); ZeRO-3 reduces each layer's gradient as the backward pass makes it.
-    Accumulation adds an accumulator."""
-    if sharded:
-        return param_bytes // fsdp if accumulation > 1 else 0
-    return 2 * param_bytes - stored_grads + (param_bytes if accumulation > 1 else 0)
+    reuse the donated ones). ZeRO-3 (``one_gathered``: the bytes of one gathered layer with the
+    embedding and head) reduces each layer's whole gradient as the backward pass makes it, so one
+    layer's and the embedding's and head's are alive at once. Accumulating adds nothing: each
+    micro-step's gradient is added into the carried sum in place. What the compiled CPU programs of
+    the demo model hold (tests/test_planner.py)."""
+    if one_gathered:
+        return one_gathered
+    return 2 * param_bytes - stored_grads
+
+
+def _feedback_bytes(c: Candidate, param_bytes: int) -> int:
+    """Compression's error feedback: per compressed axis of ``n`` devices, a residual of the
+    gradient the axis reduces (ZeRO-2 and -3 reduce-scatter it over ``fsdp`` first) and one of the
+    ``1/n`` chunk the reduction's second phase sends on."""
+    fsdp = c.sizes["fsdp"] if c.plan.zero.stage >= 2 else 1
+    total = 0.0
+    for compression in c.plan.compression:
+        n, spec = c.sizes.get(compression.axis, 1), compression.gradients
+        if spec is not None and spec.error_feedback and n > 1:
+            total += param_bytes / fsdp * (1 + 1 / n)
+    return int(total)
 
 
 def _layer_remat(c: Candidate) -> bool:
@@ -248,15 +265,19 @@ def full_layer_bytes_per_token(shape: ModelShape, tensor: int = 1, sequence_para
     return (10 + 24 / t) * d + 5 * heads * s / t
 
 
-def _activation_bytes(c: Candidate, shape: ModelShape, activation_scale: float = 1.0) -> tuple[int, int]:
+def _activation_bytes(
+    c: Candidate, shape: ModelShape, activation_scale: float = 1.0, recompute_scale: float = 1.0
+) -> tuple[int, int]:
     t, d = c.sizes["tensor"], shape.d_model
     scale = DTYPE_BYTES[c.plan.precision.compute_dtype] / 2  # the formulas count 16-bit activations
-    full = full_layer_bytes_per_token(shape, t, c.plan.tensor.sequence_parallel) * activation_scale
+    formula = full_layer_bytes_per_token(shape, t, c.plan.tensor.sequence_parallel)
+    full = formula * activation_scale
     layers = shape.layers // c.sizes["stage"]
     if c.sizes["stage"] > 1:  # stashed stage inputs of the micro-batches in flight + one chunk's backward
         per_token = 2 * d * min(c.plan.pipeline.microbatches, c.sizes["stage"]) + full * layers
-    elif _layer_remat(c):  # every layer's input + one layer's backward
-        per_token = 2 * d * layers + full
+    elif _layer_remat(c):  # every layer's input + the working set of one recomputed layer's backward,
+        # whole over ``tensor`` (XLA:CPU's recomputed layer at tensor=2 held 1.17x its set at 1)
+        per_token = 2 * d * layers + full_layer_bytes_per_token(shape) * recompute_scale
     else:
         per_token = full * layers
     tokens = _tokens_per_micro_step(c, shape)

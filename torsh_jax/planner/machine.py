@@ -70,6 +70,9 @@ class Machine:
             int8, read back).
         activation_scale: the compiler's activation bytes per token and layer over the cost model's
             formula (``calibrate`` compiles the model at two and four layers; 1 from a target).
+        recompute_scale: the compiler's working set of one recomputed layer's backward pass per
+            token over the same formula (ZeRO-3 gathering each layer on use recomputes it;
+            ``calibrate`` compiles the model with and without recomputing; 1 from a target).
         recompute_cost: time of a step whose layers run forward again in the backward pass over the
             same step without (``calibrate`` times both; ``None``: the FLOP ratio,
             :meth:`~torsh_jax.planner.shape.ModelShape.train_flops_per_token`).
@@ -88,6 +91,7 @@ class Machine:
     step_overhead_s: float = 0.0
     codec_s_per_element: float = 0.0
     activation_scale: float = 1.0
+    recompute_scale: float = 1.0
     recompute_cost: float | None = None
     platform: str = "tpu"
     source: str = ""
