@@ -42,7 +42,8 @@ def _shapes(cfg: LMConfig = TINY):
 
 @functools.cache
 def _shared_step(plan_name: str, devices: int):
-    """One compiled train step per plan and device count, shared by the restore matrix."""
+    """One compiled train step per plan and device count, shared by the restore matrix and the
+    hsdp_int8 tests that save with it."""
     return _train_step(plan_name, devices)
 
 
@@ -109,7 +110,7 @@ def test_restore_onto_another_plan_equals_the_saved_state_and_continues(tmp_path
 def test_resume_on_the_same_plan_is_bit_identical_with_feedback(tmp_path):
     """k steps, save, a new train step, restore, n - k steps == n steps straight, bit for bit
     (hsdp_int8: the per-device compression feedback comes back too)."""
-    train = _train_step("hsdp_int8", 8)
+    train = _shared_step("hsdp_int8", 8)  # the one that saves; the one that restores is new
     start = train.init(init_params(TINY, jax.random.key(0)))
     straight, straight_losses = _run(train, start, range(4))
     first, first_losses = _run(train, train.init(init_params(TINY, jax.random.key(0))), range(2))
@@ -126,7 +127,7 @@ def test_resume_on_the_same_plan_is_bit_identical_with_feedback(tmp_path):
 
 
 def test_feedback_restarts_from_zero_on_another_mesh(tmp_path):
-    train = _train_step("hsdp_int8", 8)
+    train = _shared_step("hsdp_int8", 8)
     state, _ = _run(train, train.init(init_params(TINY, jax.random.key(0))), range(1))
     with Checkpointer(tmp_path) as saver:
         saver.save(state, plan=train.plan)

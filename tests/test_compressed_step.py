@@ -21,6 +21,7 @@ from torsh_jax.cli.main import main as cli_main
 from torsh_jax.demo.model import init_params, layered_model, loss_fn, synthetic_tokens
 from torsh_jax.errors import NotSupportedYetError
 from torsh_jax.plan import load_plan, plan_from_dict
+from torsh_jax.plan.spec import BatchSpec
 from torsh_jax.runtime.inspect import inspect_step
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.step import make_train_step
@@ -64,8 +65,8 @@ def wire_summary(plan) -> dict:
     require_devices(8)
     params = mlp_params()
     train = make_train_step(mlp_loss, optax.sgd(1e-3), plan, build_mesh(plan), params)
-    state = train.init(params)
-    return inspect_step(train, state, mlp_batch(train.global_batch_size))
+    # the compiled step for the state's shapes and shardings: no initialised state needed
+    return inspect_step(train, train.abstract_state(), mlp_batch(train.global_batch_size))
 
 
 def total(summary) -> float:
@@ -171,7 +172,6 @@ TOL_CASES = [
                              "gradients": {"method": "int8", "error_feedback": False}}], zero={"stage": 3}),
         id="zero3-weights-and-gradients",
     ),
-    pytest.param(load_plan("hsdp_int8"), id="hsdp-int8-preset"),
     pytest.param(
         # tensor-split and replicated leaves share buckets: no int8 block holds two leaves (a block
         # shared by a small-gradient leaf and a large one gave the small leaf 0.23 relative error)
@@ -179,10 +179,12 @@ TOL_CASES = [
                 [{"axis": "data", "gradients": "int8"}], zero={"stage": 3}),
         id="hsdp-zero3-int8-x-tensor",
     ),
+    # the hsdp_int8 preset (ZeRO-3 over fsdp, int8 weight gathers, int8 data-axis gradients) with
+    # accumulation; the preset as it is (no micro-batch loop) is held to these bounds in
+    # test_odd_parameters.py, and hsdp without accumulation here by ddp-2-slices and ddp-both-axes
     pytest.param(
-        plan_of(HSDP_MESH, [{"axis": "data", "gradients": "int8"}, {"axis": "fsdp", "weights": "int8"}],
-                zero={"stage": 3}, batch={"micro_batch_size": 1, "accumulation_steps": 2}),
-        id="hsdp-zero3-accum",
+        load_plan("hsdp_int8").replace(batch=BatchSpec(micro_batch_size=1, accumulation_steps=2)),
+        id="hsdp-int8-preset-accum",
     ),
 ]  # fmt: skip
 
@@ -310,17 +312,18 @@ def test_loss_scaling_with_compressed_gradients_is_rejected():
 
 def test_cli_inspect_reports_int8_collectives(capsys):
     require_devices(8)
-    assert cli_main(["inspect", "--plan", "hsdp_int8", "--json", "--layers", "1"]) == 0
+    # 4 devices (2 slices x fsdp 2) and width 16: int8 on the wire does not depend on either
+    argv = ["inspect", "--plan", "hsdp_int8", "--json", "--devices", "4", "--layers", "1", "--d-model", "16"]
+    assert cli_main(argv) == 0
     report = __import__("json").loads(capsys.readouterr().out)
     assert "s8" in {c["dtype"] for c in report["collectives"]}
 
 
 def test_cli_demo_trains_under_ddp_int8(capsys):
     require_devices(8)
-    assert (
-        cli_main(["demo", "--plan", "ddp_int8", "--devices", "8", "--steps", "3", "--layers", "1", "--json"])
-        == 0
-    )
+    # 4 devices and width 16: what the CLI shows (training under int8 gradients) depends on neither
+    argv = ["demo", "--plan", "ddp_int8", "--devices", "4", "--steps", "3", "--layers", "1"]
+    assert cli_main([*argv, "--d-model", "16", "--json"]) == 0
     records = [
         __import__("json").loads(line)
         for line in capsys.readouterr().out.splitlines()

@@ -180,19 +180,18 @@ def tp_reports():
     from torsh_jax.tensor import tensor_axis
 
     require_devices(8)
+    shapes = jax.eval_shape(lambda: init_params(SMALL, jax.random.key(0)))
     out = {}
     for name, plan in (
         ("tp", load_plan("tp")),
         ("tp_sp", load_plan("tp_sp")),
         ("zero3_sp_accum", ZERO3_SP_ACCUM),
     ):
-        params = init_params(SMALL, jax.random.key(0))
         train = make_train_step(
-            layered_model(SMALL, tp=tensor_axis(plan)), optax.adamw(1e-3), plan, build_mesh(plan), params
+            layered_model(SMALL, tp=tensor_axis(plan)), optax.adamw(1e-3), plan, build_mesh(plan), shapes
         )
-        state = train.init(params)
-        out[name] = inspect_step(
-            train, state, synthetic_tokens(SMALL, batch_size=train.global_batch_size, seed=0)
+        out[name] = inspect_step(  # compiled for the state's shapes and shardings: none initialised
+            train, train.abstract_state(), synthetic_tokens(SMALL, batch_size=train.global_batch_size, seed=0)
         )
     return out
 
@@ -249,9 +248,10 @@ def test_fsdp_tp_state_per_device_is_the_total_over_all_devices():
     require_devices(8)
     plan = load_plan("fsdp_tp")
     cfg = LMConfig(vocab=256, d_model=64, heads=4, head_dim=16, mlp=256, layers=2, seq_len=16)
-    params = init_params(cfg, jax.random.key(0))
-    train = make_train_step(layered_model(cfg), optax.adamw(1e-3), plan, build_mesh(plan), params)
-    train.init(params)
+    # the layout is decided when the step is made, from the parameters' shapes (test_layout.py checks
+    # that the initialised state holds it): nothing is initialised or compiled here
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    train = make_train_step(layered_model(cfg), optax.adamw(1e-3), plan, build_mesh(plan), shapes)
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(train.layout.abstract))
     per_device = sum(train.layout.bytes_per_device().values())
     assert per_device == pytest.approx(total / 8, rel=0.02), (per_device, total / 8)
@@ -263,9 +263,9 @@ def test_heads_not_divisible_by_tensor_name_the_parameter_and_dim():
 
     require_devices(8)
     plan = plan_from_dict({"mesh": {"data": 1, "fsdp": 2, "tensor": 4}, "zero": {"stage": 3}})
-    params = init_params(SMALL, jax.random.key(0))
+    shapes = jax.eval_shape(lambda: init_params(SMALL, jax.random.key(0)))  # refused when the step is made
     with pytest.raises(ShardingError) as err:  # SMALL has 2 heads
-        make_train_step(layered_model(SMALL), optax.sgd(0.1), plan, build_mesh(plan), params)
+        make_train_step(layered_model(SMALL), optax.sgd(0.1), plan, build_mesh(plan), shapes)
     message = str(err.value)
     assert "layers/" in message and "dim 2" in message and "not divisible by 4" in message
     assert "Fix:" in message
@@ -305,17 +305,18 @@ def test_fsdp_bytes_under_tensor_are_the_1d_plans_for_one_tensor_shard():
     )
     fsdp_tp = load_plan("fsdp_tp")
     reports = {}
+    shapes = jax.eval_shape(lambda: init_params(HEADS4, jax.random.key(0)))
     for name, plan, mesh in (
         ("1d", one_d, build_mesh(one_d, devices[:4])),
         ("tp", fsdp_tp, build_mesh(fsdp_tp)),
     ):
-        params = init_params(HEADS4, jax.random.key(0))
         train = make_train_step(
-            layered_model(HEADS4, tp=tensor_axis(plan)), optax.adamw(1e-3), plan, mesh, params
+            layered_model(HEADS4, tp=tensor_axis(plan)), optax.adamw(1e-3), plan, mesh, shapes
         )
-        state = train.init(params)
-        reports[name] = inspect_step(
-            train, state, synthetic_tokens(HEADS4, batch_size=train.global_batch_size, seed=0)
+        reports[name] = inspect_step(  # compiled for the state's shapes and shardings: none initialised
+            train,
+            train.abstract_state(),
+            synthetic_tokens(HEADS4, batch_size=train.global_batch_size, seed=0),
         )
     share = reports["tp"]["shard_param_count"] / reports["tp"]["param_count"]
     fsdp = {name: r["totals"]["by_axis"]["fsdp"]["wire_bytes"] for name, r in reports.items()}

@@ -89,10 +89,12 @@ def _compiled_preset(name: str, layers: int):
 
 
 def _compiled(plan, layers: int):
+    """``(train, abstract state, compiled step, cfg)``: the state's shapes and shardings are all its
+    tests read (test_layout.py checks that an initialised state holds them), so none is initialised."""
     cfg = LMConfig(layers=layers)
-    params = init_params(cfg, jax.random.key(0))
-    train = make_train_step(layered_model(cfg), optax.adamw(1e-3), plan, build_mesh(plan), params)
-    state = train.init(params)
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    train = make_train_step(layered_model(cfg), optax.adamw(1e-3), plan, build_mesh(plan), shapes)
+    state = train.abstract_state()
     batch = synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=0)
     return train, state, train.lower(state, batch).compile(), cfg
 
@@ -153,9 +155,9 @@ def test_stage3_without_regather_gathers_once():
     """Every layer gathered in the forward is kept for the backward: one gather of the parameters per
     step (the MLP layers: what is gathered is what the layers hold, not their math)."""
     plan = zero_plan(3, zero={"reshard_after_forward": False})
-    params = mlp_params(SMALL, jax.random.key(0))
-    train = make_train_step(mlp_model(SMALL), optax.adamw(1e-3), plan, build_mesh(plan), params)
-    state = train.init(params)
+    shapes = jax.eval_shape(lambda: mlp_params(SMALL, jax.random.key(0)))
+    train = make_train_step(mlp_model(SMALL), optax.adamw(1e-3), plan, build_mesh(plan), shapes)
+    state = train.abstract_state()  # the compiled step is all the summary reads: none initialised
     summary = inspect_step(train, state, synthetic_tokens(SMALL, batch_size=train.global_batch_size, seed=0))
     gathered = summary["totals"]["by_kind"]["all-gather"]["payload_bytes"]
     assert gathered == pytest.approx(_bytes(state.params), rel=0.02)
@@ -205,9 +207,9 @@ def test_bf16_reductions_send_bf16_and_equal_theory(make_plan):
     backend runs it in f32, and the report says so) and the bytes equal the bf16 theory."""
     plan = make_plan()
     assert plan.precision.reduce_dtype == "bfloat16"
-    params = mlp_params(SMALL, jax.random.key(0))
-    train = make_train_step(mlp_model(SMALL), optax.adamw(1e-3), plan, build_mesh(plan), params)
-    state = train.init(params)
+    shapes = jax.eval_shape(lambda: mlp_params(SMALL, jax.random.key(0)))
+    train = make_train_step(mlp_model(SMALL), optax.adamw(1e-3), plan, build_mesh(plan), shapes)
+    state = train.abstract_state()  # the compiled step is all the summary reads: none initialised
     summary = inspect_step(train, state, synthetic_tokens(SMALL, batch_size=train.global_batch_size, seed=0))
     reductions = [row for row in summary["collectives"] if _is_gradient_reduction(row)]
     assert reductions
