@@ -16,6 +16,7 @@ import pytest
 
 from torsh_jax.cli.main import main
 from torsh_jax.distributed.env import detect_environment
+from torsh_jax.distributed.launcher import child_environment
 from torsh_jax.distributed.slurm import SlurmJob, sbatch_script, submit_sbatch
 from torsh_jax.distributed.stale import stale_coordinator_warnings
 from torsh_jax.errors import DistributedError
@@ -24,7 +25,7 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "train_multiprocess.py")
 STALE = (
     "JAX_COORDINATOR_PORT JAX_COORDINATOR_ADDRESS COORDINATOR_ADDRESS MASTER_ADDR MASTER_PORT "
     "JAX_NUM_PROCESSES JAX_PROCESS_ID RANK WORLD_SIZE LOCAL_RANK TORSH_JAX_COORDINATOR "
-    "TORSH_JAX_NUM_PROCESSES TORSH_JAX_PROCESS_ID TORSH_JAX_DEVICES_PER_PROCESS"
+    "TORSH_JAX_NUM_PROCESSES TORSH_JAX_PROCESS_ID TORSH_JAX_DEVICES_PER_PROCESS TORSH_JAX_RESTART"
 )
 
 
@@ -81,8 +82,8 @@ def run_batch_script(tmp_path: Path, text: str, **extra: str) -> subprocess.Comp
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
     (tmp_path / "job.sbatch").write_text(text)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "STEPS_LOG": str(tmp_path / "steps.log"), **extra}
-    env |= {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[01-04,07]"}
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "STEPS_LOG": str(tmp_path / "steps.log")}
+    env |= {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[01-04,07]", **extra}
     return subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env, capture_output=True, text=True)
 
 
@@ -106,6 +107,58 @@ def test_batch_script_without_restarts_returns_the_step_failure(tmp_path):
     done = run_batch_script(tmp_path, sbatch_script(["t.py"], job=SlurmJob(port=5000), python="py"))
     assert done.returncode == 1
     assert (tmp_path / "steps.log").read_text().split()[:3] == ["gpu01", "5000", "none"]
+
+
+def test_derived_restart_port_wraps_inside_61440_to_65535(tmp_path):
+    job = SlurmJob(max_restarts=2)
+    done = run_batch_script(tmp_path, sbatch_script(["t.py"], job=job, python="py"), SLURM_JOB_ID="4095")
+    assert done.returncode == 0, done.stderr
+    # 4095 % 4096 + 61440 = 65535 for attempt 0; attempt 1 wraps to 61440, not 65536
+    assert [line.split()[1] for line in (tmp_path / "steps.log").read_text().splitlines()] == [
+        "65535",
+        "61440",
+    ]
+
+
+def test_port_plus_restarts_beyond_65535_is_refused_in_dry_run(capsys):
+    code, out, err = dry_run(capsys, ["--slurm", "--port", "65535", "--max-restarts", "2", SCRIPT])
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "--port: 65535 + 2 restarts reaches port 65537 > 65535. Fix: pass --port 65533" in err
+
+
+def test_script_arguments_with_spaces_and_quotes_reach_the_step_unchanged(tmp_path):
+    args = ["my train.py", "--note", 'it\'s a "test"', "$HOME"]
+    text = sbatch_script(args, job=SlurmJob(), python="py")
+    done = run_batch_script(tmp_path, text.replace("srun --kill-on-bad-exit=1", "printf '<%s>' "))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == '<py><my train.py><--note><it\'s a "test"><$HOME>'
+
+
+def test_job_name_comes_from_the_script_name_made_slurm_safe_or_from_job_name(capsys):
+    _, out, _ = dry_run(capsys, ["--slurm", "--json", "runs/my train (v2).py"])
+    assert json.loads(out)["extra"]["sbatch"].splitlines()[1] == "#SBATCH --job-name=my_train__v2_"
+    _, out, _ = dry_run(capsys, ["--slurm", "--json", "--job-name", "lm-7b", "t.py"])
+    assert json.loads(out)["extra"]["sbatch"].splitlines()[1] == "#SBATCH --job-name=lm-7b"
+    code, _, err = dry_run(capsys, ["--slurm", "--job-name", "a b", "t.py"])
+    assert code == 2 and "--job-name: 'a b' is not a Slurm name. Fix: pass --job-name with" in err
+
+
+def test_unwritable_directory_and_silent_sbatch_are_one_line_errors(tmp_path, monkeypatch):
+    fake = tmp_path / "sbatch"
+    fake.write_text("#!/bin/bash\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    with pytest.raises(DistributedError, match="cannot write the batch script") as caught:
+        submit_sbatch("#!/bin/bash\n", directory=tmp_path / "missing")
+    assert caught.value.key == str(tmp_path / "missing" / "torsh-jax.sbatch")
+
+    def hangs(argv, **kwargs):
+        assert kwargs["timeout"] == 60
+        raise subprocess.TimeoutExpired(argv, kwargs["timeout"])
+
+    with pytest.raises(DistributedError, match="sbatch did not answer within 60 s") as caught:
+        submit_sbatch("#!/bin/bash\n", directory=tmp_path, run=hangs)
+    assert caught.value.key == "--slurm"
 
 
 #: What srun sets in each task of `srun -N 2 --ntasks-per-node 2 --relative 3` inside a 5-node
@@ -321,3 +374,30 @@ def test_script_read_as_the_ray_address_is_a_one_line_error(capsys):
     err = capsys.readouterr().err
     assert ended.value.code == 2 and err.count("\n") == 1
     assert "'train.py' is the script, read as the Ray address. Fix: write --ray auto train.py" in err
+
+
+DRY_RUN_REFUSALS = {
+    "missing-script-local": (["-n", "2", "missing.py"], "missing.py: script not found"),
+    "missing-script-ray": (["--ray", "auto", "-n", "2", "missing.py"], "missing.py: script not found"),
+    "port-under-ray": (["--ray", "auto", "-n", "2", "--port", "4000", SCRIPT], "--port: is read only by"),
+    "negative-grace-period": (["-n", "2", "--grace-period", "-1", SCRIPT], "grace_period: must be >= 0"),
+    "nan-exit-grace": (["-n", "2", "--exit-grace", "nan", SCRIPT], "exit_grace: must be > 0"),
+}
+
+
+@pytest.mark.parametrize(("argv", "error"), DRY_RUN_REFUSALS.values(), ids=DRY_RUN_REFUSALS)
+def test_dry_run_refuses_what_the_real_run_refuses(capsys, argv, error):
+    code, out, err = dry_run(capsys, argv)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"torsh-jax launch: error: {error}") and "Fix:" in err
+
+
+def test_child_environment_brackets_an_ipv6_coordinator():
+    env = child_environment({}, rank=0, count=2, port=8476, devices=None, host="fd00::1")
+    assert env["TORSH_JAX_COORDINATOR"] == "[fd00::1]:8476"
+    assert detect_environment(env).coordinator_address == "[fd00::1]:8476"
+
+
+def test_restart_variable_is_a_stale_variable():
+    [line] = stale_coordinator_warnings({"TORSH_JAX_RESTART": "2"}, hostname="h")
+    assert line.endswith("Fix: unset TORSH_JAX_RESTART")

@@ -38,7 +38,7 @@ groups are killed when the launcher dies, even by SIGKILL.
 
 --ray [ADDRESS] runs each process in a Ray actor of its own (one placement-group
 bundle each, spread over the nodes), with the same rules. --slurm writes an sbatch
-script (--nodes, --tasks-per-node, --gpus-per-node, --time, --partition, --account)
+script (--nodes, --tasks-per-node, --gpus-per-node, --time, --partition, --account, --job-name)
 whose srun tasks initialize() reads, and submits it. --dry-run prints what would
 start (each rank's variables, the coordinator, with --plan the plan resolved for
 the job's devices) and warns about coordinator variables left in the environment.
@@ -153,6 +153,9 @@ def _add_backend_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time", default=None, help="--slurm: time limit HH:MM:SS [the partition's]")
     parser.add_argument("--partition", default=None, help="--slurm: partition [the cluster's default]")
     parser.add_argument("--account", default=None, help="--slurm: account to charge [your default]")
+    parser.add_argument(
+        "--job-name", default=None, help="--slurm: job name [the script's name, other characters as _]"
+    )
     parser.add_argument("--dry-run", action="store_true", help="print what would start; start nothing")
     parser.add_argument(
         "--plan", default=None, help="--dry-run: also resolve this plan for the job's devices"
@@ -163,6 +166,8 @@ def _add_backend_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Start (or with ``--dry-run`` describe) the processes described by ``args``; returns the exit code."""
     _check_combination(args)
+    if not args.slurm:
+        _check_supervision(args)
     if args.dry_run:
         return _dry_run(args)
     if args.slurm:
@@ -188,6 +193,14 @@ def _supervision(args: argparse.Namespace) -> dict:
     }
 
 
+def _check_supervision(args: argparse.Namespace) -> None:
+    """The checks ``launch`` and ``ray_launch`` make, made before ``--dry-run`` too."""
+    from torsh_jax.distributed.launcher import check_launch_arguments
+
+    options = {k: v for k, v in _supervision(args).items() if k != "verbose_collectives"}
+    check_launch_arguments([args.script, *args.script_args], port=args.port, **options)
+
+
 def _run_local(args: argparse.Namespace) -> int:
     from torsh_jax.distributed.launcher import launch
 
@@ -197,18 +210,12 @@ def _run_local(args: argparse.Namespace) -> int:
 def _run_ray(args: argparse.Namespace) -> int:
     from torsh_jax.distributed.ray_launch import ray_launch
 
-    if args.port is not None:
-        from torsh_jax.errors import DistributedError
-
-        raise DistributedError("is chosen on rank 0's node under --ray", key="--port", fix="remove --port")
     script = [args.script, *args.script_args]
     return ray_launch(script, address=args.ray, gpus_per_process=args.gpus_per_process, **_supervision(args))
 
 
 def _slurm_job(args: argparse.Namespace):
-    from pathlib import Path
-
-    from torsh_jax.distributed.slurm import SlurmJob
+    from torsh_jax.distributed.slurm import SlurmJob, job_name_for
 
     return SlurmJob(
         nodes=args.nodes,
@@ -217,7 +224,7 @@ def _slurm_job(args: argparse.Namespace):
         time=args.time,
         partition=args.partition,
         account=args.account,
-        job_name=Path(args.script).stem or "torsh-jax",
+        job_name=args.job_name or job_name_for(args.script),
         port=args.port,
         max_restarts=args.max_restarts,
     )
@@ -270,6 +277,8 @@ _BACKEND_ONLY = {
     "--time": ("time", ("slurm",)),
     "--partition": ("partition", ("slurm",)),
     "--account": ("account", ("slurm",)),
+    "--job-name": ("job_name", ("slurm",)),
+    "--port": ("port", ("local", "slurm")),
     "--min-processes": ("min_processes", ("local", "ray")),
     "--devices-per-process": ("devices_per_process", ("local", "ray")),
     "--timeout": ("timeout", ("local", "ray")),

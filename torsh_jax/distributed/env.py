@@ -46,6 +46,7 @@ __all__ = [
     "KINDS",
     "ProcessEnv",
     "detect_environment",
+    "join_host_port",
     "expand_hostlist",
     "slurm_port",
     "LAUNCH_VARS",
@@ -167,7 +168,7 @@ def detect_environment(
 
 def _apply_coordinator_overrides(reader: Reader, draft: Draft, *, explicit: bool) -> None:
     if draft.coordinator is None and draft.host is not None and draft.port is not None:
-        draft.coordinator = _join_host_port(draft.host, draft.port)
+        draft.coordinator = join_host_port(draft.host, draft.port)
     if explicit:
         return
     jax_address = reader.text(JAX_COORDINATOR) if draft.kind not in ("torsh_launch", "jax") else None
@@ -175,12 +176,13 @@ def _apply_coordinator_overrides(reader: Reader, draft: Draft, *, explicit: bool
         draft.coordinator, draft.coordinator_key = jax_address, JAX_COORDINATOR
     port = reader.port(_PORT_OVERRIDE)
     if port is not None and draft.coordinator is not None:
-        draft.coordinator = _join_host_port(_split_address(draft.coordinator, key=_PORT_OVERRIDE)[0], port)
+        draft.coordinator = join_host_port(_split_address(draft.coordinator, key=_PORT_OVERRIDE)[0], port)
     elif port is not None and draft.host is not None:
-        draft.coordinator = _join_host_port(draft.host, port)
+        draft.coordinator = join_host_port(draft.host, port)
 
 
-def _join_host_port(host: str, port: int) -> str:
+def join_host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 ``host`` in brackets (``[::1]:8476``)."""
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 

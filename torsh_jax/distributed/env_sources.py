@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from torsh_jax.distributed.hostlist import expand_hostlist, expand_tasks_per_node, slurm_port
 from torsh_jax.errors import DistributedError
 
-__all__ = ["LAUNCH_VARS", "JAX_COORDINATOR", "Reader", "Draft", "draft_from"]
+__all__ = ["LAUNCH_VARS", "RESTART_VAR", "JAX_COORDINATOR", "Reader", "Draft", "draft_from"]
 
 #: Variables ``torsh-jax launch`` sets in each child.
 LAUNCH_VARS = {
@@ -31,6 +31,8 @@ LAUNCH_VARS = {
     "process_id": "TORSH_JAX_PROCESS_ID",
     "devices_per_process": "TORSH_JAX_DEVICES_PER_PROCESS",
 }
+#: The attempt number a launched process belongs to (0 first; 1, 2, ... after restarts).
+RESTART_VAR = "TORSH_JAX_RESTART"
 #: Where JAX itself reads the coordinator ``host:port``.
 JAX_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 #: The pod's index in a Kubernetes indexed Job (``completionMode: Indexed``).

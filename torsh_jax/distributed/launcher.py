@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from torsh_jax.distributed.env import LAUNCH_VARS
+from torsh_jax.distributed.env import LAUNCH_VARS, join_host_port
+from torsh_jax.distributed.env_sources import RESTART_VAR
 from torsh_jax.distributed.reaper import Reaper, dying_with_parent
 from torsh_jax.errors import DistributedError
 
@@ -65,8 +66,6 @@ __all__ = [
 EXIT_TIMEOUT = 124
 #: Seconds the other processes get to exit once one exited 0.
 DEFAULT_EXIT_GRACE_S = 60.0
-#: The attempt number a process of ``launch(..., max_restarts=R)`` belongs to (0 first).
-RESTART_VAR = "TORSH_JAX_RESTART"
 #: Child variables that quiet XLA/TSL (absl) and glog C++ logs to errors (unless already set).
 QUIET_LOG_LEVELS = {"TF_CPP_MIN_LOG_LEVEL": "2", "GLOG_minloglevel": "2"}
 #: gloo prints one such line per process when its collectives connect, whatever the log level.
@@ -144,6 +143,7 @@ def launch(
         devices_per_process=devices_per_process,
         port=port,
         timeout_s=timeout_s,
+        grace_period_s=grace_period_s,
         exit_grace_s=exit_grace_s,
         max_restarts=max_restarts,
         min_processes=min_processes,
@@ -236,6 +236,7 @@ def check_launch_arguments(
     devices_per_process: int | None,
     port: int | None,
     timeout_s: float | None,
+    grace_period_s: float,
     exit_grace_s: float,
     max_restarts: int,
     min_processes: int | None,
@@ -246,16 +247,21 @@ def check_launch_arguments(
         DistributedError: naming the argument (``num_processes``, ``port``, ...) and its fix.
     """
     _check_arguments(script_and_args, num_processes, devices_per_process, port, timeout_s)
-    _check_exit_grace(exit_grace_s)
+    _check_seconds(grace_period_s, key="grace_period", zero_ok=True, default=5.0)
+    _check_seconds(exit_grace_s, key="exit_grace", zero_ok=False, default=DEFAULT_EXIT_GRACE_S)
     _check_restarts(max_restarts, min_processes, num_processes)
 
 
-def _check_exit_grace(exit_grace_s: float) -> None:
-    if isinstance(exit_grace_s, bool) or not isinstance(exit_grace_s, int | float) or not exit_grace_s > 0:
+def _check_seconds(value: float, *, key: str, zero_ok: bool, default: float) -> None:
+    """``value`` must be a number of seconds > 0 (>= 0 with ``zero_ok``); NaN is refused."""
+    number = not isinstance(value, bool) and isinstance(value, int | float)
+    if not number or not (value >= 0 if zero_ok else value > 0):
+        bound = ">= 0" if zero_ok else "> 0"
+        flag = "--" + key.replace("_", "-")
         raise DistributedError(
-            f"must be > 0 seconds, got {exit_grace_s!r}",
-            key="exit_grace",
-            fix=f"pass --exit-grace as a positive number of seconds (default {DEFAULT_EXIT_GRACE_S:g})",
+            f"must be {bound} seconds, got {value!r}",
+            key=key,
+            fix=f"pass {flag} as a number of seconds {bound} (default {default:g})",
         )
 
 
@@ -336,7 +342,7 @@ def child_environment(
 ) -> dict[str, str]:
     """The environment of process ``rank``: ``base`` plus the ``TORSH_JAX_*`` layout variables.
 
-    The coordinator is ``host:port`` (rank 0's host).
+    The coordinator is ``host:port`` (rank 0's host; an IPv6 address in brackets).
 
     Unless ``verbose_collectives``, ``TF_CPP_MIN_LOG_LEVEL`` and ``GLOG_minloglevel``
     default to ``2`` (XLA/gloo C++ errors only; a value already in ``base`` wins).
@@ -347,7 +353,7 @@ def child_environment(
         ('127.0.0.1:29500', '1', '2')
     """
     env = dict(base)
-    env[LAUNCH_VARS["coordinator"]] = f"{host}:{port}"
+    env[LAUNCH_VARS["coordinator"]] = join_host_port(host, port)
     env[LAUNCH_VARS["num_processes"]] = str(count)
     env[LAUNCH_VARS["process_id"]] = str(rank)
     env.pop(LAUNCH_VARS["devices_per_process"], None)
@@ -550,12 +556,15 @@ def how_it_ended(returncode: int) -> str:
     """``exited with code 3`` or ``was killed by SIGKILL`` (a negative ``returncode``: the signal).
 
     Example:
-        >>> how_it_ended(-9), how_it_ended(1)
-        ('was killed by SIGKILL', 'exited with code 1')
+        >>> how_it_ended(-9), how_it_ended(1), how_it_ended(-40)
+        ('was killed by SIGKILL', 'exited with code 1', 'was killed by signal 40')
     """
-    if returncode < 0:
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
         return f"was killed by {signal.Signals(-returncode).name}"
-    return f"exited with code {returncode}"
+    except ValueError:  # a real-time or otherwise unnamed signal
+        return f"was killed by signal {-returncode}"
 
 
 def _wait_unreaped(process: subprocess.Popen) -> None:

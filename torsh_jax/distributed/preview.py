@@ -19,13 +19,12 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from torsh_jax.distributed.env_sources import LAUNCH_VARS
+from torsh_jax.distributed.env_sources import LAUNCH_VARS, RESTART_VAR
 from torsh_jax.distributed.slurm import SLURM_PORT_EXPR, SlurmJob, sbatch_script
 from torsh_jax.distributed.stale import stale_coordinator_warnings
 
 __all__ = ["LaunchPreview", "preview_local", "preview_slurm", "preview_ray", "resolve_plan_preview"]
 
-_RESTART_VAR = "TORSH_JAX_RESTART"
 _FREE_PORT = "<free port>"
 
 
@@ -39,7 +38,7 @@ class LaunchPreview:
         coordinator: ``host:port`` of rank 0's coordinator (placeholders where
             only the cluster knows, e.g. ``<node IP of rank 0>``).
         num_devices: devices in the job (JAX's count; 1 CPU device per process by default).
-        num_slices: slices (DCN granules): one per process, or per node under Slurm.
+        num_slices: slices (DCN granules): one per process (per Slurm task under Slurm).
         ranks: per rank: ``rank``, ``node`` and ``env`` (the variables the launch sets).
         warnings: coordinator variables left in this environment.
         plan: with a plan: ``name``, ``devices``, ``mesh`` and ``global_batch``.
@@ -124,7 +123,7 @@ def _layout_env(rank: int, count: int, coordinator: str, devices: int | None) ->
     }
     if devices is not None:
         env[LAUNCH_VARS["devices_per_process"]] = str(devices)
-    return {**env, _RESTART_VAR: "0"}
+    return {**env, RESTART_VAR: "0"}
 
 
 def preview_local(

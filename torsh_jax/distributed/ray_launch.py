@@ -115,6 +115,7 @@ def ray_launch(
         devices_per_process=devices_per_process,
         port=None,
         timeout_s=timeout_s,
+        grace_period_s=grace_period_s,
         exit_grace_s=exit_grace_s,
         max_restarts=max_restarts,
         min_processes=min_processes,

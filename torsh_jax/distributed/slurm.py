@@ -31,13 +31,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from torsh_jax.distributed.env_sources import RESTART_VAR
 from torsh_jax.distributed.stale import STALE_COORDINATOR_VARS
 from torsh_jax.errors import DistributedError
 
-__all__ = ["SlurmJob", "sbatch_script", "submit_sbatch", "SLURM_PORT_EXPR"]
+__all__ = ["SlurmJob", "sbatch_script", "submit_sbatch", "job_name_for", "SLURM_PORT_EXPR"]
 
 #: The coordinator port derived from the job id (JAX's Slurm rule, as :func:`.hostlist.slurm_port`).
 SLURM_PORT_EXPR = "$(( SLURM_JOB_ID % 4096 + 61440 ))"
+#: Attempt ``attempt``'s derived port: the next one, wrapping inside 61440..65535.
+_RESTART_PORT_EXPR = "$(( (SLURM_JOB_ID + attempt) % 4096 + 61440 ))"
+#: Seconds ``sbatch`` may take (it hangs while slurmctld is unreachable).
+SBATCH_TIMEOUT_S = 60.0
 _TIME = re.compile(r"(\d+-)?\d{1,3}(:\d{2}){0,2}")
 _NAME = re.compile(r"[A-Za-z0-9_.:+@-]+")
 
@@ -55,7 +60,8 @@ class SlurmJob:
         partition: ``--partition``; ``None``: the cluster's default.
         account: ``--account``; ``None``: the user's default.
         job_name: ``--job-name``.
-        port: coordinator port; ``None`` derives it from the job id.
+        port: coordinator port; ``None`` derives it from the job id. Attempt ``a``
+            of a restart uses ``port + a``, which must stay <= 65535.
         max_restarts: run the step again this many times after a failure.
     """
 
@@ -100,6 +106,14 @@ class SlurmJob:
                     f"{value!r} is not a Slurm name",
                     f"pass {flag} with letters, digits, '-', '_' or '.'",
                 )
+        if self.port is not None:
+            last = self.port + self.max_restarts
+            _require(
+                last <= 65535,
+                "--port",
+                f"{self.port} + {self.max_restarts} restarts reaches port {last} > 65535",
+                f"pass --port {65535 - self.max_restarts} or lower, or leave --port out",
+            )
 
     @property
     def num_tasks(self) -> int:
@@ -134,8 +148,19 @@ def sbatch_script(script_and_args: Sequence[str], /, *, job: SlurmJob, python: s
     if job.max_restarts == 0:
         lines += ['export MASTER_ADDR MASTER_PORT="$BASE_PORT"', srun]
     else:
-        lines += _restart_loop(srun, job.max_restarts)
+        port = _RESTART_PORT_EXPR if job.port is None else "$(( BASE_PORT + attempt ))"
+        lines += _restart_loop(srun, job.max_restarts, port)
     return "\n".join(lines) + "\n"
+
+
+def job_name_for(script: str) -> str:
+    """A Slurm job name from the script's stem: characters other than ``[A-Za-z0-9_.-]`` become ``_``.
+
+    Example:
+        >>> job_name_for("runs/my train (v2).py")
+        'my_train__v2_'
+    """
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", Path(script).stem) or "torsh-jax"
 
 
 def _directives(job: SlurmJob) -> list[str]:
@@ -155,11 +180,11 @@ def _directives(job: SlurmJob) -> list[str]:
     return [f"#SBATCH {d}" for d in directives]
 
 
-def _restart_loop(srun: str, max_restarts: int) -> list[str]:
-    """Run the step up to ``max_restarts + 1`` times; each attempt on the next port."""
+def _restart_loop(srun: str, max_restarts: int, port: str) -> list[str]:
+    """Run the step up to ``max_restarts + 1`` times; each attempt on ``port`` (a shell expression)."""
     return [
         f"for attempt in $(seq 0 {max_restarts}); do",
-        '    export MASTER_ADDR MASTER_PORT="$(( BASE_PORT + attempt ))" TORSH_JAX_RESTART="$attempt"',
+        f'    export MASTER_ADDR MASTER_PORT="{port}" {RESTART_VAR}="$attempt"',
         f"    {srun} && exit 0",
         "    code=$?",
         f'    echo "[launch] step failed with code $code (attempt $attempt of {max_restarts})" >&2',
@@ -178,7 +203,8 @@ def submit_sbatch(
     """Write ``text`` to ``directory/<job name>.sbatch``, submit it with ``sbatch``; returns Slurm's job id.
 
     Raises:
-        DistributedError: ``sbatch`` is not on ``PATH`` (not a Slurm login node)
+        DistributedError: ``sbatch`` is not on ``PATH`` (not a Slurm login node),
+            the script cannot be written, ``sbatch`` took over :data:`SBATCH_TIMEOUT_S`
             or refused the script (its message).
     """
     sbatch = shutil.which("sbatch")
@@ -190,8 +216,8 @@ def submit_sbatch(
         )
     name = re.search(r"--job-name=(\S+)", text)
     path = directory / f"{name.group(1) if name else 'torsh-jax'}.sbatch"
-    path.write_text(text)
-    done = run([sbatch, "--parsable", str(path)], capture_output=True, text=True, check=False)
+    _write_script(path, text)
+    done = _run_sbatch(run, [sbatch, "--parsable", str(path)])
     if done.returncode != 0:
         message = " ".join((done.stderr or done.stdout).split()) or f"exit code {done.returncode}"
         raise DistributedError(
@@ -200,6 +226,30 @@ def submit_sbatch(
             fix="correct the flag sbatch names (see --dry-run for the script)",
         )
     return done.stdout.strip().split(";")[0]
+
+
+def _write_script(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as err:
+        raise DistributedError(
+            f"cannot write the batch script: {err.strerror or err}",
+            key=str(path),
+            fix="run from a directory you can write to",
+        ) from None
+
+
+def _run_sbatch(
+    run: Callable[..., subprocess.CompletedProcess], argv: list[str]
+) -> subprocess.CompletedProcess:
+    try:
+        return run(argv, capture_output=True, text=True, check=False, timeout=SBATCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise DistributedError(
+            f"sbatch did not answer within {SBATCH_TIMEOUT_S:g} s (slurmctld unreachable?)",
+            key="--slurm",
+            fix="check the controller with `sinfo`, then submit again",
+        ) from None
 
 
 def _require(ok: bool, key: str, message: str, fix: str) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from torsh_jax.distributed.env_sources import JAX_COORDINATOR, LAUNCH_VARS
+from torsh_jax.distributed.env_sources import JAX_COORDINATOR, LAUNCH_VARS, RESTART_VAR
 from torsh_jax.distributed.hostlist import expand_hostlist
 from torsh_jax.errors import DistributedError
 
@@ -34,6 +34,7 @@ _EFFECTS: dict[str, str] = {
     "WORLD_SIZE": f"it {_LAYOUT}",
     "LOCAL_RANK": "it describes another job's layout",
     **{name: f"it {_LAYOUT}" for name in LAUNCH_VARS.values()},
+    RESTART_VAR: "it tells a script it resumes an earlier attempt",
 }
 #: Variables a new job should not inherit (a Slurm batch script unsets them).
 STALE_COORDINATOR_VARS: tuple[str, ...] = tuple(_EFFECTS)
