@@ -31,7 +31,9 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
+from torsh_jax.distributed.env_sources import LAUNCH_VARS
 from torsh_jax.distributed.reaper import dying_with_parent
+from torsh_jax.errors import DistributedError
 
 __all__ = ["RankProcess", "Line"]
 
@@ -47,6 +49,7 @@ class RankProcess:
         self._lines: queue.Queue = queue.Queue()
         self._process: subprocess.Popen | None = None
         self._started = threading.Event()
+        self._start_error: str | None = None
         self._ended = False
 
     def coordinator(self) -> tuple[str, int]:
@@ -59,24 +62,41 @@ class RankProcess:
     def start(
         self, argv: Sequence[str], *, overlay: Mapping[str, str], defaults: Mapping[str, str], cwd: str
     ) -> None:
-        """Start ``python ARGV``: this process's environment, ``overlay`` set, ``defaults`` unless set."""
+        """Start ``python ARGV``: this process's environment, ``overlay`` set, ``defaults`` unless set.
+
+        Raises:
+            DistributedError: the subprocess could not start (no ``cwd`` on this node, exec failed),
+                naming the rank (``overlay``'s ``TORSH_JAX_PROCESS_ID``) and the node.
+        """
         env = {**os.environ, **overlay}
         for name, value in defaults.items():
             env.setdefault(name, value)
         threading.Thread(target=self._own, args=(list(argv), env, cwd), daemon=True).start()
         self._started.wait()
+        if self._start_error is not None:
+            rank = overlay.get(LAUNCH_VARS["process_id"], "?")
+            raise DistributedError(
+                f"cannot start {argv[0] if argv else 'python'} in {cwd}: {self._start_error}",
+                key=f"rank {rank} on {_node_address()}",
+                fix="make the script and the working directory exist on every node (a shared file system)",
+            )
 
     def _own(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
         """Start the subprocess and stay alive until it ends (its parent-death signal follows this thread)."""
-        self._process = subprocess.Popen(
-            dying_with_parent([sys.executable, *argv]),
-            env=env,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
+        try:
+            self._process = subprocess.Popen(
+                dying_with_parent([sys.executable, *argv]),
+                env=env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        except (OSError, subprocess.SubprocessError) as err:  # no such cwd, exec failed
+            self._start_error = f"{type(err).__name__}: {err}"
+            self._started.set()
+            return
         pump = threading.Thread(target=self._pump, args=("err", self._process.stderr), daemon=True)
         pump.start()
         self._started.set()

@@ -51,7 +51,15 @@ EXIT_ACTOR_LOST = 1
 _LOST = 1 << 16
 #: Seconds to wait for the placement group's bundles before giving up.
 PLACEMENT_TIMEOUT_S = 120.0
+#: Seconds to wait for the actors to answer and start their subprocesses.
+START_TIMEOUT_S = 120.0
+#: Seconds to wait for a poll still in flight when the ranks are stopped (a poll waits ``_POLL_S``).
+_DRAIN_S = 2.0
 _POLL_S = 0.2
+
+
+class _Interrupted(Exception):
+    """SIGINT or SIGTERM came while the launch was setting up."""
 
 
 def import_ray() -> Any:
@@ -197,26 +205,51 @@ class _RayJob:
 
     def attempt(self, attempt: int, count: int) -> Attempt:
         """Start ``count`` actors (attempt number ``attempt``), supervise them, remove them."""
-        from ray.util.placement_group import placement_group, remove_placement_group
-
         bundle = {"CPU": 1, **({"GPU": self.gpus} if self.gpus else {})}
-        group = placement_group([bundle] * count, strategy="SPREAD")
+        group = self.ray.util.placement_group([bundle] * count, strategy="SPREAD")
+        try:
+            previous = _install_signal_handlers(self._on_signal)
+            try:
+                return self._run(group, bundle, count, attempt)
+            finally:
+                _restore_signal_handlers(previous)
+        finally:
+            self.ray.util.remove_placement_group(group)
+
+    def _run(self, group: Any, bundle: dict, count: int, attempt: int) -> Attempt:
+        """Place, create and start the actors, supervise them; stop them whatever happens."""
         actors: list[Any] = []
-        previous = _install_signal_handlers(self._on_signal)
         try:
             self._wait_ready(group, count, bundle)
             actors = self._create_actors(group, count)
             self._start_ranks(actors, attempt)
             return self._supervise(actors)
+        except _Interrupted:
+            return self._signalled()
         finally:
             self._stop(actors)
-            _restore_signal_handlers(previous)
-            remove_placement_group(group)
+
+    def _get(self, refs: Any, *, timeout_s: float) -> Any:
+        """``ray.get(refs)``, waited for in ``_POLL_S`` slices so that a signal is seen meanwhile.
+
+        Raises:
+            _Interrupted: SIGINT or SIGTERM came.
+            TimeoutError: not all of ``refs`` ready within ``timeout_s``.
+        """
+        waiting = list(refs) if isinstance(refs, list) else [refs]
+        deadline = time.monotonic() + timeout_s
+        while waiting:
+            if self.received_signal is not None:
+                raise _Interrupted
+            if time.monotonic() > deadline:
+                raise TimeoutError
+            _, waiting = self.ray.wait(waiting, num_returns=len(waiting), timeout=_POLL_S)
+        return self.ray.get(refs)
 
     def _wait_ready(self, group: Any, count: int, bundle: dict) -> None:
         try:
-            self.ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        except self.ray.exceptions.GetTimeoutError:
+            self._get(group.ready(), timeout_s=PLACEMENT_TIMEOUT_S)
+        except TimeoutError:
             raise DistributedError(
                 f"{count} bundles of {bundle} not placed within {PLACEMENT_TIMEOUT_S:g} s",
                 key="--ray",
@@ -246,7 +279,7 @@ class _RayJob:
     def _start_ranks(self, actors: list[Any], attempt: int) -> None:
         """Ask rank 0's actor for the coordinator, then start every rank's subprocess."""
         try:
-            host, port = self.ray.get(actors[0].coordinator.remote())
+            host, port = self._get(actors[0].coordinator.remote(), timeout_s=START_TIMEOUT_S)
             defaults = {} if self.verbose else QUIET_LOG_LEVELS
             starts = []
             for rank, actor in enumerate(actors):
@@ -263,17 +296,26 @@ class _RayJob:
                 starts.append(
                     actor.start.remote(self.argv, overlay=overlay, defaults=defaults, cwd=os.getcwd())
                 )
-            self.ray.get(starts)
-        except self.ray.exceptions.RayActorError as err:
+            self._get(starts, timeout_s=START_TIMEOUT_S)
+        except TimeoutError:
             raise DistributedError(
-                f"an actor did not start: {_last_line(err)}",
+                f"the ranks' actors did not start within {START_TIMEOUT_S:g} s",
                 key="--ray",
-                fix="install torsh-jax[ray] (this version) on every node of the cluster",
+                fix="check the cluster with `ray status`; lower -n if its nodes are busy",
             ) from None
+        except self.ray.exceptions.RayError as err:
+            raise _start_error(err) from None
 
     def _supervise(self, actors: list[Any]) -> Attempt:
         """Relay output until all ranks exited 0, one failed, time ran out or a signal came."""
         pending = {actor.poll.remote(_POLL_S): rank for rank, actor in enumerate(actors)}
+        try:
+            return self._watch(actors, pending)
+        finally:
+            self._drain(pending)
+
+    def _watch(self, actors: list[Any], pending: dict) -> Attempt:
+        """:meth:`_supervise`'s loop; ``pending`` holds the polls in flight (poll ref -> rank)."""
         finished: tuple[int, float] | None = None  # the first rank that exited 0, and when
         while pending:
             stopped = self._stopped(finished, pending)
@@ -291,12 +333,24 @@ class _RayJob:
                     finished = finished or (rank, time.monotonic())
         return Attempt(code=0)
 
+    def _drain(self, pending: dict) -> None:
+        """Relay the lines of polls still in flight (they may hold a rank's last lines, a traceback)."""
+        for ref, rank in pending.items():
+            try:
+                lines, _ = self.ray.get(ref, timeout=_DRAIN_S)
+            except self.ray.exceptions.RayError:  # the actor is gone, or the poll is stuck
+                continue
+            self._relay(rank, lines)
+
     def _collect(self, ref: Any, rank: int) -> int | None:
         """Write a poll's lines; its exit code (a negative one for a signal), or ``None`` while running."""
         try:
             lines, code = self.ray.get(ref)
         except (self.ray.exceptions.RayActorError, self.ray.exceptions.WorkerCrashedError) as err:
             self.say(f"rank {rank}: its Ray actor died ({type(err).__name__}): node or worker lost")
+            return _LOST
+        except self.ray.exceptions.RayError as err:  # RayTaskError, ObjectLostError, OwnerDiedError, ...
+            self.say(f"rank {rank}: its Ray actor failed ({type(err).__name__}): {_last_line(err)}")
             return _LOST
         self._relay(rank, lines)
         return code
@@ -306,10 +360,13 @@ class _RayJob:
             if self.verbose or not is_collectives_chatter(text):
                 self._write(self.out if stream == "out" else self.err, f"[rank {rank}] {text}")
 
+    def _signalled(self) -> Attempt:
+        self.say(f"got {signal.Signals(self.received_signal).name}; stopping all processes")
+        return Attempt(code=128 + self.received_signal)
+
     def _stopped(self, finished: tuple[int, float] | None, pending: dict) -> Attempt | None:
         if self.received_signal is not None:
-            self.say(f"got {signal.Signals(self.received_signal).name}; stopping all processes")
-            return Attempt(code=128 + self.received_signal)
+            return self._signalled()
         if self.deadline is not None and time.monotonic() > self.deadline:
             self.say(f"timeout after {self.timeout_s} s; stopping all processes")
             return Attempt(code=EXIT_TIMEOUT)
@@ -343,6 +400,18 @@ class _RayJob:
 
     def _on_signal(self, signum: int, _frame) -> None:
         self.received_signal = signum
+
+
+def _start_error(err: Exception) -> DistributedError:
+    """A failed start: the actor's own :class:`DistributedError` (naming the rank), or Ray's last line."""
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, DistributedError):
+        return DistributedError(cause.message, key=cause.key, fix=cause.fix)
+    return DistributedError(
+        f"an actor did not start: {_last_line(err)}",
+        key="--ray",
+        fix="install torsh-jax[ray] (this version) on every node of the cluster",
+    )
 
 
 def _last_line(err: Exception) -> str:
