@@ -382,6 +382,7 @@ DRY_RUN_REFUSALS = {
     "port-under-ray": (["--ray", "auto", "-n", "2", "--port", "4000", SCRIPT], "--port: is read only by"),
     "negative-grace-period": (["-n", "2", "--grace-period", "-1", SCRIPT], "grace_period: must be >= 0"),
     "nan-exit-grace": (["-n", "2", "--exit-grace", "nan", SCRIPT], "exit_grace: must be > 0"),
+    "nan-timeout": (["-n", "2", "--timeout", "nan", SCRIPT], "timeout: must be > 0"),
 }
 
 

@@ -315,7 +315,7 @@ def _check_arguments(
             key="port",
             fix="pass --port in 1..65535, or leave it out to pick a free port",
         )
-    if timeout_s is not None and timeout_s <= 0:
+    if timeout_s is not None and not timeout_s > 0:  # NaN too
         raise DistributedError(
             f"must be > 0 seconds, got {timeout_s}",
             key="timeout",

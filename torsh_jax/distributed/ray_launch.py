@@ -335,9 +335,10 @@ class _RayJob:
 
     def _drain(self, pending: dict) -> None:
         """Relay the lines of polls still in flight (they may hold a rank's last lines, a traceback)."""
+        deadline = time.monotonic() + _DRAIN_S  # for all of them: a stuck actor costs no more
         for ref, rank in pending.items():
             try:
-                lines, _ = self.ray.get(ref, timeout=_DRAIN_S)
+                lines, _ = self.ray.get(ref, timeout=max(deadline - time.monotonic(), 0))
             except self.ray.exceptions.RayError:  # the actor is gone, or the poll is stuck
                 continue
             self._relay(rank, lines)
