@@ -5,6 +5,7 @@ compile counting and flushing."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -84,6 +85,52 @@ def test_each_step_is_on_disk_when_it_ends_and_compiles_are_counted(tmp_path):
     log.close()
     assert [r["compiles"] for r in _steps(tmp_path)] == [1, 0, 1]
     assert all(r["mfu"] is None and r["flops_source"] == "unknown" for r in _steps(tmp_path))
+
+
+def test_compiles_between_steps_are_not_charged_to_the_next_step(tmp_path):
+    log = RunLog(tmp_path, tokens_per_step=100)
+    log.begin(1)
+    log.end(1, {}, step_time_s=0.1)
+    jax.jit(lambda x: x + 1)(np.ones(7, np.float32)).block_until_ready()  # an eval between steps
+    log.begin(2)
+    assert log.end(2, {}, step_time_s=0.1)["compiles"] == 0
+    log.close()
+
+
+@pytest.mark.parametrize(
+    "calls, says",
+    [(("end",), "end(1) without begin(1)"), (("begin", "end"), "step_time_s=0.0")],
+    ids=["end-without-begin", "zero-step-time"],
+)
+def test_a_step_without_begin_or_time_is_one_line(tmp_path, calls, says):
+    from torsh_jax.errors import RunLogError
+
+    log = RunLog(tmp_path, tokens_per_step=100)
+    if "begin" in calls:
+        log.begin(1)
+    with pytest.raises(RunLogError, match=re.escape(says)):
+        log.end(1, {}, step_time_s=0.0 if "begin" in calls else None)
+    log.close()
+
+
+def test_a_rerun_moves_the_earlier_profile_aside(tmp_path):
+    old = tmp_path / "profile" / "perfetto_trace.json.gz"
+    old.parent.mkdir()
+    old.write_bytes(b"old")
+    RunLog(tmp_path).close()
+    assert not (tmp_path / "profile").exists() and read_run(tmp_path).traces == []
+    assert (tmp_path / "profile.1" / "perfetto_trace.json.gz").read_bytes() == b"old"
+
+
+def test_only_process_0_writes(tmp_path, monkeypatch):
+    from torsh_jax.runlog import log as log_module
+
+    monkeypatch.setattr(log_module, "_is_process_0", lambda: False)
+    log = RunLog(tmp_path / "run", tokens_per_step=100, profile="1:1")
+    log.begin(1)
+    assert log.end(1, {"loss": 2.0}, step_time_s=0.5)["tokens_per_s"] == 200.0
+    log.close()
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(
