@@ -255,6 +255,62 @@ def test_dashboard_is_read_only(dashboard):
     assert {p: p.stat().st_mtime_ns for p in live.rglob("*")} == before
 
 
+def _get(url: str, path: str, *, host: str | None = None) -> tuple[int, bytes]:
+    import http.client
+
+    address, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(address, int(port), timeout=10)
+    connection.putrequest("GET", path, skip_host=host is not None)
+    if host is not None:
+        connection.putheader("Host", host)
+    connection.endheaders()
+    answer = connection.getresponse()
+    return answer.status, answer.read()
+
+
+@pytest.mark.parametrize(
+    "host, status",
+    [("evil.example:{port}", 403), ("127.0.0.1:1", 403), ("localhost:{port}", 200), ("[::1]:{port}", 200)],
+    ids=["rebound-name", "other-port", "localhost", "ipv6-loopback"],
+)
+def test_dashboard_on_loopback_answers_only_its_own_host(dashboard, host, status):
+    url, _, _ = dashboard
+    port = url.rsplit(":", 1)[1]
+    assert _get(url, "/api/steps", host=host.format(port=port))[0] == status
+
+
+def test_a_malformed_after_is_a_bad_request(dashboard):
+    url, _, _ = dashboard
+    assert _get(url, "/api/parts?after=%C2%B2")[0] == 400  # "²": a digit to str.isdigit, not to int
+
+
+def test_a_trace_linked_out_of_the_run_is_not_listed(dashboard, tmp_path):
+    url, live, _ = dashboard
+    outside = tmp_path / "elsewhere.trace.json.gz"
+    outside.write_bytes(b"secret")
+    (live / "profile" / "out.trace.json.gz").symlink_to(outside)
+    status, body = _get(url, "/")
+    assert status == 200 and b"out.trace.json.gz" not in body and b"perfetto_trace.json.gz" in body
+
+
+def test_dashboard_binds_ipv6_and_a_bad_host_names_the_host(tmp_path):
+    import socket
+
+    from torsh_jax.errors import RunLogError
+    from torsh_jax.runlog.dashboard import make_server
+
+    with pytest.raises(RunLogError, match="--host.*Fix: pass --host 127.0.0.1"):
+        make_server(tmp_path, host="256.0.0.1", port=0)
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    try:
+        server = make_server(tmp_path, host="::1", port=0)
+    except RunLogError as err:
+        pytest.skip(f"no IPv6 loopback here: {err}")
+    assert server.address_family == socket.AF_INET6 and server.server_address[0] == "::1"
+    server.server_close()
+
+
 # --- in headless Chromium (skipped without playwright or the system's chromium) --------------------
 
 CHROMIUM = "/usr/bin/chromium"

@@ -57,7 +57,7 @@ def _describe(run: Run) -> str:
     )
 
 
-def live_parts(run: Run, *, href: Callable[[Path], str]) -> dict[str, str]:
+def live_parts(run: Run, *, href: Callable[[Path], str | None]) -> dict[str, str]:
     """The page's parts by element id (the dashboard replaces them as the log grows); ``href`` makes
     a link to a file of the run."""
     return {
@@ -78,7 +78,7 @@ def _section(title: str, part_id: str, html: str) -> str:
     return f'<h2>{escape(title)}</h2><div id="{part_id}">{html}</div>'
 
 
-def run_body(run: Run, *, href: Callable[[Path], str]) -> str:
+def run_body(run: Run, *, href: Callable[[Path], str | None]) -> str:
     """The report of one run (the dashboard's page around the same parts)."""
     live = live_parts(run, href=href)
     return "".join(
