@@ -451,6 +451,43 @@ def test_a_step_being_written_is_left_out_until_its_line_ends(tmp_path):
     assert [r["step"] for r in read_steps(tmp_path, after=1)] == [2, 3]
 
 
+@pytest.mark.parametrize(
+    "header, steps, says",
+    [
+        ({"devices": 8}, '{"step": "3"}\n', "steps.jsonl line 1: step: must be a positive integer, got '3'"),
+        ({"plan": "ddp"}, "", "run.json: devices: missing"),
+        ({"devices": 8}, '{"step": 1, "loss": NaN}\n', "steps.jsonl line 1: cannot read"),
+        ({"devices": 8}, '{"step": 1}\n{"step": 2, "loss": 1.\n{"step": 3}\n', "steps.jsonl line 2"),
+        ({"devices": 8}, '{"step": 1, "step_time_s": "fast"}\n', "step_time_s: must be a number"),
+    ],
+    ids=["non-integer-step", "missing-header-key", "nan", "broken-middle-line", "text-figure"],
+)
+def test_a_malformed_run_file_is_one_line_naming_it(tmp_path, capsys, header, steps, says):
+    (tmp_path / RUN_FILE).write_text(json.dumps(header))
+    (tmp_path / STEPS_FILE).write_text(steps)
+    assert main(["report", str(tmp_path), "-o", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err and "Fix:" in err
+
+
+def test_dashboard_of_a_malformed_run_answers_its_one_line(tmp_path):
+    import threading
+
+    from torsh_jax.runlog.dashboard import make_server
+
+    (tmp_path / RUN_FILE).write_text('{"plan": "ddp"}')
+    server = make_server(tmp_path, port=0)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        for path in ("/", "/api/parts?after=0"):
+            status, body = _get(url, path)
+            assert status == 500 and b"devices: missing" in body and b"Fix:" in body
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_dashboard_opened_before_the_run_fills_in(run_dir, tmp_path):
     import shutil
     import threading

@@ -68,10 +68,8 @@ setTimeout(poll, POLL_MS);
 
 
 def _run_or_none(path: Path) -> Run | None:
-    try:
-        return read_run(path)
-    except RunLogError:
-        return None  # not started yet, or run.json being replaced
+    """The run, or ``None`` before its ``run.json`` exists (a malformed file raises RunLogError)."""
+    return read_run(path) if (path / files.RUN_FILE).is_file() else None
 
 
 def _page(path: Path) -> str:
@@ -147,16 +145,22 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             self._refuse(HTTPStatus.BAD_REQUEST, "after must be a step number, e.g. ?after=12")
             return
-        if url.path == "/":
+        try:
+            self._route(url.path, after)
+        except RunLogError as err:  # a malformed run file: its one line, not a traceback
+            self._refuse(HTTPStatus.INTERNAL_SERVER_ERROR, str(err))
+
+    def _route(self, path: str, after: int) -> None:
+        if path == "/":
             self._send(HTTPStatus.OK, _page(self.root).encode(), "text/html; charset=utf-8")
-        elif url.path == "/api/parts":
+        elif path == "/api/parts":
             self._json(_parts(self.root, after))
-        elif url.path == "/api/steps":
+        elif path == "/api/steps":
             self._json(read_steps(self.root, after=after))
-        elif url.path == "/favicon.ico":  # browsers ask; no icon, and no console error
+        elif path == "/favicon.ico":  # browsers ask; no icon, and no console error
             self._send(HTTPStatus.NO_CONTENT, b"", "image/x-icon")
-        elif url.path.startswith("/files/"):
-            self._file(unquote(url.path.removeprefix("/files/")))
+        elif path.startswith("/files/"):
+            self._file(unquote(path.removeprefix("/files/")))
         else:
             self._refuse(HTTPStatus.NOT_FOUND, "not found")
 
