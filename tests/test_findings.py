@@ -139,3 +139,45 @@ def test_communication_is_measured_on_a_profile(tmp_path):
     steps_s = (run.steps[2]["step_time_s"] + run.steps[3]["step_time_s"]) / 2
     assert comm["seconds_by_axis"] == pytest.approx({"fsdp": 0.04 / 2, "data": 0.008 / 2})
     assert comm["share"] == pytest.approx(0.024 / steps_s) and comm["source"].startswith("measured")
+
+
+def _profiled(tmp_path, *, header=None, compiling_step=None, copies=8, dur=40_000.0) -> Run:
+    """Steps 3 and 4 profiled (0.1 s each); a trace with ``copies`` devices' all-gathers of ``dur`` µs."""
+    run = _run(tmp_path, collectives=[{"name": "all-gather.1", "axes": ["fsdp"]}], links=None)
+    run.header.update(header or {})
+    for record in run.steps[2:4]:
+        record.update(profiled=True, step_time_s=0.1)
+    if compiling_step is not None:
+        run.steps[compiling_step - 1].update(compiles=1, step_time_s=2.0)
+    event = {"ph": "X", "name": "all-gather.1", "dur": dur, "args": {"hlo_op": "all-gather.1"}}
+    trace = tmp_path / "profile" / "plugins" / "profile" / "x" / "perfetto_trace.json.gz"
+    trace.parent.mkdir(parents=True)
+    trace.write_bytes(gzip.compress(json.dumps({"traceEvents": [event] * copies}).encode()))
+    return run
+
+
+def test_measured_share_divides_by_the_devices_the_trace_holds(tmp_path):
+    run = _profiled(tmp_path, header={"devices": 16, "local_devices": 8})  # 2 processes, 8 each
+    assert communication_share(run)["seconds_by_axis"] == pytest.approx({"fsdp": 0.04 / 2})
+
+
+def test_a_compiling_profiled_step_is_left_out_of_the_step_time(tmp_path):
+    comm = communication_share(_profiled(tmp_path, compiling_step=3))
+    assert comm["step_s"] == pytest.approx(0.1) and "step 3 compiled" in comm["source"]
+
+
+def test_over_a_whole_measured_step_does_not_blame_the_links(tmp_path):
+    (found,) = findings(_profiled(tmp_path, dur=300_000.0))  # 0.15 s per step of 0.1 s
+    assert found.figures["share"] > 1 and "profile's collective ops overlap" in found.title
+    assert "link figures" not in found.title
+
+
+def test_an_axis_across_slices_is_modelled_on_the_dcn_link(tmp_path):
+    slow_dcn = {**FAST_LINK, "dcn": {"alpha_s": 1e-6, "bytes_per_s": 3e7}}
+    run = _run(tmp_path, links=slow_dcn)
+    assert findings(run) == []  # fsdp in one slice: the fast ici link
+    plan = load_plan("zero3")
+    fsdp = replace(plan.mesh.fsdp, dcn=2)
+    run = replace(run, plan_toml=plan_to_toml(replace(plan, mesh=replace(plan.mesh, fsdp=fsdp))))
+    comm = communication_share(run)
+    assert comm["share"] == pytest.approx((12e-6 + 2.3e6 / 3e7) / 0.101, rel=0.02) and "dcn" in comm["source"]

@@ -5,6 +5,7 @@ compile counting and flushing."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -84,6 +85,52 @@ def test_each_step_is_on_disk_when_it_ends_and_compiles_are_counted(tmp_path):
     log.close()
     assert [r["compiles"] for r in _steps(tmp_path)] == [1, 0, 1]
     assert all(r["mfu"] is None and r["flops_source"] == "unknown" for r in _steps(tmp_path))
+
+
+def test_compiles_between_steps_are_not_charged_to_the_next_step(tmp_path):
+    log = RunLog(tmp_path, tokens_per_step=100)
+    log.begin(1)
+    log.end(1, {}, step_time_s=0.1)
+    jax.jit(lambda x: x + 1)(np.ones(7, np.float32)).block_until_ready()  # an eval between steps
+    log.begin(2)
+    assert log.end(2, {}, step_time_s=0.1)["compiles"] == 0
+    log.close()
+
+
+@pytest.mark.parametrize(
+    "calls, says",
+    [(("end",), "end(1) without begin(1)"), (("begin", "end"), "step_time_s=0.0")],
+    ids=["end-without-begin", "zero-step-time"],
+)
+def test_a_step_without_begin_or_time_is_one_line(tmp_path, calls, says):
+    from torsh_jax.errors import RunLogError
+
+    log = RunLog(tmp_path, tokens_per_step=100)
+    if "begin" in calls:
+        log.begin(1)
+    with pytest.raises(RunLogError, match=re.escape(says)):
+        log.end(1, {}, step_time_s=0.0 if "begin" in calls else None)
+    log.close()
+
+
+def test_a_rerun_moves_the_earlier_profile_aside(tmp_path):
+    old = tmp_path / "profile" / "perfetto_trace.json.gz"
+    old.parent.mkdir()
+    old.write_bytes(b"old")
+    RunLog(tmp_path).close()
+    assert not (tmp_path / "profile").exists() and read_run(tmp_path).traces == []
+    assert (tmp_path / "profile.1" / "perfetto_trace.json.gz").read_bytes() == b"old"
+
+
+def test_only_process_0_writes(tmp_path, monkeypatch):
+    from torsh_jax.runlog import log as log_module
+
+    monkeypatch.setattr(log_module, "_is_process_0", lambda: False)
+    log = RunLog(tmp_path / "run", tokens_per_step=100, profile="1:1")
+    log.begin(1)
+    assert log.end(1, {"loss": 2.0}, step_time_s=0.5)["tokens_per_s"] == 200.0
+    log.close()
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(
@@ -206,6 +253,62 @@ def test_dashboard_is_read_only(dashboard):
         assert _status(url + "/api/parts", method) == 405
     assert _status(url + "/") == 200 and _status(url + "/api/steps?after=0") == 200
     assert {p: p.stat().st_mtime_ns for p in live.rglob("*")} == before
+
+
+def _get(url: str, path: str, *, host: str | None = None) -> tuple[int, bytes]:
+    import http.client
+
+    address, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(address, int(port), timeout=10)
+    connection.putrequest("GET", path, skip_host=host is not None)
+    if host is not None:
+        connection.putheader("Host", host)
+    connection.endheaders()
+    answer = connection.getresponse()
+    return answer.status, answer.read()
+
+
+@pytest.mark.parametrize(
+    "host, status",
+    [("evil.example:{port}", 403), ("127.0.0.1:1", 403), ("localhost:{port}", 200), ("[::1]:{port}", 200)],
+    ids=["rebound-name", "other-port", "localhost", "ipv6-loopback"],
+)
+def test_dashboard_on_loopback_answers_only_its_own_host(dashboard, host, status):
+    url, _, _ = dashboard
+    port = url.rsplit(":", 1)[1]
+    assert _get(url, "/api/steps", host=host.format(port=port))[0] == status
+
+
+def test_a_malformed_after_is_a_bad_request(dashboard):
+    url, _, _ = dashboard
+    assert _get(url, "/api/parts?after=%C2%B2")[0] == 400  # "²": a digit to str.isdigit, not to int
+
+
+def test_a_trace_linked_out_of_the_run_is_not_listed(dashboard, tmp_path):
+    url, live, _ = dashboard
+    outside = tmp_path / "elsewhere.trace.json.gz"
+    outside.write_bytes(b"secret")
+    (live / "profile" / "out.trace.json.gz").symlink_to(outside)
+    status, body = _get(url, "/")
+    assert status == 200 and b"out.trace.json.gz" not in body and b"perfetto_trace.json.gz" in body
+
+
+def test_dashboard_binds_ipv6_and_a_bad_host_names_the_host(tmp_path):
+    import socket
+
+    from torsh_jax.errors import RunLogError
+    from torsh_jax.runlog.dashboard import make_server
+
+    with pytest.raises(RunLogError, match="--host.*Fix: pass --host 127.0.0.1"):
+        make_server(tmp_path, host="256.0.0.1", port=0)
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    try:
+        server = make_server(tmp_path, host="::1", port=0)
+    except RunLogError as err:
+        pytest.skip(f"no IPv6 loopback here: {err}")
+    assert server.address_family == socket.AF_INET6 and server.server_address[0] == "::1"
+    server.server_close()
 
 
 # --- in headless Chromium (skipped without playwright or the system's chromium) --------------------
@@ -346,6 +449,43 @@ def test_a_step_being_written_is_left_out_until_its_line_ends(tmp_path):
     with (tmp_path / STEPS_FILE).open("a") as steps:
         steps.write('5}\n{"step": 3, "loss": 1.2}\n')
     assert [r["step"] for r in read_steps(tmp_path, after=1)] == [2, 3]
+
+
+@pytest.mark.parametrize(
+    "header, steps, says",
+    [
+        ({"devices": 8}, '{"step": "3"}\n', "steps.jsonl line 1: step: must be a positive integer, got '3'"),
+        ({"plan": "ddp"}, "", "run.json: devices: missing"),
+        ({"devices": 8}, '{"step": 1, "loss": NaN}\n', "steps.jsonl line 1: cannot read"),
+        ({"devices": 8}, '{"step": 1}\n{"step": 2, "loss": 1.\n{"step": 3}\n', "steps.jsonl line 2"),
+        ({"devices": 8}, '{"step": 1, "step_time_s": "fast"}\n', "step_time_s: must be a number"),
+    ],
+    ids=["non-integer-step", "missing-header-key", "nan", "broken-middle-line", "text-figure"],
+)
+def test_a_malformed_run_file_is_one_line_naming_it(tmp_path, capsys, header, steps, says):
+    (tmp_path / RUN_FILE).write_text(json.dumps(header))
+    (tmp_path / STEPS_FILE).write_text(steps)
+    assert main(["report", str(tmp_path), "-o", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err and "Fix:" in err
+
+
+def test_dashboard_of_a_malformed_run_answers_its_one_line(tmp_path):
+    import threading
+
+    from torsh_jax.runlog.dashboard import make_server
+
+    (tmp_path / RUN_FILE).write_text('{"plan": "ddp"}')
+    server = make_server(tmp_path, port=0)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        for path in ("/", "/api/parts?after=0"):
+            status, body = _get(url, path)
+            assert status == 500 and b"devices: missing" in body and b"Fix:" in body
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_dashboard_opened_before_the_run_fills_in(run_dir, tmp_path):

@@ -56,13 +56,14 @@ def run(args: argparse.Namespace) -> int:
     runs = [read_run(path, key="DIR") for path in args.runs]
     output = Path(args.output)
     page_dir = output.resolve().parent
+    found = {str(r.path): findings(r) for r in runs}
+    each = [found[str(r.path)] for r in runs]
     html = (
-        report_html(runs[0], page_dir=page_dir)
+        report_html(runs[0], page_dir=page_dir, found=each[0])
         if len(runs) == 1
-        else comparison_html(*runs, page_dir=page_dir)
+        else comparison_html(*runs, page_dir=page_dir, found=tuple(each))
     )
     _write(output, html)
-    found = {str(r.path): findings(r) for r in runs}
     if args.json:
         print_json(
             {

@@ -24,7 +24,10 @@ from torsh_jax.runlog.profile import hlo_module_name
 
 __all__ = ["demo_run_log", "model_flops_per_step", "MODEL_FLOPS_SOURCE"]
 
-MODEL_FLOPS_SOURCE = "model: 3 x (2 N + attention) per token (Kaplan et al. 2020, no recomputation) x tokens"
+MODEL_FLOPS_SOURCE = (
+    "model: 3 x (2 N + 4 layers seq_len d_model) per token (Chowdhery et al. 2022, PaLM, appendix B; "
+    "no recomputation) x tokens"
+)
 
 
 def model_flops_per_step(cfg: LMConfig, shapes: Any, tokens: int) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torsh_jax.errors import MeshError, PlanError
 
-__all__ = ["resolve_sizes", "factorisations"]
+__all__ = ["resolve_sizes", "factorisations", "link_kind"]
 
 _MAX_SUGGESTIONS = 6
 
@@ -108,3 +108,12 @@ def resolve_sizes(
         parts["ici"], "ici", per_slice, f"devices per slice ({num_slices} slice(s))", used_axes
     )
     return ici, dcn
+
+
+def link_kind(axes: tuple[str, ...] | list[str], dcn: dict[str, int], /) -> str:
+    """``"dcn"`` when a collective over ``axes`` crosses slices (a ``dcn`` size > 1), else ``"ici"``.
+
+    >>> link_kind(("data", "fsdp"), {"data": 2}), link_kind(("fsdp",), {"data": 2})
+    ('dcn', 'ici')
+    """
+    return "dcn" if any(dcn.get(a, 1) > 1 for a in axes) else "ici"

@@ -60,6 +60,7 @@ from torsh_jax.analysis.theory import (
     theoretical_memory_per_device,
 )
 from torsh_jax.plan import CompressorSpec
+from torsh_jax.plan.factor import link_kind
 from torsh_jax.planner.machine import Machine
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Candidate
@@ -425,7 +426,7 @@ def _comm_seconds(c: Candidate, shape: ModelShape, machine: Machine) -> dict[str
         for col in theory.collectives:
             if col.group_size <= 1 and col.kind != "collective-permute":
                 continue
-            link = machine.link("dcn" if any(c.dcn.get(a, 1) > 1 for a in col.axes) else "ici")
+            link = machine.link(link_kind(col.axes, c.dcn))
             steps = _STEPS.get(col.kind, lambda n: n - 1)(col.group_size) * col.count
             axis = "+".join(col.axes)
             seconds[axis] = seconds.get(axis, 0.0) + link.seconds(col.wire_bytes, steps)

@@ -2,10 +2,10 @@
 
 A :class:`ModelShape` describes a transformer as the planner sees it: an embedding, ``layers``
 identical blocks and a head. Counts are exact when taken from parameter shapes
-(:meth:`ModelShape.from_params`, :meth:`ModelShape.demo`); FLOPs per token follow Kaplan et al.
-2020 (section 2.1): ``2 N`` per token forward for ``N`` matmul parameters, plus attention's
-``2 · 2 · seq_len · d_attn`` per layer (scores and the weighted sum, no causal saving), and the
-backward pass twice the forward.
+(:meth:`ModelShape.from_params`, :meth:`ModelShape.demo`). FLOPs per token: ``2 N`` forward for
+``N`` matmul parameters (Kaplan et al. 2020, section 2.1), plus attention's
+``2 · 2 · seq_len · d_attn`` per layer (scores and the weighted sum, no causal saving: Chowdhery et
+al. 2022, PaLM, appendix B), and the backward pass twice the forward.
 
 Example:
     >>> shape = ModelShape.demo("150m")

@@ -4,8 +4,10 @@ The page is the report's, and a script asks the server every half second for the
 changed (``/api/parts?after=N`` answers ``{"steps": n, "parts": {id: html} | null}``), so a new step
 shows without reloading. Read-only: only ``GET`` and ``HEAD`` are answered, nothing is written,
 and ``/files/PATH`` serves regular files inside the run directory only (the profile's traces);
-any path that resolves outside it, a directory, or another method is refused. Bound to 127.0.0.1
-unless told otherwise.
+any path that resolves outside it, a directory, or another method is refused, and the page lists
+only traces it serves. Bound to 127.0.0.1 unless told otherwise (an IPv6 host such as ``::1``
+binds IPv6); on a loopback address a request whose ``Host`` is not ``127.0.0.1``, ``localhost`` or
+``[::1]`` with the server's port is refused (403: DNS rebinding), and a malformed ``after`` is a 400.
 
 Routes: ``/`` (the page), ``/api/parts?after=N``, ``/api/steps?after=N`` (the step records after
 step ``N`` as JSON), ``/files/PATH``.
@@ -20,8 +22,11 @@ Example:
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import json
 import mimetypes
+import socket
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -63,10 +68,8 @@ setTimeout(poll, POLL_MS);
 
 
 def _run_or_none(path: Path) -> Run | None:
-    try:
-        return read_run(path)
-    except RunLogError:
-        return None  # not started yet, or run.json being replaced
+    """The run, or ``None`` before its ``run.json`` exists (a malformed file raises RunLogError)."""
+    return read_run(path) if (path / files.RUN_FILE).is_file() else None
 
 
 def _page(path: Path) -> str:
@@ -88,8 +91,14 @@ def _parts(path: Path, after: int) -> dict:
 
 
 def _file_link(root: Path):
-    """A file of the run as this server's ``/files/`` address."""
-    return lambda target: "/files/" + quote(target.resolve().relative_to(root).as_posix())
+    """A file of the run as this server's ``/files/`` address (``None`` for one ``/files/`` refuses:
+    a symbolic link out of the run)."""
+
+    def link(target: Path) -> str | None:
+        inside = _inside(root, target.relative_to(root).as_posix())
+        return None if inside is None else "/files/" + quote(inside.relative_to(root).as_posix())
+
+    return link
 
 
 def _inside(root: Path, relative: str) -> Path | None:
@@ -104,6 +113,7 @@ def _inside(root: Path, relative: str) -> Path | None:
 
 class _Handler(BaseHTTPRequestHandler):
     root: Path  # set on the subclass make_server builds
+    hosts: frozenset[str] | None  # the Host headers answered (None: any), set by make_server
     server_version = "torsh-jax-dashboard"
 
     def log_message(self, format: str, *args) -> None:  # the terminal stays quiet
@@ -126,20 +136,31 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, why.encode(), "text/plain; charset=utf-8")
 
     def do_GET(self) -> None:
+        if self.hosts is not None and (self.headers.get("Host") or "").lower() not in self.hosts:
+            self._refuse(HTTPStatus.FORBIDDEN, "this server answers only its own loopback address")
+            return
         url = urlsplit(self.path)
-        query = parse_qs(url.query)
-        after = query.get("after", ["0"])[0]
-        after = int(after) if after.isdigit() else 0
-        if url.path == "/":
+        try:
+            after = int(parse_qs(url.query).get("after", ["0"])[0])
+        except ValueError:
+            self._refuse(HTTPStatus.BAD_REQUEST, "after must be a step number, e.g. ?after=12")
+            return
+        try:
+            self._route(url.path, after)
+        except RunLogError as err:  # a malformed run file: its one line, not a traceback
+            self._refuse(HTTPStatus.INTERNAL_SERVER_ERROR, str(err))
+
+    def _route(self, path: str, after: int) -> None:
+        if path == "/":
             self._send(HTTPStatus.OK, _page(self.root).encode(), "text/html; charset=utf-8")
-        elif url.path == "/api/parts":
+        elif path == "/api/parts":
             self._json(_parts(self.root, after))
-        elif url.path == "/api/steps":
+        elif path == "/api/steps":
             self._json(read_steps(self.root, after=after))
-        elif url.path == "/favicon.ico":  # browsers ask; no icon, and no console error
+        elif path == "/favicon.ico":  # browsers ask; no icon, and no console error
             self._send(HTTPStatus.NO_CONTENT, b"", "image/x-icon")
-        elif url.path.startswith("/files/"):
-            self._file(unquote(url.path.removeprefix("/files/")))
+        elif path.startswith("/files/"):
+            self._file(unquote(path.removeprefix("/files/")))
         else:
             self._refuse(HTTPStatus.NOT_FOUND, "not found")
 
@@ -170,14 +191,27 @@ def make_server(
     root = Path(directory).resolve()
     if not root.is_dir():
         raise RunLogError(f"{directory} is not a directory", key="DIR", fix="pass the --log-dir of a run")
-    handler = type("Handler", (_Handler,), {"root": root})
+    handler = type("Handler", (_Handler,), {"root": root, "hosts": None})
     try:
-        server = ThreadingHTTPServer((host, port), handler)
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        server = type("Server", (ThreadingHTTPServer,), {"address_family": family})((host, port), handler)
     except OSError as err:
-        raise RunLogError(
-            f"cannot listen on {host}:{port}: {err.strerror or err}",
-            key="--port",
-            fix=f"pass --port {port + 1}",
-        ) from None
+        raise _listen_error(host, port, err) from None
     server.daemon_threads = True
+    handler.hosts = _loopback_hosts(*server.server_address[:2])
     return server
+
+
+def _loopback_hosts(address: str, port: int) -> frozenset[str] | None:
+    """The Host headers a loopback server answers (others may be DNS rebinding); ``None`` elsewhere."""
+    if not ipaddress.ip_address(address).is_loopback:
+        return None
+    names = ("127.0.0.1", "localhost", "[::1]")
+    return frozenset(f"{name}:{port}" for name in names) | (frozenset(names) if port == 80 else frozenset())
+
+
+def _listen_error(host: str, port: int, err: OSError) -> RunLogError:
+    why = f"cannot listen on {host}:{port}: {err.strerror or err}"
+    if err.errno == errno.EADDRINUSE and port != 0:
+        return RunLogError(why, key="--port", fix=f"pass --port {port + 1}, or --port 0 for a free port")
+    return RunLogError(why, key="--host", fix="pass --host 127.0.0.1 (or ::1), or an address of this machine")

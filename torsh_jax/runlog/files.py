@@ -3,7 +3,8 @@
 A run directory holds ``run.json`` (what the run is: devices, FLOPs and peak with their sources,
 memory capacity, profile window), ``plan.toml`` and ``plan.json``, ``inspect.json`` (the
 ``inspect`` summary of the compiled step), ``steps.jsonl`` (one JSON object per step, flushed per
-line), and optionally ``profile/`` (``jax.profiler`` traces) and ``tensorboard/``.
+line), and optionally ``profile/`` (``jax.profiler`` traces of this run; an earlier run's are moved
+to ``profile.1``, ``profile.2``, ...) and ``tensorboard/``.
 
 Example:
     >>> flat_json_line({"loss": float("nan"), "step": 1})
@@ -29,6 +30,7 @@ __all__ = [
     "TENSORBOARD_DIR",
     "flat_json_line",
     "make_run_dir",
+    "rotate_profile",
     "write_json",
 ]
 
@@ -85,3 +87,26 @@ def make_run_dir(directory: str | Path, *, key: str = "log_dir") -> Path:
             fix="pass a directory you can write, e.g. runs/demo",
         ) from None
     return path
+
+
+def rotate_profile(path: Path) -> Path | None:
+    """Move an earlier run's ``profile/`` in run directory ``path`` to the first free ``profile.N``
+    (nothing is deleted); the new name, or ``None`` when there was none.
+
+    Raises:
+        RunLogError: it cannot be moved.
+    """
+    old = path / PROFILE_DIR
+    if not old.exists():
+        return None
+    n = 1
+    while (path / f"{PROFILE_DIR}.{n}").exists():
+        n += 1
+    try:
+        return old.rename(path / f"{PROFILE_DIR}.{n}")
+    except OSError as err:
+        raise RunLogError(
+            f"cannot move the earlier run's {old} aside: {err.strerror or err}",
+            key="log_dir",
+            fix=f"move or remove {old}, or pass another directory",
+        ) from None

@@ -4,8 +4,10 @@ Five checks, each a :class:`Finding` (with a severity, the figures it rests on a
 from, and changes to the plan with their computed effect) or nothing:
 
 * **communication**: time in collectives over the step time. Measured on the profile when the run
-  has one (the trace's collective ops of the step's program, waiting for peers included), else
-  modelled from the ``inspect`` wire bytes over the machine's links (``RunLog(machine=...)``).
+  has one (the trace's collective ops of the step's program on this process's devices, waiting for
+  peers included, over the profiled steps that did not compile), else modelled from the ``inspect``
+  wire bytes over the machine's links (``RunLog(machine=...)``; ``dcn`` for an axis that crosses
+  slices, as the planner chooses).
   Reported from 25 % (high from 50 %).
 * **memory**: the compiled step's peak against one device's capacity, from 80 % (high from 90 %).
 * **pipeline bubble**: the schedule table's idle share, from 15 % (high from 30 %).
@@ -25,6 +27,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from torsh_jax.plan.factor import link_kind
 from torsh_jax.runlog.profile import collective_seconds
 from torsh_jax.runlog.read import Run
 from torsh_jax.runlog.suggest import percent, pipeline_options, zero_options
@@ -64,32 +67,47 @@ def _median_step_s(run: Run) -> float | None:
 def _measured_share(run: Run) -> dict | None:
     traces = [t for t in run.traces if t.name == "perfetto_trace.json.gz"]
     profiled = [s for s in run.steps if s.get("profiled") and s.get("step_time_s")]
-    if not traces or not profiled or run.inspect is None:
+    timed = [s for s in profiled if not s.get("compiles")]  # a compile is not the step's time
+    if not traces or not timed or run.inspect is None:
         return None
     seconds = collective_seconds(traces[0], run.inspect["collectives"], module=run.header.get("hlo_module"))
-    per_step = {axes: s / (run.header["devices"] * len(profiled)) for axes, s in seconds.items()}
-    step_s = statistics.mean(s["step_time_s"] for s in profiled)
+    local = run.header.get("local_devices") or run.header["devices"]  # the devices the trace holds
+    per_step = {axes: s / (local * len(profiled)) for axes, s in seconds.items()}
+    step_s = statistics.mean(s["step_time_s"] for s in timed)
     first, last = profiled[0]["step"], profiled[-1]["step"]
-    return _share(
-        per_step,
-        step_s,
-        f"measured: collective ops in the profile of steps {first}-{last} (waiting for peers included)",
-    )
+    source = f"measured: collective ops in the profile of steps {first}-{last} (waiting for peers included)"
+    if len(timed) < len(profiled):
+        left_out = ", ".join(str(s["step"]) for s in profiled if s.get("compiles"))
+        source += f"; step time of the steps without compiles (step {left_out} compiled)"
+    return _share(per_step, step_s, source)
+
+
+def _dcn_sizes(run: Run) -> dict[str, int]:
+    """Each plan axis's cross-slice size (``-1``: the run's slices)."""
+    plan = run.plan()
+    if plan is None:
+        return {}
+    sizes = {a: getattr(plan.mesh, a) for a in ("data", "fsdp", "tensor", "stage")}
+    slices = run.header.get("slices") or 1
+    return {a: (slices if size.dcn == -1 else size.dcn) for a, size in sizes.items() if size is not None}
 
 
 def _modelled_share(run: Run) -> dict | None:
     links, step_s = run.header.get("links"), _median_step_s(run)
     if not links or run.inspect is None or not step_s:
         return None
-    link = links["ici"]
-    per_step = {
-        axes: entry["count"] * link["alpha_s"] + entry["wire_bytes"] / link["bytes_per_s"]
-        for axes, entry in run.inspect["totals"]["by_axis"].items()
-        if axes != "-"
-    }
+    dcn, per_step, kinds = _dcn_sizes(run), {}, set()
+    for axes, entry in run.inspect["totals"]["by_axis"].items():
+        if axes == "-":
+            continue
+        kind = link_kind(axes.split("+"), dcn)
+        link = links.get(kind) or links["ici"]  # as Machine.link: one slice has no dcn link
+        kinds.add(kind)
+        per_step[axes] = entry["count"] * link["alpha_s"] + entry["wire_bytes"] / link["bytes_per_s"]
+    over = " and ".join(sorted(f"{k} ({'across slices' if k == 'dcn' else 'in-slice'})" for k in kinds))
     links_source = run.header.get("links_source")
     return _share(
-        per_step, step_s, f"modelled: inspect's wire bytes per axis over the in-slice link ({links_source})"
+        per_step, step_s, f"modelled: inspect's wire bytes per axis over the {over} link ({links_source})"
     )
 
 
@@ -122,7 +140,7 @@ def _communication(run: Run) -> Finding | None:
         suggestions.append(f"{instead}: {best.bytes_phrase()}, {best.memory_phrase(capacity)}")
     title = f"communication takes {percent(comm['share'], 1)} of the step ({axes})"
     if comm["share"] > 1:
-        title += ": more than the measured step, so the machine's link figures do not describe this run"
+        title += _over_step(comm["source"])
     else:
         suggestions += _accumulation_suggestion(run, comm)
     return Finding(
@@ -133,6 +151,16 @@ def _communication(run: Run) -> Finding | None:
         tuple(suggestions),
         comm,
     )
+
+
+def _over_step(source: str) -> str:
+    """Why a share above 100 % cannot be the step's communication, by where it comes from."""
+    if source.startswith("measured"):
+        return (
+            ": more than the measured step, so the profile's collective ops overlap each other "
+            "(several streams or asynchronous ops) and their sum is not time the step waited"
+        )
+    return ": more than the measured step, so the machine's link figures do not describe this run"
 
 
 def _accumulation_suggestion(run: Run, comm: dict) -> list[str]:

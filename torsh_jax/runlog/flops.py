@@ -9,7 +9,8 @@ counts the whole step over all devices:
   activations included. XLA counts a while loop's body once whatever its trip count, so it is used
   only for a program without while loops;
 * ``model``: a formula of the model given by the caller (the demo: 3 x (2 N + attention) FLOPs per
-  token, Kaplan et al. 2020, without recomputation), times the tokens of the step;
+  token, PaLM's count, Chowdhery et al. 2022, appendix B, without recomputation), times the tokens
+  of the step;
 * ``given``: a figure the caller passes.
 
 The peak is a chip's datasheet figure (:data:`torsh_jax.targets.catalog.CHIPS`, dense bf16) for

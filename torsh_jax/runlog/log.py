@@ -89,6 +89,11 @@ class RunLog:
             :func:`machine_file`: its links' α-β figures model the communication time when no
             profile measures it.
 
+    Only process 0 (``jax.process_index() == 0``) writes; on other processes the log computes and
+    returns the records but writes nothing and traces nothing. A ``profile/`` left by an earlier run
+    in the same directory is renamed ``profile.1`` (then ``profile.2``, ...), so the report pairs
+    only this run's traces with its steps.
+
     Raises:
         RunLogError: the directory cannot be written, or ``profile`` is malformed.
     """
@@ -110,7 +115,12 @@ class RunLog:
         machine: Any = None,
     ):
         self.window = ProfileWindow.parse(profile) if isinstance(profile, str) else profile
-        self.path = files.make_run_dir(directory)
+        self.path, self.writes = Path(directory), _is_process_0()
+        if not self.writes:  # another process of a multi-process run: process 0 writes the log
+            self.window, tensorboard = None, False
+        else:
+            files.make_run_dir(directory)
+            files.rotate_profile(self.path)
         self.flops = flops or StepFlops(None, "unknown", None, 0)
         self.peak = peak or PeakFlops(None, "unknown")
         self.devices, self.tokens_per_step = devices, tokens_per_step
@@ -130,8 +140,10 @@ class RunLog:
             self._header["links_source"] = f"{machine.name}: {machine.source}"
         self._writer = _tensorboard_writer(self.path) if tensorboard else None
         self._header["tensorboard"] = _tensorboard_state(tensorboard, self._writer)
-        self._write_static(plan, inspect)
-        self._steps = (self.path / files.STEPS_FILE).open("w", encoding="utf-8")
+        self._steps = None
+        if self.writes:
+            self._write_static(plan, inspect)
+            self._steps = (self.path / files.STEPS_FILE).open("w", encoding="utf-8")
         self._compiles = _CompileCounter()
         self._compiles.register()
         self._seen, self._started, self._tracing, self._traced = (0, 0.0), None, False, False
@@ -190,26 +202,45 @@ class RunLog:
 
             jax.profiler.start_trace(str(self.path / files.PROFILE_DIR), create_perfetto_trace=True)
             self._tracing = self._traced = True
+        self._seen = (self._compiles.count, self._compiles.seconds)
         self._started = time.perf_counter()
 
     def end(self, step: int, metrics: dict, /, *, step_time_s: float | None = None) -> dict:
         """Call after ``step``: reads ``metrics`` (``loss``, ``grad_norm``, ``loss_scale``), writes
-        and returns its record. ``step_time_s`` defaults to the time since :meth:`begin`."""
+        and returns its record. ``step_time_s`` defaults to the time since :meth:`begin`; compiles are
+        counted since :meth:`begin`.
+
+        Raises:
+            RunLogError: no :meth:`begin` before it, or ``step_time_s`` is not above 0.
+        """
+        if self._started is None:
+            raise RunLogError(
+                f"end({step}) without begin({step})",
+                key="RunLog.end",
+                fix=f"call log.begin({step}) before the step",
+            )
         values = {key: _scalar(metrics[key]) for key in _METRICS if key in metrics}  # waits for the step
         if step_time_s is None:
-            step_time_s = time.perf_counter() - (self._started or time.perf_counter())
+            step_time_s = time.perf_counter() - self._started
+        if not step_time_s > 0:
+            raise RunLogError(
+                f"step {step} took step_time_s={step_time_s}",
+                key="step_time_s",
+                fix="pass the step's seconds, above 0",
+            )
+        self._started = None
         if self._tracing and step >= self.window.last:
             self._stop_trace()
         record = self._record(step, values, step_time_s)
-        self._steps.write(files.flat_json_line(record) + "\n")
-        self._steps.flush()
+        if self._steps is not None:
+            self._steps.write(files.flat_json_line(record) + "\n")
+            self._steps.flush()
         if self._writer is not None:
             _tensorboard_scalars(self._writer, record)
         return record
 
     def _record(self, step: int, values: dict, step_time_s: float) -> dict:
         compiles, seconds = self._compiles.count - self._seen[0], self._compiles.seconds - self._seen[1]
-        self._seen = (self._compiles.count, self._compiles.seconds)
         record = {
             "step": step,
             "time": time.time(),
@@ -252,11 +283,12 @@ class RunLog:
         if self._tracing:
             self._stop_trace()
         self._compiles.unregister()
-        self._steps.close()
         if self._writer is not None:
             self._writer.close()
-        self._header.update(summary, finished=time.time())
-        files.write_json(self.path / files.RUN_FILE, self._header)
+        if self._steps is not None:
+            self._steps.close()
+            self._header.update(summary, finished=time.time())
+            files.write_json(self.path / files.RUN_FILE, self._header)
 
     def __enter__(self) -> RunLog:
         return self
@@ -296,7 +328,10 @@ def machine_file(path: str | Path, /, *, key: str = "machine") -> MachineLinks:
 
 
 def describe_devices(devices: list, mesh: Any = None) -> dict:
-    """``platform``, ``device_kind``, ``mesh`` and the memory capacity of one device with its source."""
+    """``platform``, ``device_kind``, ``mesh``, ``local_devices`` (this process's, the ones its profile
+    traces), ``slices`` and the memory capacity of one device with its source."""
+    import jax
+
     from torsh_jax.runtime.fit import device_memory_limit
 
     limit = device_memory_limit(mesh) if mesh is not None else None
@@ -304,9 +339,17 @@ def describe_devices(devices: list, mesh: Any = None) -> dict:
         "platform": devices[0].platform,
         "device_kind": devices[0].device_kind,
         "mesh": {name: int(size) for name, size in mesh.shape.items()} if mesh is not None else None,
+        "local_devices": sum(d.process_index == jax.process_index() for d in devices),
+        "slices": len({getattr(d, "slice_index", 0) for d in devices}),
         "memory_capacity_bytes": limit.bytes if limit else None,
         "memory_capacity_source": limit.source if limit else "unknown",
     }
+
+
+def _is_process_0() -> bool:
+    import jax
+
+    return jax.process_index() == 0
 
 
 def _scalar(value: Any) -> float | None:

@@ -18,6 +18,7 @@ from html import escape
 from pathlib import Path
 
 from torsh_jax.runlog import sections
+from torsh_jax.runlog.findings import Finding
 from torsh_jax.runlog.read import Run
 
 __all__ = ["report_html", "comparison_html", "live_parts", "page"]
@@ -57,15 +58,17 @@ def _describe(run: Run) -> str:
     )
 
 
-def live_parts(run: Run, *, href: Callable[[Path], str]) -> dict[str, str]:
+def live_parts(
+    run: Run, *, href: Callable[[Path], str | None], found: list[Finding] | None = None
+) -> dict[str, str]:
     """The page's parts by element id (the dashboard replaces them as the log grows); ``href`` makes
-    a link to a file of the run."""
+    a link to a file of the run; ``found``: its findings when already computed."""
     return {
         "describe": _describe(run),
         "headline": sections.headline_table([run]),
         "curves": sections.curves([run]),
         "breakdown": sections.breakdown(run),
-        "findings": sections.findings_list(run),
+        "findings": sections.findings_list(run, found=found),
         "profile": sections.profile_links(run, href=href),
         "bytes": sections.bytes_table(run),
         "memory": sections.memory(run),
@@ -78,9 +81,9 @@ def _section(title: str, part_id: str, html: str) -> str:
     return f'<h2>{escape(title)}</h2><div id="{part_id}">{html}</div>'
 
 
-def run_body(run: Run, *, href: Callable[[Path], str]) -> str:
+def run_body(run: Run, *, href: Callable[[Path], str | None], found: list[Finding] | None = None) -> str:
     """The report of one run (the dashboard's page around the same parts)."""
-    live = live_parts(run, href=href)
+    live = live_parts(run, href=href, found=found)
     return "".join(
         [
             f"<h1>torsh-jax run {escape(run.name)}</h1>",
@@ -89,23 +92,29 @@ def run_body(run: Run, *, href: Callable[[Path], str]) -> str:
             _section("Headline", "headline", live["headline"]),
             _section("Curves", "curves", live["curves"]),
             _section("Where the step's time goes", "breakdown", live["breakdown"]),
-            _section("Bytes per step by mesh axis (per device)", "bytes", sections.bytes_table(run)),
-            _section("Memory per device", "memory", sections.memory(run)),
-            _section("Pipeline schedule", "pipeline", sections.pipeline(run)),
+            _section("Bytes per step by mesh axis (per device)", "bytes", live["bytes"]),
+            _section("Memory per device", "memory", live["memory"]),
+            _section("Pipeline schedule", "pipeline", live["pipeline"]),
             _section("Profile", "profile", live["profile"]),
-            _section("Plan", "plan", sections.plan_text(run)),
+            _section("Plan", "plan", live["plan"]),
         ]
     )
 
 
-def report_html(run: Run, *, page_dir: Path | None = None) -> str:
-    """The self-contained report of ``run``; trace links relative to ``page_dir`` (where it is saved)."""
-    return page(f"torsh-jax run {run.name}", run_body(run, href=sections.relative_to(page_dir)))
+def report_html(run: Run, *, page_dir: Path | None = None, found: list[Finding] | None = None) -> str:
+    """The self-contained report of ``run``; trace links relative to ``page_dir`` (where it is saved);
+    ``found``: its findings when already computed."""
+    body = run_body(run, href=sections.relative_to(page_dir), found=found)
+    return page(f"torsh-jax run {run.name}", body)
 
 
-def comparison_html(a: Run, b: Run, *, page_dir: Path | None = None) -> str:
+def comparison_html(
+    a: Run, b: Run, *, page_dir: Path | None = None, found: tuple[list[Finding], list[Finding]] | None = None
+) -> str:
     """Two runs side by side: the headline with B / A, the curves overlaid, each one's findings,
-    memory, bytes and plan in two columns."""
+    memory, bytes and plan in two columns; ``found``: the two runs' findings when already computed."""
+    found_a, found_b = found or (None, None)
+    listed = sections.findings_list(a, found=found_a), sections.findings_list(b, found=found_b)
     a, b = replace(a, label=f"A: {a.path.name}"), replace(b, label=f"B: {b.path.name}")
     cols = lambda part: f'<div class="cols"><div>{part(a)}</div><div>{part(b)}</div></div>'
     titled = lambda r: f"<h3>{escape(r.name)}</h3>{_describe(r)}"
@@ -115,7 +124,11 @@ def comparison_html(a: Run, b: Run, *, page_dir: Path | None = None) -> str:
             cols(titled),
             _section("Headline", "headline", sections.headline_table([a, b])),
             _section("Curves", "curves", sections.curves([a, b])),
-            _section("Findings", "findings", cols(sections.findings_list)),
+            _section(
+                "Findings",
+                "findings",
+                f'<div class="cols"><div>{listed[0]}</div><div>{listed[1]}</div></div>',
+            ),
             _section("Where the step's time goes", "breakdown", cols(sections.breakdown)),
             _section("Bytes per step by mesh axis", "bytes", cols(sections.bytes_table)),
             _section("Memory per device", "memory", cols(sections.memory)),

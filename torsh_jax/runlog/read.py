@@ -1,6 +1,11 @@
 """Read a run directory back: ``read_run(DIR)`` -> :class:`Run` (the report and dashboard read only this).
 
-A run still being written is read as far as it goes: a last line cut in the middle is left out.
+A run still being written is read as far as it goes: a last line without its newline (being
+written) is left out. Anything else malformed is a :class:`~torsh_jax.errors.RunLogError` naming
+the file, the line or key, and what it should be: JSON that is not strict (``NaN``), a ``run.json``
+that is not an object or has no positive integer ``devices``, a complete line of ``steps.jsonl``
+that is not a JSON object, has no positive integer ``step``, or has a figure that is not a finite
+number (``null`` is allowed).
 
 Example:
     >>> read_steps("no/such/run")  # nothing logged yet
@@ -65,29 +70,84 @@ class Run:
         )
 
 
+_FIX = "pass a directory written by RunLog or demo --log-dir, or correct the file"
+
+#: Step figures that are a finite number or null.
+_NUMBERS = ("loss", "step_time_s", "tokens_per_s", "grad_norm", "loss_scale", "mfu", "compile_s")
+
+#: run.json figures that are a positive integer or null (``devices`` is required).
+_COUNTS = ("devices", "local_devices", "slices", "tokens_per_step")
+
+
+def _not_strict(constant: str) -> None:
+    raise ValueError(f"{constant} is not strict JSON (write null)")
+
+
+def _parse(text: str, where: str) -> Any:
+    try:
+        return json.loads(text, parse_constant=_not_strict)
+    except ValueError as err:
+        raise RunLogError(f"cannot read {where}: {err}", key=where, fix=_FIX) from None
+
+
 def _json_file(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise RunLogError(
-            f"cannot read {path.name}: {err}",
-            key=str(path),
-            fix="pass a directory written by RunLog or demo --log-dir",
-        ) from None
+        text = path.read_text()
+    except OSError as err:
+        raise RunLogError(f"cannot read {path.name}: {err}", key=str(path), fix=_FIX) from None
+    return _parse(text, str(path))
+
+
+def _bad(where: str, what: str) -> RunLogError:
+    return RunLogError(what, key=where, fix=_FIX)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_header(header: Any, where: str) -> dict:
+    if not isinstance(header, dict):
+        raise _bad(where, f"is a JSON {type(header).__name__}, not an object")
+    if "devices" not in header:
+        raise _bad(f"{where}: devices", "missing (the number of devices the step runs on)")
+    for key in _COUNTS:
+        if (key == "devices" or header.get(key) is not None) and not _is_count(header.get(key)):
+            raise _bad(f"{where}: {key}", f"must be a positive integer, got {header.get(key)!r}")
+    return header
+
+
+def _check_step(record: Any, where: str) -> dict:
+    if not isinstance(record, dict):
+        raise _bad(where, f"is a JSON {type(record).__name__}, not an object")
+    if not _is_count(record.get("step")):
+        raise _bad(f"{where}: step", f"must be a positive integer, got {record.get('step')!r}")
+    for key in _NUMBERS:
+        value = record.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise _bad(f"{where}: {key}", f"must be a number or null, got {value!r}")
+    compiles = record.get("compiles")
+    if compiles is not None and not (_is_count(compiles) or compiles == 0):
+        raise _bad(f"{where}: compiles", f"must be a count, got {compiles!r}")
+    return record
 
 
 def read_steps(path: str | Path, /, *, after: int = 0) -> list[dict]:
-    """The step records of run directory ``path`` with ``step`` > ``after`` (a cut last line left out)."""
+    """The step records of run directory ``path`` with ``step`` > ``after`` (a last line without its
+    newline left out).
+
+    Raises:
+        RunLogError: a complete line is malformed (see the module's description).
+    """
     steps_file = Path(path) / files.STEPS_FILE
     if not steps_file.is_file():
         return []
+    lines = steps_file.read_text(encoding="utf-8").split("\n")[:-1]  # the last: being written, or ""
     records = []
-    for line in steps_file.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # the line being written
-        if isinstance(record, dict) and record.get("step", 0) > after:
+    for number, line in enumerate(lines, start=1):
+        where = f"{steps_file} line {number}"
+        record = _check_step(_parse(line, where), where)
+        if record["step"] > after:
             records.append(record)
     return records
 
@@ -96,7 +156,7 @@ def read_run(path: str | Path, /, *, key: str = "DIR") -> Run:
     """The run in directory ``path``.
 
     Raises:
-        RunLogError: ``path`` is not a directory or has no ``run.json``.
+        RunLogError: ``path`` is not a directory or has no ``run.json``, or a file is malformed.
     """
     path = Path(path)
     if not (path / files.RUN_FILE).is_file():
@@ -109,7 +169,7 @@ def read_run(path: str | Path, /, *, key: str = "DIR") -> Run:
     inspect_file, plan_file = path / files.INSPECT_FILE, path / files.PLAN_TOML
     return Run(
         path=path,
-        header=_json_file(path / files.RUN_FILE),
+        header=_check_header(_json_file(path / files.RUN_FILE), str(path / files.RUN_FILE)),
         inspect=_json_file(inspect_file) if inspect_file.is_file() else None,
         plan_toml=plan_file.read_text() if plan_file.is_file() else None,
         steps=read_steps(path),

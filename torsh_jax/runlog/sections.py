@@ -217,8 +217,9 @@ def _finding(f: Finding) -> str:
     )
 
 
-def findings_list(run: Run) -> str:
-    found = findings(run)
+def findings_list(run: Run, *, found: list | None = None) -> str:
+    """The run's findings (``found``, else computed) as HTML."""
+    found = findings(run) if found is None else found
     return "".join(_finding(f) for f in found) or '<p class="healthy">no bottleneck found</p>'
 
 
@@ -227,13 +228,14 @@ def relative_to(page_dir: Path | None) -> Callable[[Path], str]:
     return lambda path: os.path.relpath(path, page_dir) if page_dir else path.resolve().as_uri()
 
 
-def profile_links(run: Run, *, href: Callable[[Path], str]) -> str:
-    """Links (``href(path)``) to the run's profiler traces and how to open them."""
-    traces = run.traces
-    if not traces:
+def profile_links(run: Run, *, href: Callable[[Path], str | None]) -> str:
+    """Links (``href(path)``) to the run's profiler traces and how to open them; a trace ``href``
+    gives ``None`` for is left out."""
+    linked = [(p, link) for p in run.traces if (link := href(p)) is not None]
+    if not linked:
         return "<p>no profile (demo --profile 3:5 or RunLog(profile=...) traces steps)</p>"
     window = run.header.get("profile") or {}
-    links = "".join(f'<li><a href="{escape(href(p))}">{escape(p.name)}</a></li>' for p in traces)
+    links = "".join(f'<li><a href="{escape(link)}">{escape(p.name)}</a></li>' for p, link in linked)
     steps = f"steps {window.get('first')} to {window.get('last')}" if window else "traced steps"
     return f"<p>{steps}: </p><ul>{links}</ul><p class='note'>{escape(HOW_TO_OPEN)}</p>"
 
