@@ -148,7 +148,6 @@ def main() -> int:
                 "alpha_s": machine.link("ici").alpha_s,
                 "bytes_per_s": machine.link("ici").bytes_per_s,
                 "step_overhead_s": machine.step_overhead_s,
-                "pipeline_tick_s": machine.pipeline_tick_s,
                 "activation_scale": machine.activation_scale,
                 "recompute_scale": machine.recompute_scale,
             }

@@ -310,27 +310,3 @@ def test_predicted_memory_is_the_compiled_peak_within_5_percent():
         predicted = predict(candidate, shape, machine, opt_factor=optimizer_state_factor(candidate.plan))
         errors[candidate.label] = predicted.memory["total"] / peak - 1
     assert all(abs(e) <= 0.05 for e in errors.values()), errors
-
-
-def test_a_pipelines_ticks_cost_the_machines_measured_tick_each(tiny):
-    """Each row of a pipeline plan's schedule table, once per accumulation step, adds the machine's
-    tick cost to the step; a plan without a pipeline has no ticks."""
-    import dataclasses
-
-    from torsh_jax.pipeline.schedule import build_pipeline_schedule
-
-    machine = dataclasses.replace(CPU8, step_overhead_s=1e-4, pipeline_tick_s=1e-3)
-    plans = candidates(tiny, devices=8, global_batch=32)
-    piped = [c for c in plans if c.sizes["stage"] > 1]
-    one_pass = next(c for c in piped if c.plan.batch.accumulation_steps == 1)
-    two_passes = next(c for c in piped if c.plan.batch.accumulation_steps == 2)
-    for c in (one_pass, two_passes, next(c for c in plans if c.sizes["stage"] == 1)):
-        ticks = 0
-        if c.sizes["stage"] > 1:
-            pipeline = c.plan.pipeline
-            table = build_pipeline_schedule(
-                pipeline.schedule, stages=c.sizes["stage"], microbatches=pipeline.microbatches,
-                virtual_stages=pipeline.virtual_stages,
-            )  # fmt: skip
-            ticks = table.ticks * c.plan.batch.accumulation_steps
-        assert predict(c, tiny, machine).overhead_s == pytest.approx(1e-4 + ticks * 1e-3), c.label

@@ -10,8 +10,6 @@ On the present devices (simulated CPU devices, or one host's accelerators):
   ``1/β`` are the least-squares fit of ``time = steps · α + wire bytes / β`` (ring steps and
   bytes as the cost model counts them), clipped at zero;
 * **overhead**: a step that does nothing but cross a ``shard_map`` over the devices;
-* **pipeline ticks**: a tiny model's 1F1B step over 2 stages at 2 and 8 micro-batches of one batch:
-  the time it gains per tick (``pipeline_tick_s``, :func:`pipeline_tick_seconds`);
 * **codec**: int8 encode and decode of 1 Mi gradient values on every device at once;
 * **activations**: the compiler's temporaries of the model's gradient at four layers minus two, per
   layer, over the cost model's per-layer formula (``activation_scale``), and the working set of one
@@ -38,7 +36,7 @@ import numpy as np
 from torsh_jax.planner.machine import Link, Machine
 from torsh_jax.planner.shape import ModelShape
 
-__all__ = ["calibrate", "fit_alpha_beta", "activation_scales", "pipeline_tick_seconds", "LINK_SIZES"]
+__all__ = ["calibrate", "fit_alpha_beta", "activation_scales", "LINK_SIZES"]
 
 #: Bytes per device of the collectives timed for the link fit.
 LINK_SIZES = tuple(4096 * 4**k for k in range(6))  # 4 KiB .. 4 MiB
@@ -200,52 +198,6 @@ def _gradient_temp_bytes(shape: ModelShape, layers: int, device, *, remat: bool 
     return memory_report(compiled).temp_bytes
 
 
-#: The pipelines timed for the per-tick cost: 1F1B over 2 stages at 2 and 8 micro-batches of one
-#: batch (the same tokens, so the same compute), on a model small enough that ticks dominate.
-_TICK_MICROBATCHES = (2, 8)
-
-
-def pipeline_tick_seconds(devices, /, *, repeats: int) -> float:
-    """Seconds a pipeline tick costs beyond its share of the compute (the loop's step, the branch
-    switch, the stage permutes meeting): ``(time at 8 micro-batches - time at 2) / (ticks at 8 -
-    ticks at 2)``; 0 on fewer than 2 devices or an odd count (no 2-stage pipeline to time)."""
-    if len(devices) < 2 or len(devices) % 2:
-        return 0.0
-    import jax
-
-    from torsh_jax.demo.model import LMConfig, init_params, synthetic_tokens
-    from torsh_jax.demo.run import abstract_train_step
-    from torsh_jax.pipeline.schedule import build_pipeline_schedule
-    from torsh_jax.plan.io import plan_from_dict
-
-    cfg = LMConfig(vocab=64, d_model=16, heads=2, head_dim=8, mlp=32, layers=2, seq_len=8)
-    seconds, ticks = [], []
-    for m in _TICK_MICROBATCHES:
-        plan = plan_from_dict(
-            {"mesh": {"data": -1, "stage": 2}, "batch": {"micro_batch_size": 8},
-             "pipeline": {"schedule": "1f1b", "microbatches": m}}
-        )  # fmt: skip
-        train, _ = abstract_train_step(plan, cfg, devices)
-        state = train.init(init_params(cfg, jax.random.key(0)))
-        batch = synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=0)
-        seconds.append(_step_seconds(train, state, batch, repeats))
-        ticks.append(build_pipeline_schedule("1f1b", stages=2, microbatches=m).ticks)
-    return max(seconds[1] - seconds[0], 0.0) / (ticks[1] - ticks[0])
-
-
-def _step_seconds(train, state, batch, repeats: int) -> float:
-    """Median seconds of ``train.step`` (its state carried from step to step), after a warm-up."""
-    import jax
-
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        state, metrics = train.step(state, batch)
-        jax.block_until_ready(metrics["loss"])
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
-
-
 def _overhead(mesh, repeats: int) -> float:
     import jax
     import jax.numpy as jnp
@@ -285,7 +237,6 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         overlaps=platform != "cpu",
         shared_cores=platform == "cpu",
         step_overhead_s=overhead,
-        pipeline_tick_s=pipeline_tick_seconds(devices, repeats=repeats),
         codec_s_per_element=_codec_seconds_per_element(mesh, repeats),
         activation_scale=activations,
         recompute_scale=recomputed,

@@ -17,9 +17,6 @@ forward in the backward pass (one micro-batch's full set).
 
 **Step time** = the machine's per-step overhead + compute + pipeline bubble + exposed communication:
 
-* overhead: the machine's empty step, and under a pipeline its ticks (the schedule table's rows per
-  pass) times the machine's measured cost of a tick beyond its compute;
-
 * compute: the busiest device's FLOPs (its tokens × :meth:`ModelShape.train_flops_per_token`,
   split over ``tensor`` and ``stage``) over the machine's sustained FLOP/s, times
   :func:`recompute_cost` where the layers' forward runs again;
@@ -90,7 +87,7 @@ class Prediction:
         exposed_s: communication time not hidden behind compute.
         memory_limit: bytes one device may use.
         compiled: the compiler's memory when the plan was compiled (:func:`~torsh_jax.planner.verify`).
-        overhead_s: the machine's per-step overhead (with a pipeline's ticks).
+        overhead_s: the machine's per-step overhead.
         codec_s: encoding and decoding compressed gradients (part of ``compute_s``).
         break_even_bytes_per_s: the link bandwidth below which the compression pays.
     """
@@ -171,7 +168,7 @@ def predict(
         comm,
         _exposed(comm, compute, machine),
         machine.memory_bytes,
-        overhead_s=machine.step_overhead_s + _pipeline_ticks(candidate) * machine.pipeline_tick_s,
+        overhead_s=machine.step_overhead_s,
         codec_s=codec,
         break_even_bytes_per_s=break_even_bytes_per_s(candidate, shape, machine),
     )
@@ -305,20 +302,6 @@ def recompute_cost(shape: ModelShape, machine: Machine) -> float:
     if machine.recompute_cost is not None:
         return machine.recompute_cost
     return shape.train_flops_per_token(recompute=True) / shape.train_flops_per_token(recompute=False)
-
-
-def _pipeline_ticks(c: Candidate) -> int:
-    """Ticks of the step's pipeline passes (its schedule table's rows, once per accumulation step)."""
-    if c.sizes["stage"] <= 1:
-        return 0
-    from torsh_jax.pipeline.schedule import build_pipeline_schedule
-
-    pipeline = c.plan.pipeline
-    schedule = build_pipeline_schedule(
-        pipeline.schedule, stages=c.sizes["stage"], microbatches=pipeline.microbatches,
-        virtual_stages=pipeline.virtual_stages,
-    )  # fmt: skip
-    return schedule.ticks * c.plan.batch.accumulation_steps
 
 
 def _bubble_fraction(c: Candidate) -> float:

@@ -65,9 +65,6 @@ class Machine:
         shared_cores: the devices share the host's cores (simulated CPU devices): a device idle in
             a pipeline bubble gives its core to the others, so a bubble costs no time.
         step_overhead_s: time of a step that does nothing (dispatch, one program launch).
-        pipeline_tick_s: time a pipeline's tick costs beyond its compute (the loop step, the branch
-            switch, the stage permutes meeting; ``calibrate`` times a tiny pipeline at two
-            micro-batch counts; 0 from a target).
         codec_s_per_element: int8 encode and decode of one gradient element (measured by
             ``calibrate``; from a target: three passes over float32 at HBM bandwidth, read, write
             int8, read back).
@@ -92,7 +89,6 @@ class Machine:
     overlaps: bool = True
     shared_cores: bool = False
     step_overhead_s: float = 0.0
-    pipeline_tick_s: float = 0.0
     codec_s_per_element: float = 0.0
     activation_scale: float = 1.0
     recompute_scale: float = 1.0
