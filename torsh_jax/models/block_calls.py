@@ -46,7 +46,7 @@ def _leaf_path(tree: PyTree, leaf) -> Path | None:
     """The path of ``leaf`` in ``tree``: the leaf itself, else the one leaf of its shape and dtype (a
     block in a lifted transform, ``nn.remat``, is seen with the transform's own copies of its
     arguments and output)."""
-    flat = [(tuple(_key(k) for k in path), x) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    flat, _ = _flat(tree)
     same = [path for path, x in flat if x is leaf]
     alike = [path for path, x in flat if _abstract(x) == _abstract(leaf)]
     return same[0] if same else (alike[0] if len(alike) == 1 else None)
@@ -54,6 +54,12 @@ def _leaf_path(tree: PyTree, leaf) -> Path | None:
 
 def _abstract(x) -> tuple:
     return (np.shape(x), np.dtype(x.dtype)) if hasattr(x, "dtype") else (type(x), x)
+
+
+def _flat(tree: PyTree) -> tuple[list[tuple[Path, object]], object]:
+    """``([(path, leaf), ...], treedef)``, each path the keys that index the leaf."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return [(tuple(_key(k) for k in path), x) for path, x in flat], treedef
 
 
 def _key(entry):
@@ -103,11 +109,8 @@ def with_hidden(structure: PyTree, path: Path, hidden) -> PyTree:
     elsewhere (what a block returns besides its hidden state: a cache the loss does not read)."""
     if not path:
         return hidden
-    flat, treedef = jax.tree_util.tree_flatten_with_path(structure)
-    leaves = [
-        hidden if tuple(_key(k) for k in p) == path else jax.numpy.zeros(np.shape(x), x.dtype)
-        for p, x in flat
-    ]
+    flat, treedef = _flat(structure)
+    leaves = [hidden if keys == path else jax.numpy.zeros(np.shape(x), x.dtype) for keys, x in flat]
     return jax.tree.unflatten(treedef, leaves)
 
 

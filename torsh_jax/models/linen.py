@@ -177,20 +177,12 @@ def _parts(params: PyTree, calls: _Calls, first: int, last: int, names: tuple[st
     return embed, head
 
 
-def _stand_ins(params: PyTree, keys: tuple[str, ...]) -> dict:
-    """Zeros of the parameters a part does not read but the model's ``__call__`` touches."""
-    return {k: zeros_like(params[k]) for k in keys}
-
-
 def _layered(module, params, calls, names, p, inputs, loss, keys, remat, chain) -> LayeredModel:
     import flax.linen as nn
 
     embed_keys, head_keys = keys
     blocks = frozenset(names)
-    others = tuple(k for k in params if k not in names)
-    skipped_by_head = _stand_ins(params, tuple(k for k in others if k not in head_keys))
-    all_stand_ins = _stand_ins(params, others)
-    embed_stand_ins = {k: all_stand_ins[k] for k in embed_keys}
+    others = {k: _shapes(params[k]) for k in params if k not in names}
     how = _block_calls(calls, names)
     modules = [calls.blocks[n][0] for n in names[:p]]
 
@@ -207,8 +199,7 @@ def _layered(module, params, calls, names, p, inputs, loss, keys, remat, chain) 
             return with_hidden(how.outputs[name], how.path, a[0])
 
         with nn.intercept_methods(capture):
-            _, captured = module.apply({"params": nest({**everything_but(e), **e}, chain)}, *inputs(batch),
-                                       mutable=[_CAPTURE])  # fmt: skip
+            _, captured = module.apply({"params": with_zeros(e)}, *inputs(batch), mutable=[_CAPTURE])
         if not captured:
             raise ModelStructureError(
                 "the model returned without calling a block on this batch",
@@ -219,16 +210,18 @@ def _layered(module, params, calls, names, p, inputs, loss, keys, remat, chain) 
         watched = (calls.blocks[names[0]][1], calls.blocks[names[0]][2])
         return jax.tree.map(lambda x: next(arrays) if is_array(x) else x, watched)
 
-    def everything_but(e) -> dict:
-        """Zeros for the parameters outside ``e`` the model's ``__call__`` reads besides the blocks."""
-        return {k: v for k, v in all_stand_ins.items() if k not in e}
+    def with_zeros(part: dict) -> dict:
+        """``part``'s parameters, zeros for the others the model's ``__call__`` touches besides the
+        blocks (made where the part is traced: no array of them is kept), in the model's nesting."""
+        zeros = {k: zeros_like(shape) for k, shape in others.items() if k not in part}
+        return nest({**zeros, **part}, chain)
 
     def embed(e, batch):
         return first_block_call(e, batch)[0][0]
 
     def layer(one, h, batch=None):
         if how.reads_arrays:  # computed from the batch alone: the embedding's parameters are zeros
-            a, kwargs = first_block_call(embed_stand_ins, batch)
+            a, kwargs = first_block_call({}, batch)
             args = a[1:]
         else:
             args, kwargs = how.args, how.kwargs
@@ -247,7 +240,7 @@ def _layered(module, params, calls, names, p, inputs, loss, keys, remat, chain) 
             return next_fun(*a, **k)
 
         with nn.intercept_methods(inject):
-            output = module.apply({"params": nest({**skipped_by_head, **hp}, chain)}, *inputs(batch))
+            output = module.apply({"params": with_zeros(hp)}, *inputs(batch))
         return loss(output, batch)
 
     return LayeredModel(
