@@ -59,10 +59,9 @@ def lifted_chain(params: PyTree, blocks: str) -> tuple[str, ...]:
     """
     parts = blocks.split("/")
     parent = parts[:-1]
-    _child(params, parent, blocks)
+    holder = _child(params, parent, blocks)
     chain = ["/".join(parts[: i + 1]) for i in range(len(parent))]
-    collection = _child(params, parent, blocks).get(parts[-1])
-    if _numbered(collection):
+    if _numbered(holder.get(parts[-1])):
         chain.append(blocks)
     return tuple(chain)
 

@@ -204,16 +204,14 @@ def _strip_none(value: Any) -> Any:
 
 def _expand_param_dims(value: Any) -> Any:
     """``param_dims`` with each preset name replaced by the preset's entries, in place."""
-    if isinstance(value, str):
-        return [list(entry) for entry in load_param_dims(value, key="param_dims")]
-    if not isinstance(value, list):
+    entries = [value] if isinstance(value, str) else value
+    if not isinstance(entries, list):
         return value
     out: list = []
-    for i, entry in enumerate(value):
+    for i, entry in enumerate(entries):
         named = isinstance(entry, str)
-        out += _expand_param_dims(entry) if named else [entry]
-        if named and not out:
-            raise PlanError("the preset is empty", key=f"param_dims[{i}]", fix="name a preset with entries")
+        key = "param_dims" if isinstance(value, str) else f"param_dims[{i}]"
+        out += [list(e) for e in load_param_dims(entry, key=key)] if named else [entry]
     return out
 
 
@@ -354,9 +352,9 @@ def load_param_dims(name_or_path: str | Path, *, key: str = "param_dims") -> tup
     fmt = "json" if path.suffix == ".json" else "toml"
     data = _parse(path.read_text(encoding="utf-8"), fmt=fmt, source=str(path))
     entries = data.get("param_dims")
-    if not isinstance(entries, list):
+    if not isinstance(entries, list) or not entries:
         raise PlanError(
-            "a param_dims preset holds a list param_dims = [[regex, [logical names]], ...]",
+            "a param_dims preset holds a non-empty list param_dims = [[regex, [logical names]], ...]",
             key=str(path),
             fix="write the entries under param_dims",
         )
