@@ -197,9 +197,25 @@ def test_calibrate_measures_this_machine_and_plan_reads_its_file(tmp_path, capsy
     machine = Machine.load(path)
     assert machine.devices == 8 and machine.flops_per_s > 0 and machine.link("ici").bytes_per_s > 0
     assert machine.recompute_cost > 0  # measured (a recomputing step's time over a plain one's)
+    assert machine.chunk_recompute_cost > 0  # the same with the layer stack recomputed as one chunk
     assert (machine.overlaps, machine.shared_cores) == (False, True)  # simulated CPU devices
     assert main(["plan", "--model", TINY, "--machine", str(path), "--global-batch", "64", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["machine"]["devices"] == 8
+
+
+def test_pipelines_pay_the_chunk_recompute_and_zero3_the_per_layer_one(tiny):
+    from dataclasses import replace
+
+    from torsh_jax.planner.cost import recompute_cost
+
+    machine = replace(CPU8, recompute_cost=0.9, chunk_recompute_cost=1.2)
+    by_label = {c.label: c for c in candidates(tiny, devices=8, global_batch=64)}
+    costs = {kind: recompute_cost(by_label[label], tiny, machine) for kind, label in
+             [("ddp", "ddp data=8 acc=1"), ("zero3", "zero3 fsdp=8 acc=1"),
+              ("pp", "pp data=2 stage=4 m=4 acc=1")]}  # fmt: skip
+    assert costs == {"ddp": 1.0, "zero3": 0.9, "pp": 1.2}
+    flops = tiny.train_flops_per_token(recompute=True) / tiny.train_flops_per_token(recompute=False)
+    assert recompute_cost(by_label["pp data=2 stage=4 m=4 acc=1"], tiny, CPU8) == pytest.approx(flops)
 
 
 def test_the_link_fit_recovers_alpha_and_beta_from_exact_times():

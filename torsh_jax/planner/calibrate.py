@@ -5,7 +5,9 @@ On the present devices (simulated CPU devices, or one host's accelerators):
 * **compute**: the demo model's forward and backward pass on every device at once, each on its
   own examples, with no collective (a data-parallel step without its gradient sum): per-device
   FLOP/s = the model's FLOPs per device (:meth:`ModelShape.train_flops_per_token`) / the time;
-  the same pass with each layer recomputed (``jax.checkpoint``) over it is ``recompute_cost``;
+  the same pass with each layer recomputed (``jax.checkpoint``) over it is ``recompute_cost``, and
+  with the whole layer stack recomputed as one chunk (a pipeline stage's backward pass)
+  ``chunk_recompute_cost``;
 * **links**: ``psum`` and ``all_gather`` over all devices at sizes from 4 KiB to 16 MiB; ``α`` and
   ``1/β`` are the least-squares fit of ``time = steps · α + wire bytes / β`` (ring steps and
   bytes as the cost model counts them), clipped at zero;
@@ -56,19 +58,20 @@ def _median_seconds(fn, *args, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _gradient_seconds(mesh, shape: ModelShape, repeats: int, *, remat: bool) -> float:
-    """Seconds of the demo model's forward and backward pass on every device at once (``remat``:
-    each layer's forward runs again in the backward pass)."""
+def _gradient_seconds(mesh, shape: ModelShape, repeats: int, *, recompute: str = "none") -> float:
+    """Seconds of the demo model's loss and gradient on every device at once. ``recompute``:
+    ``none``; ``layer``, each layer's forward runs again in the backward pass from its saved input
+    (``LayeredModel.remat``); ``chunk``, the whole layer stack's forward runs again from its saved
+    input, as a pipeline stage recomputes its chunk."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from torsh_jax.demo.model import init_params, layered_model, synthetic_tokens
-    from torsh_jax.runtime.layered import layered_loss
+    from torsh_jax.demo.model import init_params, synthetic_tokens
 
     cfg = shape.demo_config()
-    loss = layered_loss(layered_model(cfg, remat=remat))
+    loss = _loss_recomputing(cfg, recompute)
     params = init_params(cfg, jax.random.key(0))
     n = mesh.shape["devices"]
     batch = jax.tree.map(jnp.asarray, synthetic_tokens(cfg, batch_size=_ROWS * n, seed=0))
@@ -78,10 +81,29 @@ def _gradient_seconds(mesh, shape: ModelShape, repeats: int, *, remat: bool) -> 
     @jax.jit
     @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("devices")), out_specs=P("devices"), check_vma=False)
     def grads_per_device(p, b):
-        grads = jax.grad(loss)(p, b)
-        return jnp.stack([jnp.sum(g) for g in jax.tree.leaves(grads)])[None]
+        value, grads = jax.value_and_grad(loss)(p, b)  # the value keeps a checkpointed forward alive
+        return (value + jnp.stack([jnp.sum(g) for g in jax.tree.leaves(grads)]))[None]
 
     return _median_seconds(grads_per_device, params, batch, repeats=repeats)
+
+
+def _loss_recomputing(cfg, recompute: str):
+    """The demo model's loss with its layers' forward recomputed per layer, per chunk, or not."""
+    import jax
+
+    from torsh_jax.demo.model import layered_model
+    from torsh_jax.runtime.layered import layered_loss, scan_layers, split_params
+
+    model = layered_model(cfg, remat=recompute == "layer")
+    if recompute != "chunk":
+        return layered_loss(model)
+    chunk = jax.checkpoint(lambda stacked, hidden: scan_layers(model.layer, stacked, hidden))
+
+    def loss(params, batch):
+        embed, stacked, head = split_params(model, params)
+        return model.head(head, chunk(stacked, model.embed(embed, batch)), batch)
+
+    return loss
 
 
 def _collective_times(mesh, repeats: int) -> list[tuple[str, int, float]]:
@@ -221,7 +243,7 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         (len(devices), 1), ("devices", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=devices
     )
     overhead = _overhead(mesh, repeats)
-    plain = _gradient_seconds(mesh, shape, repeats, remat=False)
+    plain = _gradient_seconds(mesh, shape, repeats)
     link = fit_alpha_beta(_collective_times(mesh, repeats), len(devices), overhead_s=overhead)
     limit = device_memory_limit(mesh)
     platform = devices[0].platform
@@ -231,7 +253,8 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         devices=len(devices),
         slices=1,
         flops_per_s=_ROWS * shape.seq_len * shape.train_flops_per_token(recompute=False) / plain,
-        recompute_cost=_gradient_seconds(mesh, shape, repeats, remat=True) / plain,
+        recompute_cost=_gradient_seconds(mesh, shape, repeats, recompute="layer") / plain,
+        chunk_recompute_cost=_gradient_seconds(mesh, shape, repeats, recompute="chunk") / plain,
         memory_bytes=limit.bytes if limit else 0,
         links={"ici": link},
         overlaps=platform != "cpu",

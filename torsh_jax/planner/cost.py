@@ -19,7 +19,7 @@ forward in the backward pass (one micro-batch's full set).
 
 * compute: the busiest device's FLOPs (its tokens × :meth:`ModelShape.train_flops_per_token`,
   split over ``tensor`` and ``stage``) over the machine's sustained FLOP/s, times
-  :func:`recompute_cost` where the layers' forward runs again;
+  :func:`recompute_cost` where the layers' forward runs again (per layer, or per pipeline chunk);
 * bubble: 1F1B's ``(stages - 1) / microbatches`` of the compute (none where the devices share the
   host's cores: an idle stage's core works for the others);
 * communication per axis: the plan theory's collectives (:mod:`torsh_jax.analysis.theory`: the
@@ -293,14 +293,19 @@ def _compute_seconds(c: Candidate, shape: ModelShape, machine: Machine) -> float
     replicas = c.sizes["data"] * c.sizes["fsdp"]
     tokens = c.plan.batch.global_batch_size(replicas) * shape.seq_len // replicas
     flops = tokens * shape.train_flops_per_token(recompute=False) / (c.sizes["tensor"] * c.sizes["stage"])
-    return flops / machine.flops_per_s * (recompute_cost(shape, machine) if _recomputed(c) else 1.0)
+    return flops / machine.flops_per_s * recompute_cost(c, shape, machine)
 
 
-def recompute_cost(shape: ModelShape, machine: Machine) -> float:
-    """Time of a step that recomputes its layers' forward over one that does not: the machine's
-    measured ratio (:attr:`Machine.recompute_cost`), else the FLOPs' ratio."""
-    if machine.recompute_cost is not None:
-        return machine.recompute_cost
+def recompute_cost(c: Candidate, shape: ModelShape, machine: Machine) -> float:
+    """Time of the candidate's step over the same step that recomputes nothing: 1 where nothing is
+    recomputed; the machine's measured ratio for a pipeline stage's chunk
+    (:attr:`Machine.chunk_recompute_cost`) or for each layer on its own
+    (:attr:`Machine.recompute_cost`); unmeasured, the FLOPs' ratio."""
+    if not _recomputed(c):
+        return 1.0
+    measured = machine.chunk_recompute_cost if c.sizes["stage"] > 1 else machine.recompute_cost
+    if measured is not None:
+        return measured
     return shape.train_flops_per_token(recompute=True) / shape.train_flops_per_token(recompute=False)
 
 
