@@ -9,8 +9,8 @@ planner predicts it (:func:`torsh_jax.planner.cost.predict` with the calibrated 
 Prints one ``planner_plan`` row per plan and model (``predicted_s``, ``measured_s``, ``error``,
 ``predicted_memory``, ``compiled_peak``, ``memory_error``) and one ``planner_summary`` row per model
 and overall: ``mape`` (mean absolute percentage error of the step time), ``kendall_tau`` (rank
-agreement of predicted and measured times), ``pick_ratio`` (measured time of the plan the
-planner ranks first / the fastest measured), ``memory_mape``.
+agreement of predicted and measured times: tau-b; ``kendall_tau_a`` beside it), ``pick_ratio``
+(measured time of the plan the planner ranks first / the fastest measured), ``memory_mape``.
 
 Usage:
     python benchmarks/bench_planner.py [--steps 5] [--quick]
@@ -100,7 +100,16 @@ def measure(candidate, shape, devices, steps: int) -> tuple[float, int]:
     return statistics.median(times), peak
 
 
-def kendall_tau(a: list[float], b: list[float]) -> float:
+def kendall_tau_b(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-b of two rankings (``scipy.stats.kendalltau``'s default): pairs tied in either
+    ranking are left out of the denominator's count for that ranking, so plans the model predicts
+    equal (same bytes, same FLOPs) are not counted as disagreeing with the order noise gives them."""
+    from scipy.stats import kendalltau
+
+    return float(kendalltau(a, b).statistic)
+
+
+def kendall_tau_a(a: list[float], b: list[float]) -> float:
     """Kendall's tau-a of two rankings (ties count as neither agreeing nor disagreeing)."""
     pairs = list(itertools.combinations(range(len(a)), 2))
     sign = lambda x: (x > 0) - (x < 0)
@@ -117,7 +126,8 @@ def summary(rows: list[dict], name: str) -> dict:
         "model": name,
         "plans": len(rows),
         "mape": statistics.mean(abs(r["error"]) for r in rows),
-        "kendall_tau": kendall_tau(predicted, measured),
+        "kendall_tau": kendall_tau_b(predicted, measured),
+        "kendall_tau_a": kendall_tau_a(predicted, measured),
         "pick": rows[best]["plan"],
         "pick_ratio": measured[best] / min(measured),
         "memory_mape": statistics.mean(abs(r["memory_error"]) for r in rows),

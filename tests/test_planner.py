@@ -198,6 +198,7 @@ def test_calibrate_measures_this_machine_and_plan_reads_its_file(tmp_path, capsy
     assert machine.devices == 8 and machine.flops_per_s > 0 and machine.link("ici").bytes_per_s > 0
     assert machine.recompute_cost > 0  # measured (a recomputing step's time over a plain one's)
     assert machine.chunk_recompute_cost > 0  # the same with the layer stack recomputed as one chunk
+    assert machine.update_bytes_per_s > 0  # AdamW's update timed
     assert (machine.overlaps, machine.shared_cores) == (False, True)  # simulated CPU devices
     assert main(["plan", "--model", TINY, "--machine", str(path), "--global-batch", "64", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["machine"]["devices"] == 8
@@ -216,6 +217,20 @@ def test_pipelines_pay_the_chunk_recompute_and_zero3_the_per_layer_one(tiny):
     assert costs == {"ddp": 1.0, "zero3": 0.9, "pp": 1.2}
     flops = tiny.train_flops_per_token(recompute=True) / tiny.train_flops_per_token(recompute=False)
     assert recompute_cost(by_label["pp data=2 stage=4 m=4 acc=1"], tiny, CPU8) == pytest.approx(flops)
+
+
+def test_the_optimizer_update_is_timed_on_the_devices_slice_of_the_parameters(tiny):
+    from dataclasses import replace
+
+    machine = replace(CPU8, update_bytes_per_s=1e9)
+    by_label = {c.label: c for c in candidates(tiny, devices=8, global_batch=64)}
+    update = {label: predict(by_label[label], tiny, machine).update_s for label in by_label}
+    # AdamW in float32: 28 bytes per parameter (read and write the parameter and two moments, read
+    # the gradient); ZeRO-1 and up update a 1/8 slice, a pipeline stage its quarter of the layers
+    assert update["ddp data=8 acc=1"] == pytest.approx(tiny.param_count * 28 / 1e9, rel=1e-6)
+    assert update["zero1 fsdp=8 acc=1"] == pytest.approx(update["ddp data=8 acc=1"] / 8)
+    assert update["pp data=2 stage=4 m=4 acc=1"] < update["ddp data=8 acc=1"] / 2
+    assert predict(by_label["ddp data=8 acc=1"], tiny, CPU8).update_s == 0.0  # not measured: not timed
 
 
 def test_the_link_fit_recovers_alpha_and_beta_from_exact_times():

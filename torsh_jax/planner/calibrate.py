@@ -13,6 +13,7 @@ On the present devices (simulated CPU devices, or one host's accelerators):
   bytes as the cost model counts them), clipped at zero;
 * **overhead**: a step that does nothing but cross a ``shard_map`` over the devices;
 * **codec**: int8 encode and decode of 1 Mi gradient values on every device at once;
+* **update**: AdamW's update of 1 Mi parameters on every device at once (``update_bytes_per_s``);
 * **activations**: the compiler's temporaries of the model's gradient at four layers minus two, per
   layer, over the cost model's per-layer formula (``activation_scale``), and the working set of one
   layer recomputed in the backward pass (``recompute_scale``, :func:`activation_scales`).
@@ -175,6 +176,37 @@ def _codec_seconds_per_element(mesh, repeats: int, elements: int = 1 << 20) -> f
     return _median_seconds(fn, x, repeats=repeats) / elements
 
 
+def _update_bytes_per_s(mesh, repeats: int, elements: int = 1 << 20) -> float:
+    """AdamW's update of ``elements`` float32 parameters on every device at once, in the bytes the
+    cost model counts for it (:func:`~torsh_jax.planner.cost.update_bytes`) per second."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from torsh_jax.optim.optimizers import build_optimizer
+    from torsh_jax.planner.cost import update_bytes
+
+    optimizer = build_optimizer(None)
+
+    def update(params, grads, state):
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    x = jnp.linspace(-1.0, 1.0, mesh.shape["devices"] * elements, dtype=jnp.float32)
+    x = jax.device_put(x, NamedSharding(mesh, P("devices")))
+    local = jax.ShapeDtypeStruct((elements,), jnp.float32)
+    specs = jax.tree.map(lambda a: P("devices") if a.ndim else P(), jax.eval_shape(optimizer.init, local))
+    per_device = partial(jax.shard_map, mesh=mesh, check_vma=False)
+    init = jax.jit(per_device(optimizer.init, in_specs=P("devices"), out_specs=specs))
+    step = jax.jit(
+        per_device(update, in_specs=(P("devices"), P("devices"), specs), out_specs=(P("devices"), specs))
+    )
+    seconds = _median_seconds(step, x, x, init(x), repeats=repeats)
+    return update_bytes(elements, param_bytes=4, opt_factor=2) / seconds
+
+
 def activation_scales(shape: ModelShape, device, /) -> tuple[float, float]:
     """``(activation_scale, recompute_scale)``: the compiler's bytes per token over the cost model's
     per-layer formula (:func:`~torsh_jax.planner.cost.full_layer_bytes_per_token`) of a layer's
@@ -261,6 +293,7 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         shared_cores=platform == "cpu",
         step_overhead_s=overhead,
         codec_s_per_element=_codec_seconds_per_element(mesh, repeats),
+        update_bytes_per_s=_update_bytes_per_s(mesh, repeats),
         activation_scale=activations,
         recompute_scale=recomputed,
         platform=platform,

@@ -20,6 +20,9 @@ forward in the backward pass (one micro-batch's full set).
 * compute: the busiest device's FLOPs (its tokens × :meth:`ModelShape.train_flops_per_token`,
   split over ``tensor`` and ``stage``) over the machine's sustained FLOP/s, times
   :func:`recompute_cost` where the layers' forward runs again (per layer, or per pipeline chunk);
+* update: the optimizer's pass over the device's parameters, gradients and state (its ``1/fsdp``
+  slice under ZeRO; :func:`update_bytes` at the machine's ``update_bytes_per_s``), counted in the
+  compute time with the compressed gradients' encoding and decoding;
 * bubble: 1F1B's ``(stages - 1) / microbatches`` of the compute (none where the devices share the
   host's cores: an idle stage's core works for the others);
 * communication per axis: the plan theory's collectives (:mod:`torsh_jax.analysis.theory`: the
@@ -89,6 +92,7 @@ class Prediction:
         compiled: the compiler's memory when the plan was compiled (:func:`~torsh_jax.planner.verify`).
         overhead_s: the machine's per-step overhead.
         codec_s: encoding and decoding compressed gradients (part of ``compute_s``).
+        update_s: the optimizer's update (part of ``compute_s``).
         break_even_bytes_per_s: the link bandwidth below which the compression pays.
     """
 
@@ -103,6 +107,7 @@ class Prediction:
 
     overhead_s: float = 0.0
     codec_s: float = 0.0
+    update_s: float = 0.0
     break_even_bytes_per_s: float | None = None
 
     @property
@@ -127,6 +132,7 @@ class Prediction:
             "overhead_s": self.overhead_s,
             "compute_s": self.compute_s,
             "codec_s": self.codec_s,
+            "update_s": self.update_s,
             "break_even_bytes_per_s": self.break_even_bytes_per_s,
             "bubble_s": self.bubble_s,
             "comm_s": self.comm_s,
@@ -157,8 +163,10 @@ def predict(
 ) -> Prediction:
     """Memory and step time of ``candidate`` for ``shape`` on ``machine`` (see the module docstring)."""
     codec = codec_seconds(candidate, shape, machine)
-    compute = _compute_seconds(candidate, shape, machine) + codec
-    bubble = 0.0 if machine.shared_cores else compute * _bubble_fraction(candidate)
+    update = update_seconds(candidate, shape, machine, opt_factor)
+    passes = _compute_seconds(candidate, shape, machine)
+    compute = passes + codec + update
+    bubble = 0.0 if machine.shared_cores else passes * _bubble_fraction(candidate)
     comm = _comm_seconds(candidate, shape, machine)
     return Prediction(
         candidate,
@@ -170,6 +178,7 @@ def predict(
         machine.memory_bytes,
         overhead_s=machine.step_overhead_s,
         codec_s=codec,
+        update_s=update,
         break_even_bytes_per_s=break_even_bytes_per_s(candidate, shape, machine),
     )
 
@@ -294,6 +303,31 @@ def _compute_seconds(c: Candidate, shape: ModelShape, machine: Machine) -> float
     tokens = c.plan.batch.global_batch_size(replicas) * shape.seq_len // replicas
     flops = tokens * shape.train_flops_per_token(recompute=False) / (c.sizes["tensor"] * c.sizes["stage"])
     return flops / machine.flops_per_s * recompute_cost(c, shape, machine)
+
+
+def update_bytes(elements: float, /, *, param_bytes: int, opt_factor: float) -> float:
+    """Bytes an optimizer's update moves for ``elements`` parameters: each parameter read and
+    written, its float32 gradient read, its ``opt_factor`` float32 state elements read and written.
+
+    Example:
+        >>> update_bytes(1, param_bytes=4, opt_factor=2)  # AdamW in float32
+        28
+    """
+    return elements * (2 * param_bytes + 4 + 2 * 4 * opt_factor)
+
+
+def update_seconds(c: Candidate, shape: ModelShape, machine: Machine, opt_factor: float) -> float:
+    """The optimizer's update of the device's parameters (its ``1/fsdp`` slice under ZeRO) at the
+    machine's :attr:`~Machine.update_bytes_per_s`; 0 where it is not known."""
+    if machine.update_bytes_per_s is None:
+        return 0.0
+    layers, shared = _local_params(c, shape)
+    split = c.sizes["fsdp"] if c.plan.zero.stage >= 1 else 1
+    pb = DTYPE_BYTES[c.plan.precision.param_dtype]
+    return (
+        update_bytes((layers + shared) / split, param_bytes=pb, opt_factor=opt_factor)
+        / machine.update_bytes_per_s
+    )
 
 
 def recompute_cost(c: Candidate, shape: ModelShape, machine: Machine) -> float:

@@ -80,6 +80,9 @@ class Machine:
             chunk, as a pipeline stage's backward pass does (its activations are all alive again,
             unlike one layer's: XLA:CPU measured 1.19 against 0.87 for each layer on its own);
             ``None``: the FLOP ratio.
+        update_bytes_per_s: the rate of the optimizer's update, a pass over parameters, gradients
+            and optimizer state (``calibrate`` times AdamW's on every device at once; from a
+            target: HBM bandwidth); ``None``: the update is not timed.
         platform: ``tpu``, ``gpu`` or ``cpu``.
         source: where the figures come from.
     """
@@ -98,6 +101,7 @@ class Machine:
     recompute_scale: float = 1.0
     recompute_cost: float | None = None
     chunk_recompute_cost: float | None = None
+    update_bytes_per_s: float | None = None
     platform: str = "tpu"
     source: str = ""
 
@@ -121,6 +125,7 @@ class Machine:
             slices=slices if target.platform == "tpu" else max(1, target.devices // 8),
             flops_per_s=chip.peak_bf16_flops * ASSUMED["compute_efficiency"],
             codec_s_per_element=(4 + 1 + 4) / chip.hbm_bytes_per_s,
+            update_bytes_per_s=chip.hbm_bytes_per_s,
             memory_bytes=chip.usable_hbm_bytes,
             links={"ici": ici, "dcn": dcn} if slices > 1 or gpu_nodes else {"ici": ici},
             overlaps=True,
