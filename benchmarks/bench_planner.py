@@ -42,9 +42,9 @@ PLANS = (
     "zero3 data=2 fsdp=4 acc=1 +int8",
     "ddp data=4 tensor=2 acc=1",
     "zero3 fsdp=4 tensor=2 acc=1",
-    "pp data=2 stage=4 m=4 acc=1",
-    "pp data=2 stage=4 m=8 acc=1",
-    "pp fsdp=2 stage=4 m=4 zero2 acc=1",
+    "pp data=2 stage=4 1f1b m=4 acc=1",
+    "pp data=2 stage=4 1f1b m=8 acc=1",
+    "pp fsdp=2 stage=4 1f1b m=4 zero2 acc=1",
     "zero2 fsdp=8 acc=2",
 )
 GLOBAL_BATCH = 32

@@ -78,7 +78,16 @@ def test_a_batch_no_plan_divides_is_one_error(tiny):
 
 
 @pytest.mark.parametrize(
-    "label", ["zero3 fsdp=8 acc=1", "ddp data=2 tensor=4 acc=1", "pp data=2 stage=4 m=4 acc=1"]
+    "label",
+    [
+        "zero3 fsdp=8 acc=1",
+        "ddp data=2 tensor=4 acc=1",
+        "ddp data=2 tensor=4 sp acc=1",
+        "ddp data=2 tensor=4 remat acc=1",
+        "pp data=2 stage=4 1f1b m=4 acc=1",
+        "pp data=4 stage=2 interleaved v=2 m=4 acc=1",
+        "pp data=2 stage=4 zb_h1 m=4 acc=1",
+    ],
 )
 def test_the_planners_collectives_are_the_ones_inspect_compares(tiny, label):
     from torsh_jax.runtime.inspect import data_theory, stage_theory, tensor_theory
@@ -88,7 +97,7 @@ def test_the_planners_collectives_are_the_ones_inspect_compares(tiny, label):
         pytest.fail(f"no candidate {label!r}: {sorted(by_label)[:5]} ...")
     candidate = by_label[label]
     cfg = demo_config("custom", d_model=256, layers=4, vocab=256, seq_len=32)
-    train, batch = abstract_train_step(candidate.plan, cfg, require_devices(8))
+    train, batch = abstract_train_step(candidate.plan, cfg, require_devices(8), remat=candidate.remat)
     step = [data_theory(train), tensor_theory(train, batch), stage_theory(train, batch)]
     expected = {c.axes: 0.0 for t in step if t is not None for c in t.collectives}
     for t in step:
@@ -213,10 +222,10 @@ def test_pipelines_pay_the_chunk_recompute_and_zero3_the_per_layer_one(tiny):
     by_label = {c.label: c for c in candidates(tiny, devices=8, global_batch=64)}
     costs = {kind: recompute_cost(by_label[label], tiny, machine) for kind, label in
              [("ddp", "ddp data=8 acc=1"), ("zero3", "zero3 fsdp=8 acc=1"),
-              ("pp", "pp data=2 stage=4 m=4 acc=1")]}  # fmt: skip
+              ("pp", "pp data=2 stage=4 1f1b m=4 acc=1")]}  # fmt: skip
     assert costs == {"ddp": 1.0, "zero3": 0.9, "pp": 1.2}
     flops = tiny.train_flops_per_token(recompute=True) / tiny.train_flops_per_token(recompute=False)
-    assert recompute_cost(by_label["pp data=2 stage=4 m=4 acc=1"], tiny, CPU8) == pytest.approx(flops)
+    assert recompute_cost(by_label["pp data=2 stage=4 1f1b m=4 acc=1"], tiny, CPU8) == pytest.approx(flops)
 
 
 def test_the_optimizer_update_is_timed_on_the_devices_slice_of_the_parameters(tiny):
@@ -229,7 +238,7 @@ def test_the_optimizer_update_is_timed_on_the_devices_slice_of_the_parameters(ti
     # the gradient); ZeRO-1 and up update a 1/8 slice, a pipeline stage its quarter of the layers
     assert update["ddp data=8 acc=1"] == pytest.approx(tiny.param_count * 28 / 1e9, rel=1e-6)
     assert update["zero1 fsdp=8 acc=1"] == pytest.approx(update["ddp data=8 acc=1"] / 8)
-    assert update["pp data=2 stage=4 m=4 acc=1"] < update["ddp data=8 acc=1"] / 2
+    assert update["pp data=2 stage=4 1f1b m=4 acc=1"] < update["ddp data=8 acc=1"] / 2
     assert predict(by_label["ddp data=8 acc=1"], tiny, CPU8).update_s == 0.0  # not measured: not timed
 
 
@@ -340,4 +349,7 @@ def test_predicted_memory_is_the_compiled_peak_within_5_percent():
         peak = memory_report(train.lower(train.abstract_state(), batch).compile()).peak_estimate_bytes
         predicted = predict(candidate, shape, machine, opt_factor=optimizer_state_factor(candidate.plan))
         errors[candidate.label] = predicted.memory["total"] / peak - 1
+    remat = by_label["zero1 fsdp=8 remat acc=1"]  # verify compiles the model recomputing each layer
+    predicted = predict(remat, shape, machine, opt_factor=optimizer_state_factor(remat.plan))
+    errors[remat.label] = verify(predicted, shape, devices)["memory_error"]
     assert all(abs(e) <= 0.05 for e in errors.values()), errors

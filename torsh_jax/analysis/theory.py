@@ -39,10 +39,11 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from torsh_jax.errors import PlanError
-from torsh_jax.plan.compressors import METHODS
+from torsh_jax.plan.compressors import METHODS, kept_per_chunk, matrix_shape
 from torsh_jax.plan.roles import compose
 
 __all__ = [
@@ -472,41 +473,105 @@ def _uncompressed_theory(plan, param_count, num_devices, num_slices, layer_fract
     )
 
 
-def compressed_payload_bytes(method: str, elements: int, /, *, block_size: int = 256) -> int:
-    """Bytes of a compressed payload of ``elements`` values (a padded buffer: whole blocks).
+def compressed_payload_bytes(
+    method: str,
+    elements: int,
+    /,
+    *,
+    block_size: int = 256,
+    chunk_size: int = 4096,
+    topk_fraction: float = 0.01,
+    rank: int = 4,
+) -> int:
+    """Bytes one device's compressed payload of a buffer of ``elements`` values takes (a padded
+    buffer: whole blocks, whole top-k chunks). The settings are
+    :class:`~torsh_jax.plan.CompressorSpec`'s (its defaults here):
+
+    * fixed-size methods (int8, fp8, ...): bits per value plus a float32 scale per block;
+    * ``topk``: per chunk of ``chunk_size``, its kept values (float32) and their positions in the
+      chunk (int16);
+    * ``powersgd``: the buffer viewed as a ``[rows, cols]`` matrix
+      (:func:`~torsh_jax.plan.compressors.matrix_shape`) sends ``P [rows, r]`` and ``Q [cols, r]``
+      in float32, ``r = min(rank, rows, cols)``.
 
     Example:
         >>> compressed_payload_bytes("int8", 4096), compressed_payload_bytes("bf16", 4096)
         (4160, 8192)
+        >>> compressed_payload_bytes("topk", 8192), compressed_payload_bytes("powersgd", 4096)
+        (492, 2048)
     """
+    if method == "topk":
+        kept = kept_per_chunk(chunk_size=chunk_size, fraction=topk_fraction)
+        return -(-elements // chunk_size) * kept * (4 + 2)
+    if method == "powersgd":
+        rows, cols = matrix_shape(elements)
+        return (rows + cols) * min(rank, rows, cols) * 4
     size = METHODS[method].payload_bytes(elements, block_size=block_size) if method in METHODS else None
     if size is None:
-        fixed = sorted(name for name, m in METHODS.items() if m.bits is not None)
         raise PlanError(
-            f"{method!r} has no fixed-size wire format",
+            f"{method!r} is not a compression method",
             key="compression.method",
-            fix=f"use one of {fixed} (top-k and PowerSGD sizes depend on their settings)",
+            fix=f"use one of {sorted(METHODS)}",
         )
     return size
 
 
 def compressed_reduction(
-    method: str, elements: int, /, *, axis: str, axis_size: int, block_size: int = 256, scatter: bool = False
+    method: str,
+    elements: int | Sequence[int],
+    /,
+    *,
+    axis: str,
+    axis_size: int,
+    scatter: bool = False,
+    **settings,
 ) -> tuple[TheoryCollective, ...]:
-    """A compressed gradient reduction of ``elements`` per device over ``axis``: an all-to-all of
-    the payload (each device sums its slice), then, for an all-reduce (not ``scatter``), an
-    all-gather of the re-compressed sums. ``elements`` counts the padding: each parameter is
-    padded to whole blocks, each buffer to whole blocks per device
-    (:func:`torsh_jax.runtime.sync.compressed_lengths`).
+    """A compressed gradient reduction over ``axis`` as the runtime runs it
+    (:mod:`torsh_jax.compress.collectives`), per device:
+
+    * two-phase methods (int8, fp8, ...): an all-to-all of the payload (each device sums its
+      slice), then, for an all-reduce (not ``scatter``), an all-gather of the re-compressed sums;
+    * ``topk``: an all-gather of every device's payload (a reduce-scatter: an all-to-all of it);
+    * ``powersgd``: per buffer, an all-reduce of ``P`` and one of ``Q`` (a reduce-scatter too).
+
+    ``elements`` is the padded buffer's length, or each buffer's (bucket's) length: PowerSGD views
+    each as its own matrix. It counts the padding: each parameter is padded to whole blocks, each
+    buffer to whole blocks (chunks) per device (:func:`torsh_jax.runtime.sync.compressed_lengths`).
+    ``settings``: :func:`compressed_payload_bytes`'s ``block_size``, ``chunk_size``,
+    ``topk_fraction``, ``rank``.
 
     Example:
         >>> reduction = compressed_reduction("int8", 4096, axis="data", axis_size=8)
         >>> [(c.kind, c.payload_bytes, c.wire_bytes) for c in reduction]
         [('all-to-all', 4160, 3640.0), ('all-gather', 4160, 3640.0)]
+        >>> [(c.kind, c.payload_bytes) for c in compressed_reduction("topk", 8192, axis="data", axis_size=8)]
+        [('all-gather', 3936)]
+        >>> low_rank = compressed_reduction("powersgd", [8192, 4096], axis="data", axis_size=8)
+        >>> [(c.kind, c.payload_bytes, c.count) for c in low_rank]  # [128, 64] and [64, 64] at rank 4
+        [('all-reduce', 2048, 1), ('all-reduce', 1024, 3)]
     """
-    payload = compressed_payload_bytes(method, elements, block_size=block_size)
+    buffers = [elements] if isinstance(elements, int) else list(elements)
+    reduce = METHODS[method].all_reduce if method in METHODS else "two_phase"
+    one = lambda kind, payload, count=1: TheoryCollective(kind, (axis,), payload, axis_size, count)
+    if reduce == "low_rank":
+        return _low_rank(buffers, settings.get("rank", 4), one)
+    payload = compressed_payload_bytes(method, sum(buffers), **settings)
+    if reduce == "sparse_gather":
+        return (one("all-to-all", payload),) if scatter else (one("all-gather", payload * axis_size),)
     kinds = ("all-to-all",) if scatter else ("all-to-all", "all-gather")
-    return tuple(TheoryCollective(kind, (axis,), payload, axis_size) for kind in kinds)
+    return tuple(one(kind, payload) for kind in kinds)
+
+
+def _low_rank(buffers: list[int], rank: int, one) -> tuple[TheoryCollective, ...]:
+    """PowerSGD's all-reduces of ``P [rows, r]`` and ``Q [cols, r]`` (float32) per buffer, those of
+    one size counted together."""
+    sizes: dict[int, int] = {}
+    for length in buffers:
+        rows, cols = matrix_shape(length)
+        r = min(rank, rows, cols)
+        for nbytes in (rows * r * 4, cols * r * 4):
+            sizes[nbytes] = sizes.get(nbytes, 0) + 1
+    return tuple(one("all-reduce", nbytes, count) for nbytes, count in sizes.items())
 
 
 @dataclass(frozen=True)

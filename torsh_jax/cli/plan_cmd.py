@@ -9,10 +9,17 @@ Example:
 from __future__ import annotations
 
 import argparse
+import sys
 
 from torsh_jax.cli.args import count_type
 
 __all__ = ["register"]
+
+#: Printed after writing a plan whose candidate recomputes its layers (a model property).
+REMAT_NOTE = (
+    "the plan file cannot say remat (a property of the model): build the model with each layer "
+    "recomputed, LayeredModel(..., remat=True) or layered_model(cfg, remat=True)"
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -95,8 +102,11 @@ def run(args: argparse.Namespace) -> int:
         "plans": [p.to_dict() for p in shown],
         "rules_of_thumb": rules_of_thumb(ranked, shape, machine) if ranked else [],
         "output": written,
+        "output_remat": bool(written and pick.candidate.remat),
     }
     print(json_text(report) if args.json else _table(report))
+    if args.json and report["output_remat"]:
+        print(REMAT_NOTE, file=sys.stderr)  # stdout is the JSON
     return 0
 
 
@@ -138,18 +148,19 @@ def _table(report: dict) -> str:
     from torsh_jax.units import format_bytes
 
     m = report["machine"]
+    width = max([44] + [len(p["label"]) + (0 if p["fits"] else 16) for p in report["plans"]])
     lines = [
         f"{report['model']['name']} ({report['model']['params'] / 1e6:,.0f} M parameters), global batch "
         f"{report['global_batch']}, on {m['name']} ({m['devices']} devices, "
         f"{format_bytes(m['memory_bytes'])} each)",
         f"{report['candidates']} plans considered, {report['fitting']} fit; predicted per step:",
-        f"{'plan':<44} {'step':>9} {'compute':>9} {'bubble':>8} {'exposed':>9} {'memory':>10}  compiled",
+        f"{'plan':<{width}} {'step':>9} {'compute':>9} {'bubble':>8} {'exposed':>9} {'memory':>10}  compiled",
     ]
     for p in report["plans"]:
         fits = "" if p["fits"] else " (does not fit)"
         lines.append(
-            f"{p['label'] + fits:<44} {_ms(p['step_s']):>9} {_ms(p['compute_s']):>9} {_ms(p['bubble_s']):>8} "
-            f"{_ms(p['exposed_s']):>9} {format_bytes(p['memory']['total']):>10}  "
+            f"{p['label'] + fits:<{width}} {_ms(p['step_s']):>9} {_ms(p['compute_s']):>9} "
+            f"{_ms(p['bubble_s']):>8} {_ms(p['exposed_s']):>9} {format_bytes(p['memory']['total']):>10}  "
             + _compiled_text(p["compiled"])
         )
     if report["pick"]:
@@ -158,6 +169,8 @@ def _table(report: dict) -> str:
         lines.append(f"rule of thumb: {row['rule']}: {row['reason']}")
     if report["output"]:
         lines.append(f"wrote {report['output']}")
+    if report["output_remat"]:
+        lines.append(REMAT_NOTE)
     return "\n".join(lines)
 
 

@@ -24,26 +24,16 @@ Example:
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
 from torsh_jax.compress.base import PowerSGDPayload
+from torsh_jax.plan.compressors import matrix_shape
 
 __all__ = ["matrix_shape", "initial_q", "orthonormalise", "encode", "decode", "encode_with_feedback"]
 
 #: Fixed key of the initial ``Q``: every worker must start from the same matrix.
 _INIT_SEED = 0x5EED
-
-
-def matrix_shape(length: int) -> tuple[int, int]:
-    """``(rows, cols)`` of the matrix view of a flat buffer of ``length``."""
-    cols = 1
-    for d in range(1, math.isqrt(length) + 1):
-        if length % d == 0:
-            cols = d
-    return length // cols, cols
 
 
 def initial_q(length: int, *, rank: int) -> jax.Array:

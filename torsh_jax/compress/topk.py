@@ -17,19 +17,13 @@ Example:
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
 from torsh_jax.compress.base import TopKPayload
+from torsh_jax.plan.compressors import kept_per_chunk
 
 __all__ = ["kept_per_chunk", "encode", "decode", "encode_with_feedback"]
-
-
-def kept_per_chunk(*, chunk_size: int, fraction: float) -> int:
-    """Values kept per chunk: ``ceil(fraction * chunk_size)``, at least 1."""
-    return max(1, min(chunk_size, math.ceil(fraction * chunk_size - 1e-9)))
 
 
 def encode(x: jax.Array, /, *, chunk_size: int, k: int) -> TopKPayload:

@@ -114,12 +114,15 @@ def model_config(config: DemoConfig, mesh_shape: dict | None = None) -> LMConfig
     )
 
 
-def abstract_train_step(plan: ParallelPlan, cfg: LMConfig, devices, /, *, num_slices: int | None = None):
+def abstract_train_step(
+    plan: ParallelPlan, cfg: LMConfig, devices, /, *, num_slices: int | None = None, remat: bool = False
+):
     """The demo model's train step under ``plan`` over ``devices`` (a target's compile-only devices
-    too), built from parameter shapes (nothing is allocated), and a global batch of token shapes."""
+    too), built from parameter shapes (nothing is allocated), and a global batch of token shapes;
+    ``remat``: each layer recomputed in the backward pass."""
     mesh = build_mesh(plan, devices, num_slices=num_slices)
     shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    model = layered_model(cfg, tp=tensor_axis(plan))
+    model = layered_model(cfg, remat=remat, tp=tensor_axis(plan))
     train = make_train_step(model, build_optimizer(plan.optimizer), plan, mesh, shapes)
     return train, batch_like(synthetic_tokens(cfg, batch_size=1, seed=0), train.global_batch_size)
 

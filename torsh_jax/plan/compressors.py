@@ -14,16 +14,27 @@ Example:
     ['fp16', 'bf16', 'fp8_e4m3', 'fp8_e5m2', 'int8', 'int4']
     >>> METHODS["int8"].error_bound("nearest").block == 1 / 254
     True
+    >>> kept_per_chunk(chunk_size=4096, fraction=0.01), matrix_shape(4096)
+    (41, (64, 64))
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["ErrorBound", "Method", "METHODS", "WEIGHT_METHODS", "method_names"]
+__all__ = [
+    "ErrorBound",
+    "Method",
+    "METHODS",
+    "WEIGHT_METHODS",
+    "method_names",
+    "kept_per_chunk",
+    "matrix_shape",
+]
 
 
 @dataclass(frozen=True)
@@ -192,3 +203,17 @@ WEIGHT_METHODS = tuple(name for name, method in METHODS.items() if method.weight
 def method_names() -> tuple[str, ...]:
     """``compression.method`` values: ``none`` and every registered method."""
     return ("none", *METHODS)
+
+
+def kept_per_chunk(*, chunk_size: int, fraction: float) -> int:
+    """Values top-k keeps per chunk: ``ceil(fraction * chunk_size)``, at least 1 (the size of its
+    payload, so it lives beside the registry; :mod:`torsh_jax.compress.topk` encodes with it)."""
+    return max(1, min(chunk_size, math.ceil(fraction * chunk_size - 1e-9)))
+
+
+@functools.lru_cache(maxsize=4096)
+def matrix_shape(length: int) -> tuple[int, int]:
+    """``(rows, cols)`` of PowerSGD's matrix view of a flat buffer of ``length``: ``cols`` the largest
+    divisor of ``length`` not above its square root (:mod:`torsh_jax.compress.powersgd`)."""
+    cols = next(d for d in range(math.isqrt(length), 0, -1) if length % d == 0)
+    return length // cols, cols

@@ -12,7 +12,8 @@ On the present devices (simulated CPU devices, or one host's accelerators):
   ``1/β`` are the least-squares fit of ``time = steps · α + wire bytes / β`` (ring steps and
   bytes as the cost model counts them), clipped at zero;
 * **overhead**: a step that does nothing but cross a ``shard_map`` over the devices;
-* **codec**: int8 encode and decode of 1 Mi gradient values on every device at once;
+* **codec**: int8 encode and decode of 1 Mi gradient values on every device at once; top-k's and
+  PowerSGD's (their default settings) of 256 Ki values (``codec_s_per_element_by_method``);
 * **update**: AdamW's update of 1 Mi parameters on every device at once (``update_bytes_per_s``);
 * **activations**: the compiler's temporaries of the model's gradient at four layers minus two, per
   layer, over the cost model's per-layer formula (``activation_scale``), and the working set of one
@@ -154,8 +155,13 @@ def fit_alpha_beta(
     return Link(max(float(alpha), 0.0), 1.0 / max(float(inverse_beta), 1e-15))
 
 
-def _codec_seconds_per_element(mesh, repeats: int, elements: int = 1 << 20) -> float:
-    """int8 encode and decode of ``elements`` gradient values on every device at once, per element."""
+#: Methods whose codec time is measured besides int8 (the planner's compression candidates).
+CODEC_METHODS = ("topk", "powersgd")
+
+
+def _codec_seconds_per_element(mesh, repeats: int, elements: int = 1 << 20, method: str = "int8") -> float:
+    """``method``'s encode and decode of ``elements`` gradient values on every device at once, per
+    element."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -164,7 +170,7 @@ def _codec_seconds_per_element(mesh, repeats: int, elements: int = 1 << 20) -> f
     from torsh_jax.compress.factory import make_compressor
     from torsh_jax.plan import CompressorSpec
 
-    codec = make_compressor(CompressorSpec(method="int8", error_feedback=False))
+    codec = make_compressor(CompressorSpec(method=method, error_feedback=False))
 
     def roundtrip(x):
         payload, _ = codec.compress(x, codec.init(x.shape[0]))
@@ -294,6 +300,9 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         step_overhead_s=overhead,
         codec_s_per_element=_codec_seconds_per_element(mesh, repeats),
         update_bytes_per_s=_update_bytes_per_s(mesh, repeats),
+        codec_s_per_element_by_method={
+            m: _codec_seconds_per_element(mesh, repeats, 1 << 18, method=m) for m in CODEC_METHODS
+        },
         activation_scale=activations,
         recompute_scale=recomputed,
         platform=platform,

@@ -4,31 +4,40 @@
 :func:`~torsh_jax.analysis.theory.theoretical_memory_per_device`) + gradient buffers (below ZeRO-3
 the whole local gradient and its reduced copy, accumulating or not; ZeRO-3: one layer's whole
 gradient with the embedding's and head's) + ZeRO-3's gathered working set (one layer twice,
-embedding and head once, in the compute dtype) + compressed reductions' error feedback +
+embedding and head once, in the compute dtype) + compressed reductions' error feedback (a
+residual of the reduced gradient; two-phase methods such as int8 one more of its ``1/n`` chunk) +
 activations. Activations per token and layer follow Korthikanti et al. 2022 (eq. 2 and 4;
 ``34 d + 5 a s`` bytes in 16-bit with no tensor parallelism, ``(10 + 24/t) d + 5 a s / t`` with
 ``t``, ``34 d / t + 5 a s / t`` with sequence parallelism), scaled by the compute dtype and the
-machine's ``activation_scale``; a recomputed layer keeps its input only (``2 d`` bytes), plus the
-working set of one layer while it is recomputed (the formula times the machine's
+machine's ``activation_scale``; a recomputed layer (the model's remat, or ZeRO-3 gathering each
+layer on use) keeps its input only (``2 d`` bytes), plus the working set of one layer while it is
+recomputed (the formula times the machine's
 ``recompute_scale``; not divided by ``tensor``: measured on CPU, that set does not shrink with
-it). The logits and their gradient are float32. A pipeline stage stashes the input of
-``min(microbatches, stages)`` micro-batches (1F1B, the first stage) and recomputes its chunk's
-forward in the backward pass (one micro-batch's full set).
+it). The logits and their gradient are float32. A pipeline stage stashes the inputs its schedule
+table holds in flight at most (:func:`_stashed_microbatches`: ``min(microbatches, stages)`` for
+1F1B and ZB-H1, interleaved's cap in chunk inputs, all ``microbatches`` for GPipe) and recomputes
+its chunk's forward in the backward pass (one micro-batch's full set).
 
 **Step time** = the machine's per-step overhead + compute + pipeline bubble + exposed communication:
 
 * compute: the busiest device's FLOPs (its tokens × :meth:`ModelShape.train_flops_per_token`,
   split over ``tensor`` and ``stage``) over the machine's sustained FLOP/s, times
-  :func:`recompute_cost` where the layers' forward runs again (per layer, or per pipeline chunk);
+  :func:`recompute_cost` where the layers' forward runs again (remat and ZeRO-3 on use per layer,
+  a pipeline stage per chunk), plus encoding and decoding compressed gradients at the machine's
+  rate for the method (:meth:`Machine.codec_seconds_per_element`);
 * update: the optimizer's pass over the device's parameters, gradients and state (its ``1/fsdp``
   slice under ZeRO; :func:`update_bytes` at the machine's ``update_bytes_per_s``), counted in the
-  compute time with the compressed gradients' encoding and decoding;
-* bubble: 1F1B's ``(stages - 1) / microbatches`` of the compute (none where the devices share the
-  host's cores: an idle stage's core works for the others);
+  compute time;
+* bubble: the schedule table's idle slots over its busy ones, of the forward and backward passes'
+  time (1F1B and GPipe ``(p - 1) / m``, interleaved ``(p - 1) / v m``, ZB-H1 ``(p - 1) / 3 m``;
+  none where the devices share the host's cores: an idle stage's core works for the others);
 * communication per axis: the plan theory's collectives (:mod:`torsh_jax.analysis.theory`: the
   same bytes ``inspect`` compares with the compiled program), each ``steps × α + wire bytes / β``
   on the axis's link (DCN when the axis crosses slices), ring steps ``2 (n - 1)`` for an
-  all-reduce, ``n - 1`` for a gather or scatter, 1 for a permute;
+  all-reduce, ``n - 1`` for a gather or scatter, 1 for a permute. A compressed gradient reduction
+  is the runtime's compressed collective of the buffers it compresses: the model's parameters laid
+  out in the runtime's buckets (:mod:`~torsh_jax.planner.buffers`), so int8's block padding,
+  top-k's chunks and PowerSGD's matrix view of each bucket are counted as compiled;
 * exposed: where the machine overlaps (accelerators), the share of each axis's time in
   :data:`OVERLAP` hides behind compute, at most the compute itself; the rest is exposed.
 
@@ -46,6 +55,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -59,8 +69,11 @@ from torsh_jax.analysis.theory import (
     plan_theory,
     theoretical_memory_per_device,
 )
+from torsh_jax.pipeline.schedule import IDLE, build_pipeline_schedule
 from torsh_jax.plan import CompressorSpec
+from torsh_jax.plan.compressors import METHODS
 from torsh_jax.plan.factor import link_kind
+from torsh_jax.planner.buffers import compressed_buffers, tensor_replicated_elements
 from torsh_jax.planner.machine import Machine
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Candidate
@@ -128,6 +141,11 @@ class Prediction:
             "micro_batch_size": c.plan.batch.micro_batch_size,
             "accumulation_steps": c.plan.batch.accumulation_steps,
             "microbatches": c.plan.pipeline.microbatches if c.sizes["stage"] > 1 else None,
+            "schedule": c.plan.pipeline.schedule if c.sizes["stage"] > 1 else None,
+            "virtual_stages": c.plan.pipeline.virtual_stages if c.sizes["stage"] > 1 else None,
+            "sequence_parallel": c.sizes["tensor"] > 1 and c.plan.tensor.sequence_parallel,
+            "remat": c.remat,
+            "compression": {a.axis: a.gradients.method for a in c.plan.compression if a.gradients},
             "step_s": self.step_s,
             "overhead_s": self.overhead_s,
             "compute_s": self.compute_s,
@@ -241,14 +259,15 @@ def _feedback_bytes(c: Candidate, param_bytes: int) -> int:
     for compression in c.plan.compression:
         n, spec = c.sizes.get(compression.axis, 1), compression.gradients
         if spec is not None and spec.error_feedback and n > 1:
-            total += param_bytes / fsdp * (1 + 1 / n)
+            server = 1 / n if METHODS[spec.method].all_reduce == "two_phase" else 0  # top-k, PowerSGD: none
+            total += param_bytes / fsdp * (1 + server)
     return int(total)
 
 
 def _layer_remat(c: Candidate) -> bool:
     """Each layer runs forward again in its backward pass, from its saved input: ZeRO-3 gathering
     each layer on use."""
-    return c.plan.zero.stage == 3 and c.sizes["fsdp"] > 1 and c.sizes["stage"] == 1
+    return c.remat or c.plan.zero.stage == 3 and c.sizes["fsdp"] > 1 and c.sizes["stage"] == 1
 
 
 def _recomputed(c: Candidate) -> bool:
@@ -263,6 +282,13 @@ def _tokens_per_micro_step(c: Candidate, shape: ModelShape) -> int:
     if c.sizes["stage"] > 1:
         rows //= c.plan.pipeline.microbatches
     return rows * shape.seq_len
+
+
+def _stashed_microbatches(c: Candidate) -> int:
+    """Stage inputs a pipeline stage holds at most: the schedule table's most activations in flight
+    (1F1B and ZB-H1: ``min(m, stages)`` on the first stage; interleaved: its in-flight cap, in
+    chunk inputs; GPipe: ``m``)."""
+    return _schedule_figures(c)[1]
 
 
 def full_layer_bytes_per_token(shape: ModelShape, tensor: int = 1, sequence_parallel: bool = False) -> float:
@@ -284,7 +310,7 @@ def _activation_bytes(
     full = formula * activation_scale
     layers = shape.layers // c.sizes["stage"]
     if c.sizes["stage"] > 1:  # stashed stage inputs of the micro-batches in flight + one chunk's backward
-        per_token = 2 * d * min(c.plan.pipeline.microbatches, c.sizes["stage"]) + full * layers
+        per_token = 2 * d * _stashed_microbatches(c) + full * layers
     elif _layer_remat(c):  # every layer's input + the working set of one recomputed layer's backward,
         # whole over ``tensor`` (XLA:CPU's recomputed layer at tensor=2 held 1.17x its set at 1)
         per_token = 2 * d * layers + full_layer_bytes_per_token(shape) * recompute_scale
@@ -344,8 +370,27 @@ def recompute_cost(c: Candidate, shape: ModelShape, machine: Machine) -> float:
 
 
 def _bubble_fraction(c: Candidate) -> float:
-    stages = c.sizes["stage"]
-    return (stages - 1) / c.plan.pipeline.microbatches if stages > 1 else 0.0
+    """Idle over busy time of a stage, from the schedule table: its idle slots over its busy ones
+    (every stage runs as many; a slot is one chunk's forward or backward, or a third of a forward
+    and backward with ZB-H1's ``W`` slots, so busy slots are the compute in equal units). 1F1B:
+    ``(p - 1) / m``; ZB-H1: ``(p - 1) / 3 m``; interleaved: ``(p - 1) / v m`` (``m`` a multiple of
+    ``p``)."""
+    return _schedule_figures(c)[0] if c.sizes["stage"] > 1 else 0.0
+
+
+def _schedule_figures(c: Candidate) -> tuple[float, int]:
+    """(idle / busy slots, most stage inputs held) of the candidate's pipeline schedule."""
+    pipe = c.plan.pipeline
+    return _table_figures(pipe.schedule, c.sizes["stage"], pipe.microbatches, pipe.virtual_stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def _table_figures(name: str, stages: int, microbatches: int, virtual_stages: int) -> tuple[float, int]:
+    table = build_pipeline_schedule(
+        name, stages=stages, microbatches=microbatches, virtual_stages=virtual_stages
+    )
+    idle = int((table.table[..., 0] == IDLE).sum())
+    return idle / (table.table[..., 0].size - idle), int(table.in_flight.max())
 
 
 def theories(c: Candidate, shape: ModelShape, *, compressed: bool = True) -> list[Theory]:
@@ -366,7 +411,7 @@ def theories(c: Candidate, shape: ModelShape, *, compressed: bool = True) -> lis
         layers=local_layers,
     )
     if compressed:
-        data = replace(data, collectives=tuple(_compressed(data.collectives, plan)))
+        data = replace(data, collectives=tuple(_compressed(data.collectives, c, shape)))
     out = [data]
     cb = DTYPE_BYTES[plan.precision.compute_dtype]
     micro_tokens = _tokens_per_micro_step(c, shape)
@@ -378,6 +423,7 @@ def theories(c: Candidate, shape: ModelShape, *, compressed: bool = True) -> lis
                 layers=local_layers,
                 sequence_parallel=plan.tensor.sequence_parallel,
                 token_bytes=micro_tokens * 4,
+                replicated_grad_bytes=_replicated_bytes(c, shape) if plan.tensor.sequence_parallel else 0,
                 recomputed=_recomputed(c),
                 micro_steps=plan.batch.accumulation_steps,
             )
@@ -391,9 +437,16 @@ def theories(c: Candidate, shape: ModelShape, *, compressed: bool = True) -> lis
                 microbatches=plan.pipeline.microbatches,
                 passes=plan.batch.accumulation_steps,
                 shared_grad_bytes=shared_grads,
+                virtual_stages=plan.pipeline.virtual_stages,
             )
         )
     return out
+
+
+def _replicated_bytes(c: Candidate, shape: ModelShape) -> int:
+    """Compute-dtype bytes of the parameters replicated over ``tensor`` (their gradients are summed
+    over it under sequence parallelism)."""
+    return tensor_replicated_elements(shape, c.plan, c.sizes) * DTYPE_BYTES[c.plan.precision.compute_dtype]
 
 
 def _gradient_compression(plan) -> dict[str, CompressorSpec]:
@@ -405,30 +458,36 @@ def _gradient_compression(plan) -> dict[str, CompressorSpec]:
     }
 
 
-def _compressed(collectives, plan) -> list[TheoryCollective]:
+def _compressed(collectives, c: Candidate, shape: ModelShape) -> list[TheoryCollective]:
     """The collectives with each gradient reduction over a compressed axis replaced by its compressed
-    form (:func:`~torsh_jax.analysis.theory.compressed_reduction`)."""
+    form (:func:`~torsh_jax.analysis.theory.compressed_reduction`) of the buffers the runtime
+    compresses (:func:`~torsh_jax.planner.buffers.compressed_buffers`: padded per parameter and per
+    bucket); without the model's leaves, of the reduction's elements as one buffer."""
+    plan = c.plan
     compressors, out = _gradient_compression(plan), []
+    buffers = compressed_buffers(shape, plan, c.sizes) if compressors else {}
     for col in collectives:
         spec = compressors.get(col.axes[0]) if len(col.axes) == 1 else None
         if spec is None or col.kind not in ("all-reduce", "reduce-scatter"):
             out.append(col)
             continue
-        elements = col.payload_bytes // DTYPE_BYTES[plan.precision.reduce_dtype]
         scatter = col.kind == "reduce-scatter"
         axis, size = col.axes[0], col.group_size
+        elements = col.payload_bytes // DTYPE_BYTES[plan.precision.reduce_dtype]
+        settings = {k: getattr(spec, k) for k in ("block_size", "chunk_size", "topk_fraction", "rank")}
         reduction = compressed_reduction(
-            spec.method, elements, axis=axis, axis_size=size, block_size=spec.block_size, scatter=scatter
+            spec.method, buffers.get(axis, elements), axis=axis, axis_size=size, scatter=scatter, **settings
         )
-        out += [replace(r, count=col.count) for r in reduction]
+        out += [replace(r, count=r.count * col.count) for r in reduction]
     return out
 
 
 def codec_seconds(c: Candidate, shape: ModelShape, machine: Machine) -> float:
     """Encoding and decoding the compressed gradients: the gradient elements of each compressed
-    axis at the machine's measured codec rate (:attr:`Machine.codec_s_per_element`)."""
+    axis at the machine's rate for its method (:meth:`Machine.codec_seconds_per_element`)."""
     layers, shared = _local_params(c, shape)
-    return len(_gradient_compression(c.plan)) * (layers + shared) * machine.codec_s_per_element
+    methods = [spec.method for spec in _gradient_compression(c.plan).values()]
+    return sum((layers + shared) * machine.codec_seconds_per_element(m) for m in methods)
 
 
 def break_even_bytes_per_s(c: Candidate, shape: ModelShape, machine: Machine) -> float | None:
@@ -438,7 +497,7 @@ def break_even_bytes_per_s(c: Candidate, shape: ModelShape, machine: Machine) ->
         return None
     codec = codec_seconds(c, shape, machine)
     plain = [col for t in theories(c, shape, compressed=False) for col in t.collectives]
-    saved = sum(x.wire_bytes for x in plain) - sum(x.wire_bytes for x in _compressed(plain, c.plan))
+    saved = sum(x.wire_bytes for x in plain) - sum(x.wire_bytes for x in _compressed(plain, c, shape))
     return saved / codec if codec > 0 else float("inf")
 
 

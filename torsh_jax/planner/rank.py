@@ -59,8 +59,10 @@ def search(
     factor = optimizer_state_factor(base)
     best: dict[str, Prediction] = {}
     for candidate in found:  # accumulation steps ascend within a family
-        p = predict(candidate, shape, machine, opt_factor=factor)
         kept = best.get(candidate.family)
+        if kept is not None and kept.fits:  # the fewest steps that fit are found
+            continue
+        p = predict(candidate, shape, machine, opt_factor=factor)
         if kept is None or (not kept.fits and p.memory["total"] < kept.memory["total"]):
             best[candidate.family] = p
     fitting = sorted((p for p in best.values() if p.fits), key=lambda p: p.step_s)
@@ -123,15 +125,15 @@ def _activation_ratio(p: Prediction, compiled: dict) -> float:
 
 
 def verify(prediction: Prediction, shape: ModelShape, devices, /, *, target=None) -> dict:
-    """Compile the predicted plan for the demo model of ``shape`` over ``devices`` (a target's, with
-    ``target``) and return the compiler's memory: ``peak``, ``temp``, ``fits`` and
-    ``memory_error`` (predicted / compiled peak - 1)."""
+    """Compile the predicted plan for the demo model of ``shape`` (recomputing each layer where the
+    candidate has remat) over ``devices`` (a target's, with ``target``) and return the compiler's
+    memory: ``peak``, ``temp``, ``fits`` and ``memory_error`` (predicted / compiled peak - 1)."""
     from torsh_jax.demo.run import abstract_train_step
 
-    plan = prediction.candidate.plan
+    candidate = prediction.candidate
     cfg = shape.demo_config()
     slices = target.slices if target is not None else None
-    train, batch = abstract_train_step(plan, cfg, devices, num_slices=slices)
+    train, batch = abstract_train_step(candidate.plan, cfg, devices, num_slices=slices, remat=candidate.remat)
     if target is not None:
         from torsh_jax.targets import compile_for_target
 
@@ -194,15 +196,22 @@ def rules_of_thumb(ranked: list[Prediction], shape: ModelShape, machine: Machine
     return rows
 
 
+def _method(p: Prediction) -> str:
+    """The gradient compression method of a plan (``none`` without)."""
+    return next((a.gradients.method for a in p.candidate.plan.compression if a.gradients), "none")
+
+
 def _compression_rule(ranked: list[Prediction], machine: Machine) -> dict:
     bits = machine.link("dcn").bytes_per_s * 8
     method = next((m for limit, m in COMPRESSION_RULES if bits < limit), "none")
     compressed = [p for p in ranked if p.candidate.plan.compression]
     pick = ranked[0]
-    even = next((p.break_even_bytes_per_s for p in compressed if p.break_even_bytes_per_s), None)
-    picked = "int8" if pick.candidate.plan.compression else "none"
+    ruled = [p for p in compressed if _method(p) == method] or compressed
+    even = next((p for p in ruled if p.break_even_bytes_per_s), None)
+    picked = _method(pick)
+    pays = even.break_even_bytes_per_s * 8 / 1e9 if even else None
     reason = "agrees" if picked == method else (
-        f"across slices {bits / 1e9:.1f} Gb/s; int8 pays below {even * 8 / 1e9:.1f} Gb/s (its encode and "
+        f"across slices {bits / 1e9:.1f} Gb/s; {_method(even)} pays below {pays:.1f} Gb/s (its encode and "
         f"decode against the bytes it saves)" if even else "no compressed plan considered")  # fmt: skip
     return {"rule": f"gradient compression by DCN bandwidth: {method} at {bits / 1e9:.1f} Gb/s",
             "rule_plan": method, "pick": picked, "reason": reason}  # fmt: skip

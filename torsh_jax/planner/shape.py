@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from torsh_jax.errors import PlanError
 
@@ -45,6 +45,9 @@ class ModelShape:
         heads: attention heads (the tensor axis must divide them).
         mlp: MLP hidden width (the tensor axis must divide it).
         name: how the user named it.
+        leaves: ``(path, shape)`` of every parameter, in ``jax.tree`` order (paths ``/``-joined as
+            plan keys write them; :meth:`from_params` records them): what the planner lays out in
+            gradient buckets to count compressed bytes (empty: unknown).
     """
 
     embed_params: int
@@ -57,6 +60,7 @@ class ModelShape:
     heads: int
     mlp: int
     name: str = "model"
+    leaves: tuple[tuple[str, tuple[int, ...]], ...] = field(default=(), repr=False)
 
     @property
     def param_count(self) -> int:
@@ -96,7 +100,10 @@ class ModelShape:
         layers = jax.tree.leaves(stacked)[0].shape[0]
         head = count([params[k] for k in head_keys if k in params])
         embed = count([v for k, v in params.items() if k != layers_key and k not in head_keys])
-        return cls(embed, count(stacked) // layers, layers, head, **widths)
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        path = lambda p: jax.tree_util.keystr(p, simple=True, separator="/")
+        leaves = tuple((path(p), tuple(x.shape)) for p, x in flat)
+        return cls(embed, count(stacked) // layers, layers, head, leaves=leaves, **widths)
 
     @classmethod
     def demo(cls, size: str = "150m", **overrides: int) -> ModelShape:

@@ -1,5 +1,5 @@
-"""The plans a planner considers: mesh sizes, ZeRO stage, accumulation, pipeline micro-batches,
-compression across slices.
+"""The plans a planner considers: mesh sizes, ZeRO stage, accumulation, pipeline schedule and
+micro-batches, sequence parallelism, remat, gradient compression across slices.
 
 Each :class:`Candidate` is a complete :class:`~torsh_jax.plan.ParallelPlan` for the machine's
 devices and the global batch, checked by :func:`~torsh_jax.plan.roles.compose` (a combination the
@@ -9,12 +9,22 @@ runtime refuses is not a candidate). The rules, each one decision:
   ``data`` (DDP or HSDP across slices) or to ``stage`` (a pipeline across slices);
 * ``tensor`` divides the heads, the MLP width and the vocabulary (split Megatron-style), at most
   :attr:`Space.max_tensor`;
-* ``stage`` divides the layers; its micro-batches are ``stage`` and ``2 · stage`` (1F1B);
+* ``stage`` divides the layers; its micro-batches are ``stage`` and ``2 · stage``, each under
+  1F1B, ZB-H1 and, where ``stage · 2`` divides the layers, interleaved with two chunks per stage.
+  GPipe is left out: it idles as long as 1F1B and stashes all ``m`` micro-batches' inputs where
+  1F1B stashes ``min(m, stages)``, so it never wins (``Space.schedules`` may add it);
 * ``fsdp = 1`` is DDP; ``fsdp > 1`` is ZeRO-1, ZeRO-2 or ZeRO-3;
+* ``tensor > 1`` without a pipeline: with and without sequence parallelism (where ``tensor``
+  divides the sequence, as the runtime needs);
+* remat (the model's :class:`~torsh_jax.runtime.layered.LayeredModel` ``remat``: each layer
+  recomputed in the backward pass; not a plan field, see :attr:`Candidate.remat`) where the
+  layers are not recomputed already: not under a pipeline (a stage recomputes its chunk), not
+  under ZeRO-3 over ``fsdp > 1`` (it gathers and recomputes each layer on use);
 * accumulation steps are powers of two that divide the per-replica batch (the search keeps the
   fewest that fit);
-* int8 gradients over ``data`` when ``data`` crosses slices (the compression the seeds' guides
-  recommend below 25 Gb/s).
+* gradient compression over ``data`` when ``data`` crosses slices: int8, top-k and PowerSGD at
+  their :class:`~torsh_jax.plan.CompressorSpec` defaults (int8 is what the seeds' guides
+  recommend below 25 Gb/s, top-k below 10 Gb/s).
 
 Example:
     >>> from torsh_jax.planner.shape import ModelShape
@@ -22,10 +32,15 @@ Example:
     >>> found = candidates(shape, devices=8, global_batch=64)
     >>> sorted({c.label.split(" ")[0] for c in found})
     ['ddp', 'pp', 'zero1', 'zero2', 'zero3']
+    >>> sorted({c.plan.pipeline.schedule for c in found if c.sizes["stage"] > 1})  # 2 layers: 1 chunk
+    ['1f1b', 'zb_h1']
+    >>> sorted({c.family for c in found if c.sizes["fsdp"] == 8})  # ZeRO-3 recomputes its layers
+    ['zero1 fsdp=8', 'zero1 fsdp=8 remat', 'zero2 fsdp=8', 'zero2 fsdp=8 remat', 'zero3 fsdp=8']
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 from torsh_jax.errors import NotSupportedYetError, PlanError
@@ -36,6 +51,7 @@ from torsh_jax.plan import (
     MeshSpec,
     ParallelPlan,
     PipelineSpec,
+    TensorSpec,
 )
 from torsh_jax.plan.factor import factorisations
 from torsh_jax.plan.roles import compose
@@ -55,14 +71,24 @@ class Space:
         max_accumulation: most accumulation steps tried.
         zero_stages: ZeRO stages tried when ``fsdp > 1``.
         pipelines: try ``stage > 1``.
-        compression: try int8 gradients over a ``data`` axis that crosses slices.
+        schedules: pipeline schedules tried (keys of
+            :data:`~torsh_jax.pipeline.schedule.PIPELINE_SCHEDULES`; ``interleaved`` with two
+            chunks per stage).
+        sequence_parallel: try sequence parallelism where ``tensor > 1`` (besides without).
+        remat: try recomputing each layer in the backward pass (besides not).
+        compression: try compressed gradients over a ``data`` axis that crosses slices.
+        compression_methods: the methods tried there.
     """
 
     max_tensor: int = 8
     max_accumulation: int = 64
     zero_stages: tuple[int, ...] = (1, 2, 3)
     pipelines: bool = True
+    schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb_h1")
+    sequence_parallel: bool = True
+    remat: bool = True
     compression: bool = True
+    compression_methods: tuple[str, ...] = ("int8", "topk", "powersgd")
 
 
 @dataclass(frozen=True)
@@ -74,12 +100,15 @@ class Candidate:
         sizes: ``{axis: size}`` over all slices.
         dcn: ``{axis: size}`` of the part that crosses slices.
         label: one line, e.g. ``zero3 fsdp=16 tensor=4 acc=2``.
+        remat: the model recomputes each layer in its backward pass (``LayeredModel(remat=True)``);
+            a model property, so a plan file does not carry it.
     """
 
     plan: ParallelPlan
     sizes: dict[str, int]
     dcn: dict[str, int]
     label: str
+    remat: bool = False
 
     @property
     def family(self) -> str:
@@ -115,9 +144,9 @@ def candidates(
             continue
         for dcn in _dcn_parts(slices, ici, shape):
             sizes = {a: ici[a] * dcn.get(a, 1) for a in AXES}
-            for plan, label in _plans(shape, base, space, ici, dcn, sizes, global_batch):
+            for plan, label, remat in _plans(shape, base, space, ici, dcn, sizes, global_batch):
                 if _valid(plan, sizes):
-                    found.append(Candidate(plan, sizes, dcn, label))
+                    found.append(Candidate(plan, sizes, dcn, label, remat))
     if not found:
         raise PlanError(
             f"no plan splits a global batch of {global_batch} over {devices} devices",
@@ -151,34 +180,63 @@ def _plans(shape, base, space, ici, dcn, sizes, global_batch):
     per_replica = global_batch // replicas
     mesh = MeshSpec(**{a: AxisSize(ici=ici[a], dcn=dcn.get(a, 1)) for a in AXES})
     stages = (0,) if sizes["fsdp"] == 1 else space.zero_stages
-    for zero_stage in stages:
-        for pipeline in _pipelines(sizes["stage"]):
-            for compression in _compressions(space, dcn, sizes):
-                for acc in _accumulations(per_replica, pipeline.microbatches, space):
-                    plan = replace(
-                        base,
-                        name="planned",
-                        mesh=mesh,
-                        zero=replace(base.zero, stage=zero_stage),
-                        batch=replace(
-                            base.batch, micro_batch_size=per_replica // acc, accumulation_steps=acc
-                        ),
-                        pipeline=pipeline,
-                        compression=compression,
-                    )
-                    yield plan, _label(sizes, zero_stage, pipeline, compression, acc)
+    options = itertools.product(
+        stages,
+        _pipelines(shape, sizes["stage"], space),
+        _tensor_options(shape, base, space, sizes),
+        _compressions(space, dcn, sizes),
+    )
+    for zero_stage, pipeline, tensor, compression in options:
+        for remat in _remats(space, sizes, zero_stage):
+            for acc in _accumulations(per_replica, pipeline.microbatches, space):
+                plan = replace(
+                    base,
+                    name="planned",
+                    mesh=mesh,
+                    zero=replace(base.zero, stage=zero_stage),
+                    batch=replace(base.batch, micro_batch_size=per_replica // acc, accumulation_steps=acc),
+                    pipeline=pipeline,
+                    tensor=tensor,
+                    compression=compression,
+                )
+                yield plan, _label(sizes, zero_stage, plan, remat, acc), remat
 
 
-def _pipelines(stage: int) -> list[PipelineSpec]:
+def _pipelines(shape: ModelShape, stage: int, space: Space) -> list[PipelineSpec]:
     if stage == 1:
         return [PipelineSpec()]
-    return [PipelineSpec(microbatches=m, schedule="1f1b") for m in (stage, 2 * stage)]
+    out = []
+    for m in (stage, 2 * stage):
+        for schedule in space.schedules:
+            if schedule != "interleaved":
+                out.append(PipelineSpec(microbatches=m, schedule=schedule))
+            elif shape.layers % (2 * stage) == 0:  # two chunks of whole layers per stage
+                out.append(PipelineSpec(microbatches=m, schedule=schedule, virtual_stages=2))
+    return out
+
+
+def _tensor_options(shape: ModelShape, base: ParallelPlan, space: Space, sizes) -> list[TensorSpec]:
+    """Sequence parallelism off, and on where it applies (``tensor > 1``, no pipeline, ``tensor``
+    dividing the sequence)."""
+    off = replace(base.tensor, sequence_parallel=False)
+    t = sizes["tensor"]
+    if not space.sequence_parallel or t == 1 or sizes["stage"] > 1 or shape.seq_len % t:
+        return [off]
+    return [off, replace(base.tensor, sequence_parallel=True)]
+
+
+def _remats(space: Space, sizes, zero_stage: int) -> tuple[bool, ...]:
+    """Remat off, and on where the layers are not recomputed already (a pipeline stage's chunk,
+    ZeRO-3's layers gathered on use)."""
+    recomputed = sizes["stage"] > 1 or (zero_stage == 3 and sizes["fsdp"] > 1)
+    return (False,) if recomputed or not space.remat else (False, True)
 
 
 def _compressions(space, dcn, sizes) -> list[tuple[AxisCompression, ...]]:
     options: list[tuple[AxisCompression, ...]] = [()]
     if space.compression and dcn.get("data", 1) > 1 and sizes["data"] > 1:
-        options.append((AxisCompression(axis="data", gradients=CompressorSpec(method="int8")),))
+        for method in space.compression_methods:
+            options.append((AxisCompression(axis="data", gradients=CompressorSpec(method=method)),))
     return options
 
 
@@ -199,15 +257,20 @@ def _valid(plan: ParallelPlan, sizes: dict[str, int]) -> bool:
     return True
 
 
-def _label(sizes, zero_stage, pipeline, compression, acc) -> str:
+def _label(sizes, zero_stage, plan: ParallelPlan, remat: bool, acc: int) -> str:
     kind = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[zero_stage]
     if sizes["stage"] > 1:
         kind = "pp"
     parts = [kind] + [f"{a}={sizes[a]}" for a in AXES if sizes[a] > 1]
     if sizes["stage"] > 1:
-        parts.append(f"m={pipeline.microbatches}")
+        pipe = plan.pipeline
+        chunks = f" v={pipe.virtual_stages}" if pipe.virtual_stages > 1 else ""
+        parts.append(f"{pipe.schedule}{chunks} m={pipe.microbatches}")
         if sizes["fsdp"] > 1:
             parts.append(f"zero{zero_stage}")
-    if compression:
-        parts.append("int8@data")
+    if sizes["tensor"] > 1 and plan.tensor.sequence_parallel:
+        parts.append("sp")
+    parts += [f"{a.gradients.method}@{a.axis}" for a in plan.compression if a.gradients is not None]
+    if remat:
+        parts.append("remat")
     return " ".join(parts) + f" acc={acc}"
