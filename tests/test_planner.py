@@ -206,26 +206,28 @@ def test_calibrate_measures_this_machine_and_plan_reads_its_file(tmp_path, capsy
     machine = Machine.load(path)
     assert machine.devices == 8 and machine.flops_per_s > 0 and machine.link("ici").bytes_per_s > 0
     assert machine.recompute_cost > 0  # measured (a recomputing step's time over a plain one's)
-    assert machine.chunk_recompute_cost > 0  # the same with the layer stack recomputed as one chunk
+    assert set(machine.chunk_recompute_costs) == {2}  # the same with 2 layers recomputed as one chunk
     assert machine.update_bytes_per_s > 0  # AdamW's update timed
     assert (machine.overlaps, machine.shared_cores) == (False, True)  # simulated CPU devices
     assert main(["plan", "--model", TINY, "--machine", str(path), "--global-batch", "64", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["machine"]["devices"] == 8
 
 
-def test_pipelines_pay_the_chunk_recompute_and_zero3_the_per_layer_one(tiny):
+def test_pipelines_pay_the_recompute_measured_for_their_chunk_length(tiny):
     from dataclasses import replace
 
     from torsh_jax.planner.cost import recompute_cost
 
-    machine = replace(CPU8, recompute_cost=0.9, chunk_recompute_cost=1.2)
+    machine = replace(CPU8, recompute_cost=0.9, chunk_recompute_costs={2: 1.1, 4: 1.2})
     by_label = {c.label: c for c in candidates(tiny, devices=8, global_batch=64)}
-    costs = {kind: recompute_cost(by_label[label], tiny, machine) for kind, label in
-             [("ddp", "ddp data=8 acc=1"), ("zero3", "zero3 fsdp=8 acc=1"),
-              ("pp", "pp data=2 stage=4 1f1b m=4 acc=1")]}  # fmt: skip
-    assert costs == {"ddp": 1.0, "zero3": 0.9, "pp": 1.2}
+    cost = lambda label, m=machine: recompute_cost(by_label[label], tiny, m)
+    assert cost("ddp data=8 acc=1") == 1.0  # nothing recomputed
+    assert cost("zero3 fsdp=8 acc=1") == 0.9  # each layer gathered and recomputed on use
+    assert cost("pp data=4 stage=2 1f1b m=2 acc=1") == 1.1  # 4 layers: chunks of 2
+    assert cost("pp data=4 stage=2 interleaved v=2 m=2 acc=1") == 0.9  # chunks of 1: one at a time
+    assert cost("pp data=2 stage=4 1f1b m=4 acc=1") == 0.9
     flops = tiny.train_flops_per_token(recompute=True) / tiny.train_flops_per_token(recompute=False)
-    assert recompute_cost(by_label["pp data=2 stage=4 1f1b m=4 acc=1"], tiny, CPU8) == pytest.approx(flops)
+    assert cost("pp data=2 stage=4 1f1b m=4 acc=1", CPU8) == pytest.approx(flops)  # not measured
 
 
 def test_the_optimizer_update_is_timed_on_the_devices_slice_of_the_parameters(tiny):

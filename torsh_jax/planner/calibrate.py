@@ -6,8 +6,8 @@ On the present devices (simulated CPU devices, or one host's accelerators):
   own examples, with no collective (a data-parallel step without its gradient sum): per-device
   FLOP/s = the model's FLOPs per device (:meth:`ModelShape.train_flops_per_token`) / the time;
   the same pass with each layer recomputed (``jax.checkpoint``) over it is ``recompute_cost``, and
-  with the whole layer stack recomputed as one chunk (a pipeline stage's backward pass)
-  ``chunk_recompute_cost``;
+  with the layers recomputed in chunks of 2, 4, ... of them (a pipeline stage's backward pass)
+  ``chunk_recompute_costs``;
 * **links**: ``psum`` and ``all_gather`` over all devices at sizes from 4 KiB to 16 MiB; ``α`` and
   ``1/β`` are the least-squares fit of ``time = steps · α + wire bytes / β`` (ring steps and
   bytes as the cost model counts them), clipped at zero;
@@ -60,10 +60,12 @@ def _median_seconds(fn, *args, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _gradient_seconds(mesh, shape: ModelShape, repeats: int, *, recompute: str = "none") -> float:
+def _gradient_seconds(
+    mesh, shape: ModelShape, repeats: int, *, recompute: str = "none", chunk: int = 1
+) -> float:
     """Seconds of the demo model's loss and gradient on every device at once. ``recompute``:
     ``none``; ``layer``, each layer's forward runs again in the backward pass from its saved input
-    (``LayeredModel.remat``); ``chunk``, the whole layer stack's forward runs again from its saved
+    (``LayeredModel.remat``); ``chunk``, each ``chunk`` layers' forward runs again from their saved
     input, as a pipeline stage recomputes its chunk."""
     import jax
     import jax.numpy as jnp
@@ -73,7 +75,7 @@ def _gradient_seconds(mesh, shape: ModelShape, repeats: int, *, recompute: str =
     from torsh_jax.demo.model import init_params, synthetic_tokens
 
     cfg = shape.demo_config()
-    loss = _loss_recomputing(cfg, recompute)
+    loss = _loss_recomputing(cfg, recompute, chunk)
     params = init_params(cfg, jax.random.key(0))
     n = mesh.shape["devices"]
     batch = jax.tree.map(jnp.asarray, synthetic_tokens(cfg, batch_size=_ROWS * n, seed=0))
@@ -89,8 +91,9 @@ def _gradient_seconds(mesh, shape: ModelShape, repeats: int, *, recompute: str =
     return _median_seconds(grads_per_device, params, batch, repeats=repeats)
 
 
-def _loss_recomputing(cfg, recompute: str):
-    """The demo model's loss with its layers' forward recomputed per layer, per chunk, or not."""
+def _loss_recomputing(cfg, recompute: str, chunk: int = 1):
+    """The demo model's loss with its layers' forward recomputed per layer, per ``chunk`` layers,
+    or not."""
     import jax
 
     from torsh_jax.demo.model import layered_model
@@ -99,13 +102,25 @@ def _loss_recomputing(cfg, recompute: str):
     model = layered_model(cfg, remat=recompute == "layer")
     if recompute != "chunk":
         return layered_loss(model)
-    chunk = jax.checkpoint(lambda stacked, hidden: scan_layers(model.layer, stacked, hidden))
+    one_chunk = jax.checkpoint(lambda stacked, hidden: scan_layers(model.layer, stacked, hidden))
 
     def loss(params, batch):
         embed, stacked, head = split_params(model, params)
-        return model.head(head, chunk(stacked, model.embed(embed, batch)), batch)
+        chunks = jax.tree.map(lambda x: x.reshape(-1, chunk, *x.shape[1:]), stacked)
+        hidden = scan_layers(one_chunk, chunks, model.embed(embed, batch))
+        return model.head(head, hidden, batch)
 
     return loss
+
+
+def chunk_lengths(layers: int, /) -> list[int]:
+    """The chunk lengths ``calibrate`` times: the powers of two from 2 that divide ``layers``.
+
+    Example:
+        >>> chunk_lengths(8), chunk_lengths(12), chunk_lengths(3)
+        ([2, 4, 8], [2, 4], [])
+    """
+    return [k for k in (2**i for i in range(1, layers.bit_length())) if layers % k == 0]
 
 
 def _collective_times(mesh, repeats: int) -> list[tuple[str, int, float]]:
@@ -292,7 +307,10 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         slices=1,
         flops_per_s=_ROWS * shape.seq_len * shape.train_flops_per_token(recompute=False) / plain,
         recompute_cost=_gradient_seconds(mesh, shape, repeats, recompute="layer") / plain,
-        chunk_recompute_cost=_gradient_seconds(mesh, shape, repeats, recompute="chunk") / plain,
+        chunk_recompute_costs={
+            k: _gradient_seconds(mesh, shape, repeats, recompute="chunk", chunk=k) / plain
+            for k in chunk_lengths(shape.layers)
+        },
         memory_bytes=limit.bytes if limit else 0,
         links={"ici": link},
         overlaps=platform != "cpu",

@@ -228,7 +228,7 @@ def _memory(
     one_gathered = (one_layer + shared) * pb if sharded else 0
     parts = {
         "state": state.total_bytes,
-        "gradients": _gradient_buffers(count * pb, state.grad_bytes, one_gathered),
+        "gradients": _gradient_buffers(count * pb, state.grad_bytes, one_gathered, _recomputed(c)),
         "gathered": gathered,
         "activations": activations,
         "logits": logits,
@@ -237,16 +237,19 @@ def _memory(
     return {**parts, "total": sum(parts.values())}
 
 
-def _gradient_buffers(param_bytes: int, stored_grads: int, one_gathered: int) -> int:
-    """Buffers beyond the stored gradients. Below ZeRO-3 the whole local gradient exists before its
-    reduction, next to the reduced copy (2 parameter-sized buffers in all; the updated parameters
-    reuse the donated ones). ZeRO-3 (``one_gathered``: the bytes of one gathered layer with the
-    embedding and head) reduces each layer's whole gradient as the backward pass makes it, so one
-    layer's and the embedding's and head's are alive at once. Accumulating adds nothing: each
-    micro-step's gradient is added into the carried sum in place. What the compiled CPU programs of
-    the demo model hold (tests/test_planner.py)."""
+def _gradient_buffers(param_bytes: int, stored_grads: int, one_gathered: int, recomputed: bool) -> int:
+    """Buffers beyond the stored gradients. Below ZeRO-3 the whole local gradient exists at the
+    peak, in the backward pass beside the activations (1 parameter-sized buffer); where the layers
+    are recomputed (remat, a pipeline stage), the peak holds it next to its reduced copy (2; the
+    updated parameters reuse the donated ones). ZeRO-3 (``one_gathered``: the bytes of one gathered
+    layer with the embedding and head) reduces each layer's whole gradient as the backward pass
+    makes it, so one layer's and the embedding's and head's are alive at once. Accumulating adds
+    nothing: each micro-step's gradient is added into the carried sum in place. What the compiled
+    CPU programs of the demo models hold (tests/test_planner.py, benchmarks/bench_planner.py)."""
     if one_gathered:
         return one_gathered
+    if not recomputed:
+        return param_bytes - stored_grads
     return 2 * param_bytes - stored_grads
 
 
@@ -310,12 +313,15 @@ def _activation_bytes(
     full = formula * activation_scale
     layers = shape.layers // c.sizes["stage"]
     if c.sizes["stage"] > 1:  # stashed stage inputs of the micro-batches in flight + one chunk's backward
-        per_token = 2 * d * _stashed_microbatches(c) + full * layers
-    elif _layer_remat(c):  # every layer's input + the working set of one recomputed layer's backward,
-        # whole over ``tensor`` (XLA:CPU's recomputed layer at tensor=2 held 1.17x its set at 1)
-        per_token = 2 * d * layers + full_layer_bytes_per_token(shape) * recompute_scale
-    else:
-        per_token = full * layers
+        chunk = layers // c.plan.pipeline.virtual_stages
+        per_token = 2 * d * _stashed_microbatches(c) + full * chunk
+    elif _layer_remat(c):  # every layer's input (split over ``tensor`` by sequence parallelism) + the
+        # working set of one recomputed layer's backward, whole over ``tensor`` (XLA:CPU's
+        # recomputed layer at tensor=2 held 1.17x its set at 1)
+        inputs = 2 * d * layers / (t if c.plan.tensor.sequence_parallel else 1)
+        per_token = inputs + full_layer_bytes_per_token(shape) * recompute_scale
+    else:  # every layer's activations + the working set of the backward pass of one
+        per_token = full * layers + full_layer_bytes_per_token(shape) * recompute_scale
     tokens = _tokens_per_micro_step(c, shape)
     logits = 2 * tokens * shape.vocab // t * 4
     return int(per_token * scale * tokens), logits
@@ -358,15 +364,23 @@ def update_seconds(c: Candidate, shape: ModelShape, machine: Machine, opt_factor
 
 def recompute_cost(c: Candidate, shape: ModelShape, machine: Machine) -> float:
     """Time of the candidate's step over the same step that recomputes nothing: 1 where nothing is
-    recomputed; the machine's measured ratio for a pipeline stage's chunk
-    (:attr:`Machine.chunk_recompute_cost`) or for each layer on its own
-    (:attr:`Machine.recompute_cost`); unmeasured, the FLOPs' ratio."""
+    recomputed; else the machine's measured ratio for the layers recomputed one at a time
+    (:attr:`Machine.recompute_cost`: remat, ZeRO-3) or in a pipeline stage's chunks of ``k``
+    layers (:attr:`Machine.chunk_recompute_costs`, the measured ``k`` nearest in ratio; ``k = 1``
+    is one at a time); unmeasured, the FLOPs' ratio."""
     if not _recomputed(c):
         return 1.0
-    measured = machine.chunk_recompute_cost if c.sizes["stage"] > 1 else machine.recompute_cost
-    if measured is not None:
-        return measured
-    return shape.train_flops_per_token(recompute=True) / shape.train_flops_per_token(recompute=False)
+    measured = {1: machine.recompute_cost} if machine.recompute_cost is not None else {}
+    measured.update(machine.chunk_recompute_costs)
+    if not measured:
+        return shape.train_flops_per_token(recompute=True) / shape.train_flops_per_token(recompute=False)
+    k = _chunk_layers(c, shape) if c.sizes["stage"] > 1 else 1
+    return measured[min(measured, key=lambda known: abs(math.log(known / k)))]
+
+
+def _chunk_layers(c: Candidate, shape: ModelShape) -> int:
+    """Layers of one pipeline chunk (a stage's layers over its virtual stages)."""
+    return max(1, shape.layers // (c.sizes["stage"] * c.plan.pipeline.virtual_stages))
 
 
 def _bubble_fraction(c: Candidate) -> float:

@@ -86,10 +86,12 @@ class Machine:
         recompute_cost: time of a step whose layers run forward again in the backward pass over the
             same step without (``calibrate`` times both; ``None``: the FLOP ratio,
             :meth:`~torsh_jax.planner.shape.ModelShape.train_flops_per_token`).
-        chunk_recompute_cost: the same for a step whose whole layer stack runs forward again as one
-            chunk, as a pipeline stage's backward pass does (its activations are all alive again,
-            unlike one layer's: XLA:CPU measured 1.19 against 0.87 for each layer on its own);
-            ``None``: the FLOP ratio.
+        chunk_recompute_costs: the same for a step whose layers run forward again in chunks of ``k``
+            layers, each from its saved input, as a pipeline stage recomputes its chunk, by ``k``
+            (``calibrate`` times ``k`` = 2, 4, ... up to the model's layers; ``k`` = 1 is
+            :attr:`recompute_cost`). A chunk's activations are all alive again while it is
+            recomputed, so the ratio grows with ``k`` (XLA:CPU, the benchmark's medium model: 0.87
+            at 1, 1.19 at 8).
         update_bytes_per_s: the rate of the optimizer's update, a pass over parameters, gradients
             and optimizer state (``calibrate`` times AdamW's on every device at once; from a
             target: HBM bandwidth); ``None``: the update is not timed.
@@ -111,7 +113,7 @@ class Machine:
     activation_scale: float = 1.0
     recompute_scale: float = 1.0
     recompute_cost: float | None = None
-    chunk_recompute_cost: float | None = None
+    chunk_recompute_costs: dict[int, float] = field(default_factory=dict)
     update_bytes_per_s: float | None = None
     platform: str = "tpu"
     source: str = ""
@@ -167,6 +169,8 @@ class Machine:
         try:
             data = json.loads(text)
             links = {kind: Link(**link) for kind, link in data.pop("links").items()}
+            chunks = data.pop("chunk_recompute_costs", {})  # JSON keys are strings
+            data["chunk_recompute_costs"] = {int(k): float(v) for k, v in chunks.items()}
             return cls(**data, links=links)
         except (ValueError, TypeError, KeyError, AttributeError) as err:
             raise PlanError(
