@@ -2,21 +2,22 @@
 
 **Memory per device** = training state (the ZeRO split of parameters, gradients and optimizer state,
 :func:`~torsh_jax.analysis.theory.theoretical_memory_per_device`) + gradient buffers (below ZeRO-3
-the whole local gradient and its reduced copy, accumulating or not; ZeRO-3: one layer's whole
-gradient with the embedding's and head's) + ZeRO-3's gathered working set (one layer twice,
-embedding and head once, in the compute dtype) + compressed reductions' error feedback (a
-residual of the reduced gradient; two-phase methods such as int8 one more of its ``1/n`` chunk) +
-activations. Activations per token and layer follow Korthikanti et al. 2022 (eq. 2 and 4;
-``34 d + 5 a s`` bytes in 16-bit with no tensor parallelism, ``(10 + 24/t) d + 5 a s / t`` with
-``t``, ``34 d / t + 5 a s / t`` with sequence parallelism), scaled by the compute dtype and the
-machine's ``activation_scale``; a recomputed layer (the model's remat, or ZeRO-3 gathering each
-layer on use) keeps its input only (``2 d`` bytes), plus the working set of one layer while it is
-recomputed (the formula times the machine's
-``recompute_scale``; not divided by ``tensor``: measured on CPU, that set does not shrink with
-it). The logits and their gradient are float32. A pipeline stage stashes the inputs its schedule
-table holds in flight at most (:func:`_stashed_microbatches`: ``min(microbatches, stages)`` for
-1F1B and ZB-H1, interleaved's cap in chunk inputs, all ``microbatches`` for GPipe) and recomputes
-its chunk's forward in the backward pass (one micro-batch's full set).
+the whole local gradient, and its reduced copy where the layers are recomputed, accumulating or not:
+:func:`_gradient_buffers`; ZeRO-3: one layer's whole gradient with the embedding's and head's) +
+ZeRO-3's gathered working set (one layer twice, embedding and head once, in the compute dtype) +
+compressed reductions' error feedback (a residual of the reduced gradient; two-phase methods such as
+int8 one more of its ``1/n`` chunk) + activations. Activations per token and layer follow
+Korthikanti et al. 2022 (eq. 2 and 4; ``34 d + 5 a s`` bytes in 16-bit with no tensor parallelism,
+``(10 + 24/t) d + 5 a s / t`` with ``t``, ``34 d / t + 5 a s / t`` with sequence parallelism),
+scaled by the compute dtype and the machine's ``activation_scale``, plus the working set of one
+layer's backward pass; a recomputed layer (the model's remat, or ZeRO-3 gathering each layer on use)
+keeps its input only (``2 d`` bytes), plus the working set of one layer while it is recomputed (the
+formula times the machine's ``recompute_scale``; not divided by ``tensor``: measured on CPU, that
+set does not shrink with it). The logits and their gradient are float32. A pipeline stage stashes
+the inputs its schedule table holds in flight at most (:func:`_stashed_microbatches`:
+``min(microbatches, stages)`` for 1F1B and ZB-H1, interleaved's cap in chunk inputs, all
+``microbatches`` for GPipe) and recomputes its chunk's forward in the backward pass (one
+micro-batch's full set of the chunk's layers).
 
 **Step time** = the machine's per-step overhead + compute + pipeline bubble + exposed communication:
 
