@@ -71,6 +71,7 @@ def test_toml_writes_only_what_differs():
             "compression[0].gradients.method",
             id="bad-compressor",
         ),
+        pytest.param({"compression": [{"axis": "tensor"}]}, "compression[0].axis", id="bad-compression-axis"),
         pytest.param({"rules": [["embed", ["tensr"]]]}, "rules[0]", id="bad-rule-axis"),
     ],
 )

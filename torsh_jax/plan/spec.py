@@ -353,7 +353,7 @@ class AxisCompression:
     implementation: str = "auto"
 
     def __post_init__(self):
-        _check_choice(self.axis, DATA_AXES, "compression.axis")
+        _check_choice(self.axis, DATA_AXES, "axis")
         _check_choice(self.implementation, ("auto", "pallas", "reference"), "implementation")
 
 
