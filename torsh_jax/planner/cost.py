@@ -313,16 +313,16 @@ def _activation_bytes(
     formula = full_layer_bytes_per_token(shape, t, c.plan.tensor.sequence_parallel)
     full = formula * activation_scale
     layers = shape.layers // c.sizes["stage"]
+    # one layer's backward working set, whole over ``tensor`` (XLA:CPU's recomputed layer at
+    # tensor=2 held 1.17x its set at 1)
+    working = full_layer_bytes_per_token(shape) * recompute_scale
     if c.sizes["stage"] > 1:  # stashed stage inputs of the micro-batches in flight + one chunk's backward
         chunk = layers // c.plan.pipeline.virtual_stages
         per_token = 2 * d * _stashed_microbatches(c) + full * chunk
-    elif _layer_remat(c):  # every layer's input (split over ``tensor`` by sequence parallelism) + the
-        # working set of one recomputed layer's backward, whole over ``tensor`` (XLA:CPU's
-        # recomputed layer at tensor=2 held 1.17x its set at 1)
-        inputs = 2 * d * layers / (t if c.plan.tensor.sequence_parallel else 1)
-        per_token = inputs + full_layer_bytes_per_token(shape) * recompute_scale
-    else:  # every layer's activations + the working set of the backward pass of one
-        per_token = full * layers + full_layer_bytes_per_token(shape) * recompute_scale
+    elif _layer_remat(c):  # every layer's input (split over ``tensor`` by sequence parallelism)
+        per_token = 2 * d * layers / (t if c.plan.tensor.sequence_parallel else 1) + working
+    else:  # every layer's activations
+        per_token = full * layers + working
     tokens = _tokens_per_micro_step(c, shape)
     logits = 2 * tokens * shape.vocab // t * 4
     return int(per_token * scale * tokens), logits
