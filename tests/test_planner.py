@@ -145,9 +145,12 @@ def test_verify_puts_the_compilers_memory_next_to_the_prediction(tiny):
 
 
 def test_a_machine_file_round_trips_and_a_bad_one_is_one_error(tmp_path):
+    from dataclasses import replace
+
     path = tmp_path / "machine.json"
-    path.write_text(CPU8.to_json())
-    assert Machine.load(path) == CPU8
+    measured = replace(CPU8, chunk_recompute_costs={2: 1.1}, chunk_gradient_bytes={1: (1e3, 3e2)})
+    path.write_text(measured.to_json())
+    assert Machine.load(path) == measured  # integer keys and pairs come back as written
     path.write_text('{"name": "x"}')
     with pytest.raises(PlanError, match="not a machine file"):
         Machine.load(path)
@@ -207,6 +210,8 @@ def test_calibrate_measures_this_machine_and_plan_reads_its_file(tmp_path, capsy
     assert machine.devices == 8 and machine.flops_per_s > 0 and machine.link("ici").bytes_per_s > 0
     assert machine.recompute_cost > 0  # measured (a recomputing step's time over a plain one's)
     assert set(machine.chunk_recompute_costs) == {2}  # the same with 2 layers recomputed as one chunk
+    assert set(machine.chunk_gradient_bytes) == {1, 2}  # a stage's backward compiled for chunks of 1, 2
+    assert all(per_token > 0 for _, per_token in machine.chunk_gradient_bytes.values())
     assert machine.update_bytes_per_s > 0  # AdamW's update timed
     assert (machine.overlaps, machine.shared_cores) == (False, True)  # simulated CPU devices
     assert main(["plan", "--model", TINY, "--machine", str(path), "--global-batch", "64", "--json"]) == 0
@@ -317,16 +322,50 @@ def test_verify_compiles_down_the_ranking_and_learns_from_a_plan_that_does_not_f
     assert unchecked.candidate.label == first.candidate.label and same is CPU8 and len(seen) == 2
 
 
+def test_a_pipeline_stage_holds_its_stash_and_its_chunks_compiled_gradient(tiny):
+    """With chunk gradients compiled (``calibrate``), a stage's activations are its stash slots and
+    the chunk's gradient temporaries on one micro-batch less the logits; a chunk length not
+    compiled comes from the nearest one compiled by the per-layer bytes; without, the formula."""
+    from dataclasses import replace
+
+    from torsh_jax.planner.cost import _stash_rows, full_layer_bytes_per_token
+
+    by_label = {c.label: c for c in candidates(tiny, devices=8, global_batch=64)}
+    machine = replace(CPU8, chunk_gradient_bytes={1: (1000.0, 300.0), 4: (5000.0, 900.0)})
+    layer = full_layer_bytes_per_token(tiny) * 2  # float32: twice the formula's 16-bit bytes
+
+    def activations(label, m=machine):
+        c = by_label[label]
+        p = predict(c, tiny, m)
+        tokens = c.plan.batch.micro_batch_size // c.plan.pipeline.microbatches * tiny.seq_len
+        stash = _stash_rows(c, tiny.layers // c.sizes["stage"]) * tiny.d_model * 4 * tokens
+        return p.memory["activations"] - stash, p.memory["logits"], tokens
+
+    chunk, logits, tokens = activations("pp data=2 stage=4 1f1b m=4 acc=1")  # 4 layers: chunks of 1
+    assert chunk == pytest.approx(1000 + 300 * tokens - logits, abs=1)
+    chunk, logits, tokens = activations("pp data=4 stage=2 1f1b m=2 acc=1")  # chunks of 2: from 4's
+    assert chunk == pytest.approx(5000 + (900 - 2 * layer) * tokens - logits, abs=1)
+    chunk, _, tokens = activations("pp data=4 stage=2 1f1b m=2 acc=1", CPU8)  # none compiled
+    assert chunk == pytest.approx(2 * layer * tokens, abs=1)
+
+
 #: the benchmark's small model (benchmarks/bench_planner.py): the plans whose memory the cost model
 #: derives from the compiled programs' layout (accumulation, ZeRO-3's recomputed layers, ZeRO-3 with
-#: tensor parallelism, compression's error feedback)
+#: tensor parallelism, a pipeline stage's stash and chunk, compression's error feedback)
 SMALL = "demo:d_model=128,layers=4,vocab=1024,seq_len=128"
-MEMORY_PLANS = ("zero2 fsdp=8 acc=2", "zero3 fsdp=8 acc=1", "zero3 fsdp=4 tensor=2 acc=1", "ddp data=8 acc=1")
+MEMORY_PLANS = (
+    "zero2 fsdp=8 acc=2",
+    "zero3 fsdp=8 acc=1",
+    "zero3 fsdp=4 tensor=2 acc=1",
+    "pp data=2 stage=4 1f1b m=8 acc=1",
+    "ddp data=8 acc=1",
+)
 
 
 def test_predicted_memory_is_the_compiled_peak_within_5_percent():
-    """The machine's activation and recomputed-layer scales measured here (``calibrate``'s
-    compiles), each plan's prediction against ``memory_analysis()`` of its compiled step."""
+    """The machine's activation and recomputed-layer scales and its chunk gradients (of the
+    pipeline's chunks of one layer) measured here (``calibrate``'s compiles), each plan's
+    prediction against ``memory_analysis()`` of its compiled step."""
     import dataclasses
 
     import jax
@@ -334,12 +373,15 @@ def test_predicted_memory_is_the_compiled_peak_within_5_percent():
     from torsh_jax.analysis.memory import memory_report
     from torsh_jax.demo.model import synthetic_tokens
     from torsh_jax.plan import AxisCompression, CompressorSpec
-    from torsh_jax.planner.calibrate import activation_scales
+    from torsh_jax.planner.calibrate import activation_scales, chunk_gradient_bytes
 
     require_devices(8)
     shape, devices = parse_model(SMALL), jax.devices()[:8]
     activations, recomputed = activation_scales(shape, devices[0])
-    machine = dataclasses.replace(CPU8, activation_scale=activations, recompute_scale=recomputed)
+    chunks = chunk_gradient_bytes(shape, devices[0], lengths=(1,))
+    machine = dataclasses.replace(
+        CPU8, activation_scale=activations, recompute_scale=recomputed, chunk_gradient_bytes=chunks
+    )
     by_label = {c.label: c for c in candidates(shape, devices=8, global_batch=32)}
     int8 = (AxisCompression(axis="data", gradients=CompressorSpec(method="int8")),)
     chosen = [by_label[label] for label in MEMORY_PLANS]

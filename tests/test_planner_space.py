@@ -16,6 +16,7 @@ from conftest import require_devices
 
 from torsh_jax.analysis.theory import ring_wire_bytes
 from torsh_jax.pipeline.schedule import IDLE, build_pipeline_schedule
+from torsh_jax.pipeline.slots import slot_plan
 from torsh_jax.planner.cost import _bubble_fraction, _stashed_microbatches, codec_seconds, predict, theories
 from torsh_jax.planner.machine import Link, Machine
 from torsh_jax.planner.shape import parse_model
@@ -83,7 +84,12 @@ def test_each_schedule_stashes_what_its_table_holds_in_flight(tiny, found):
     # GPipe all m; 1F1B and ZB-H1 min(m, p); interleaved its cap 2(p - 1) + (v - 1) p + 1 chunk inputs
     assert counts == {"gpipe": 4, "1f1b": 2, "interleaved": 5, "zb_h1": 2}
     memory = {name: predict(c, tiny, MACHINE).memory["activations"] for name, c in stash.items()}
-    assert memory["1f1b"] == memory["zb_h1"] < memory["gpipe"]
+    assert memory["1f1b"] < memory["gpipe"]
+    # ZB-H1 also keeps, per W slot, every chunk layer's input and output gradient (the runtime's slots)
+    c = stash["zb_h1"]
+    row = c.plan.batch.micro_batch_size // 4 * tiny.seq_len * tiny.d_model * 4  # one hidden state, f32
+    weight_slots = slot_plan(build_pipeline_schedule("zb_h1", stages=2, microbatches=4)).weight_slots
+    assert memory["zb_h1"] - memory["1f1b"] == 2 * 2 * weight_slots * row  # chunks of 2 layers
     # interleaved stashes more chunk inputs, but each recomputed chunk is half the stage's layers
     layer = predict(stash["1f1b"], tiny, MACHINE).memory["activations"] - memory["interleaved"]
     assert 0 < layer < memory["1f1b"] / 2

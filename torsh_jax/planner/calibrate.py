@@ -17,7 +17,9 @@ On the present devices (simulated CPU devices, or one host's accelerators):
 * **update**: AdamW's update of 1 Mi parameters on every device at once (``update_bytes_per_s``);
 * **activations**: the compiler's temporaries of the model's gradient at four layers minus two, per
   layer, over the cost model's per-layer formula (``activation_scale``), and the working set of one
-  layer recomputed in the backward pass (``recompute_scale``, :func:`activation_scales`).
+  layer recomputed in the backward pass (``recompute_scale``, :func:`activation_scales`); and the
+  temporaries of the gradient with 1, 2, 4, ... layers at two batch sizes, a pipeline stage's
+  backward over its chunk (``chunk_gradient_bytes``, :func:`chunk_gradient_bytes`).
 
 Times are medians of ``repeats`` runs after a warm-up; nothing here is a constant.
 
@@ -40,7 +42,7 @@ import numpy as np
 from torsh_jax.planner.machine import Link, Machine
 from torsh_jax.planner.shape import ModelShape
 
-__all__ = ["calibrate", "fit_alpha_beta", "activation_scales", "LINK_SIZES"]
+__all__ = ["calibrate", "fit_alpha_beta", "activation_scales", "chunk_gradient_bytes", "LINK_SIZES"]
 
 #: Bytes per device of the collectives timed for the link fit.
 LINK_SIZES = tuple(4096 * 4**k for k in range(6))  # 4 KiB .. 4 MiB
@@ -248,7 +250,26 @@ def activation_scales(shape: ModelShape, device, /) -> tuple[float, float]:
     return max(full, 0) / formula, max(working, 0) / formula
 
 
-def _gradient_temp_bytes(shape: ModelShape, layers: int, device, *, remat: bool = False) -> int:
+def chunk_gradient_bytes(
+    shape: ModelShape, device, /, lengths: tuple[int, ...] | None = None
+) -> dict[int, tuple[float, float]]:
+    """``{k: (fixed, per token)}``: the compiler's temporaries of the model's gradient with ``k``
+    layers on ``device`` (``lengths``; by default 1 and :func:`chunk_lengths`), as a line through
+    ``_ROWS / 2`` and ``_ROWS`` examples. A pipeline stage's backward is this program on one
+    micro-batch: it recomputes its chunk of ``k`` layers from the stashed input, with the
+    embedding and head."""
+    rows = (_ROWS // 2, _ROWS)
+    found = {}
+    for k in lengths or (1, *chunk_lengths(shape.layers)):
+        fewer, more = (_gradient_temp_bytes(shape, k, device, rows=r) for r in rows)
+        per_token = (more - fewer) / ((rows[1] - rows[0]) * shape.seq_len)
+        found[k] = (fewer - per_token * rows[0] * shape.seq_len, per_token)
+    return found
+
+
+def _gradient_temp_bytes(
+    shape: ModelShape, layers: int, device, *, remat: bool = False, rows: int = _ROWS
+) -> int:
     import jax
     import jax.numpy as jnp
     from jax.sharding import AxisType
@@ -260,7 +281,7 @@ def _gradient_temp_bytes(shape: ModelShape, layers: int, device, *, remat: bool 
 
     cfg = shape.demo_config(layers=layers)
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    tokens = jax.ShapeDtypeStruct((_ROWS, shape.seq_len), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((rows, shape.seq_len), jnp.int32)
     mesh = jax.make_mesh((1, 1), ("devices", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=[device])
     grads = jax.shard_map(
         jax.grad(layered_loss(layered_model(cfg, remat=remat))),
@@ -323,6 +344,7 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         },
         activation_scale=activations,
         recompute_scale=recomputed,
+        chunk_gradient_bytes=chunk_gradient_bytes(shape, devices[0]),
         platform=platform,
         source=f"torsh-jax calibrate on {len(devices)} {platform} devices with {shape.name}",
     )

@@ -13,11 +13,13 @@ scaled by the compute dtype and the machine's ``activation_scale``, plus the wor
 layer's backward pass; a recomputed layer (the model's remat, or ZeRO-3 gathering each layer on use)
 keeps its input only (``2 d`` bytes), plus the working set of one layer while it is recomputed (the
 formula times the machine's ``recompute_scale``; not divided by ``tensor``: measured on CPU, that
-set does not shrink with it). The logits and their gradient are float32. A pipeline stage stashes
-the inputs its schedule table holds in flight at most (:func:`_stashed_microbatches`:
-``min(microbatches, stages)`` for 1F1B and ZB-H1, interleaved's cap in chunk inputs, all
-``microbatches`` for GPipe) and recomputes its chunk's forward in the backward pass (one
-micro-batch's full set of the chunk's layers).
+set does not shrink with it). The logits and their gradient are float32. A pipeline stage holds
+its stash, the runtime's slots for the activations and gradients it receives (about the inputs its
+schedule table holds in flight: ``min(microbatches, stages)`` for 1F1B and ZB-H1, interleaved's cap
+in chunk inputs, all ``microbatches`` for GPipe) and ZB-H1's ``W`` slots; its backward recomputes a
+chunk from a stashed input, which is the gradient of a model of the chunk's layers on one
+micro-batch: as the machine compiled it (:attr:`Machine.chunk_gradient_bytes`), else the chunk's
+layers by the formula.
 
 **Step time** = the machine's per-step overhead + compute + pipeline bubble + exposed communication:
 
@@ -71,6 +73,7 @@ from torsh_jax.analysis.theory import (
     theoretical_memory_per_device,
 )
 from torsh_jax.pipeline.schedule import IDLE, build_pipeline_schedule
+from torsh_jax.pipeline.slots import slot_plan
 from torsh_jax.plan import CompressorSpec
 from torsh_jax.plan.compressors import METHODS
 from torsh_jax.plan.factor import link_kind
@@ -189,7 +192,7 @@ def predict(
     comm = _comm_seconds(candidate, shape, machine)
     return Prediction(
         candidate,
-        _memory(candidate, shape, opt_factor, machine.activation_scale, machine.recompute_scale),
+        _memory(candidate, shape, opt_factor, machine),
         compute,
         bubble,
         comm,
@@ -209,9 +212,7 @@ def _local_params(c: Candidate, shape: ModelShape) -> tuple[int, int]:
     return shape.layers // s * shape.layer_params // t, (shape.embed_params + shape.head_params) // t
 
 
-def _memory(
-    c: Candidate, shape: ModelShape, opt_factor: float, activation_scale: float, recompute_scale: float
-) -> dict[str, int]:
+def _memory(c: Candidate, shape: ModelShape, opt_factor: float, machine: Machine) -> dict[str, int]:
     plan = c.plan
     layers, shared = _local_params(c, shape)
     count = layers + shared
@@ -225,7 +226,7 @@ def _memory(
     one_layer = layers // max(1, shape.layers // c.sizes["stage"])
     if sharded:
         gathered = (2 * one_layer + shared) * cb
-    activations, logits = _activation_bytes(c, shape, activation_scale, recompute_scale)
+    activations, logits = _activation_bytes(c, shape, machine)
     one_gathered = (one_layer + shared) * pb if sharded else 0
     parts = {
         "state": state.total_bytes,
@@ -295,6 +296,14 @@ def _stashed_microbatches(c: Candidate) -> int:
     return _schedule_figures(c)[1]
 
 
+def _stash_rows(c: Candidate, chunk: int) -> int:
+    """Hidden states per token a pipeline stage's stash holds: the runtime's slots
+    (:func:`~torsh_jax.pipeline.slots.slot_plan`) for received activations and gradients, and
+    ZB-H1's ``W`` slots of every chunk layer's input and output gradient."""
+    activations, gradients, weights = _schedule_figures(c)[2]
+    return activations + gradients + 2 * chunk * weights
+
+
 def full_layer_bytes_per_token(shape: ModelShape, tensor: int = 1, sequence_parallel: bool = False) -> float:
     """Korthikanti et al.'s activation bytes of one layer per token, at 16 bits."""
     d, heads, s, t = shape.d_model, shape.heads, shape.seq_len, tensor
@@ -305,27 +314,63 @@ def full_layer_bytes_per_token(shape: ModelShape, tensor: int = 1, sequence_para
     return (10 + 24 / t) * d + 5 * heads * s / t
 
 
-def _activation_bytes(
-    c: Candidate, shape: ModelShape, activation_scale: float = 1.0, recompute_scale: float = 1.0
-) -> tuple[int, int]:
+def _activation_bytes(c: Candidate, shape: ModelShape, machine: Machine) -> tuple[int, int]:
+    """(activations, logits) of one device at its peak (see the module docstring)."""
     t, d = c.sizes["tensor"], shape.d_model
     scale = DTYPE_BYTES[c.plan.precision.compute_dtype] / 2  # the formulas count 16-bit activations
     formula = full_layer_bytes_per_token(shape, t, c.plan.tensor.sequence_parallel)
-    full = formula * activation_scale
-    layers = shape.layers // c.sizes["stage"]
+    full = formula * machine.activation_scale
+    tokens = _tokens_per_micro_step(c, shape)
+    logits = 2 * tokens * shape.vocab // t * 4
+    if c.sizes["stage"] > 1:
+        return _stage_activation_bytes(c, shape, machine, full * scale, tokens, logits), logits
+    layers = shape.layers
     # one layer's backward working set, whole over ``tensor`` (XLA:CPU's recomputed layer at
     # tensor=2 held 1.17x its set at 1)
-    working = full_layer_bytes_per_token(shape) * recompute_scale
-    if c.sizes["stage"] > 1:  # stashed stage inputs of the micro-batches in flight + one chunk's backward
-        chunk = layers // c.plan.pipeline.virtual_stages
-        per_token = 2 * d * _stashed_microbatches(c) + full * chunk
-    elif _layer_remat(c):  # every layer's input (split over ``tensor`` by sequence parallelism)
+    working = full_layer_bytes_per_token(shape) * machine.recompute_scale
+    if _layer_remat(c):  # every layer's input (split over ``tensor`` by sequence parallelism)
         per_token = 2 * d * layers / (t if c.plan.tensor.sequence_parallel else 1) + working
     else:  # every layer's activations
         per_token = full * layers + working
-    tokens = _tokens_per_micro_step(c, shape)
-    logits = 2 * tokens * shape.vocab // t * 4
     return int(per_token * scale * tokens), logits
+
+
+def _stage_activation_bytes(
+    c: Candidate, shape: ModelShape, machine: Machine, layer_bytes: float, tokens: int, logits: int
+) -> int:
+    """A pipeline stage's activations beside the logits: its stash (:func:`_stash_rows` hidden
+    states per token) and its chunk's backward, which recomputes the chunk from a stashed input
+    on one micro-batch: the gradient of a model of the chunk's layers, as compiled on the machine
+    (:attr:`Machine.chunk_gradient_bytes`, less the logits counted beside it), else the chunk's
+    layers at ``layer_bytes`` per token each (the formula's)."""
+    chunk = _chunk_layers(c, shape)
+    stash = _stash_rows(c, chunk) * shape.d_model * DTYPE_BYTES[c.plan.precision.compute_dtype] * tokens
+    compiled = _compiled_chunk_bytes(c, machine, chunk, tokens, layer_bytes)
+    if compiled is not None:
+        return int(stash + compiled - logits)
+    return int(stash + layer_bytes * chunk * tokens)
+
+
+def _compiled_chunk_bytes(
+    c: Candidate, machine: Machine, chunk: int, tokens: int, layer_bytes: float
+) -> float | None:
+    """The gradient temporaries of ``chunk`` layers on ``tokens``, from the machine's compiled
+    ones (the nearest measured length of 2 or more, plus or less ``layer_bytes`` per token per
+    layer); ``None`` where none applies: none measured, a lone layer unmeasured, or a chunk unlike
+    the one compiled (split over ``tensor``, remat, a compute dtype other than float32)."""
+    found = machine.chunk_gradient_bytes
+    like = c.sizes["tensor"] == 1 and not c.remat and DTYPE_BYTES[c.plan.precision.compute_dtype] == 4
+    if not found or not like:
+        return None
+    if chunk in found:
+        fixed, per_token = found[chunk]
+        return fixed + per_token * tokens
+    scanned = [k for k in found if k >= 2]
+    if chunk == 1 or not scanned:
+        return None
+    k = min(scanned, key=lambda k: (abs(math.log(chunk / k)), -k))
+    fixed, per_token = found[k]
+    return fixed + (per_token + (chunk - k) * layer_bytes) * tokens
 
 
 # -- time ----------------------------------------------------------------------------------------
@@ -393,19 +438,24 @@ def _bubble_fraction(c: Candidate) -> float:
     return _schedule_figures(c)[0] if c.sizes["stage"] > 1 else 0.0
 
 
-def _schedule_figures(c: Candidate) -> tuple[float, int]:
-    """(idle / busy slots, most stage inputs held) of the candidate's pipeline schedule."""
+def _schedule_figures(c: Candidate) -> tuple[float, int, tuple[int, int, int]]:
+    """(idle / busy slots, most stage inputs held, the runtime's activation, gradient and ``W``
+    stash slots) of the candidate's pipeline schedule."""
     pipe = c.plan.pipeline
     return _table_figures(pipe.schedule, c.sizes["stage"], pipe.microbatches, pipe.virtual_stages)
 
 
 @functools.lru_cache(maxsize=1024)
-def _table_figures(name: str, stages: int, microbatches: int, virtual_stages: int) -> tuple[float, int]:
+def _table_figures(
+    name: str, stages: int, microbatches: int, virtual_stages: int
+) -> tuple[float, int, tuple[int, int, int]]:
     table = build_pipeline_schedule(
         name, stages=stages, microbatches=microbatches, virtual_stages=virtual_stages
     )
     idle = int((table.table[..., 0] == IDLE).sum())
-    return idle / (table.table[..., 0].size - idle), int(table.in_flight.max())
+    slots = slot_plan(table)
+    stash = (slots.activation_slots, slots.gradient_slots, slots.weight_slots)
+    return idle / (table.table[..., 0].size - idle), int(table.in_flight.max()), stash
 
 
 def theories(c: Candidate, shape: ModelShape, *, compressed: bool = True) -> list[Theory]:

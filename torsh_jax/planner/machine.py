@@ -92,6 +92,12 @@ class Machine:
             :attr:`recompute_cost`). A chunk's activations are all alive again while it is
             recomputed, so the ratio grows with ``k`` (XLA:CPU, the benchmark's medium model: 0.87
             at 1, 1.19 at 8).
+        chunk_gradient_bytes: the compiler's temporaries of the model's gradient with ``k`` layers on
+            one device, ``(fixed, per token)`` bytes by ``k``: a pipeline stage's backward recomputes
+            its chunk of ``k`` layers (with the embedding and head, which every stage holds) on one
+            micro-batch, which is that program (``calibrate`` compiles ``k`` = 1, 2, 4, ... at two
+            batch sizes; a lone layer is not a scan: XLA:CPU holds 0.28-0.34 of a scanned
+            layer's bytes for it on the benchmark's models). Empty: the per-layer formula (a target).
         update_bytes_per_s: the rate of the optimizer's update, a pass over parameters, gradients
             and optimizer state (``calibrate`` times AdamW's on every device at once; from a
             target: HBM bandwidth); ``None``: the update is not timed.
@@ -114,6 +120,7 @@ class Machine:
     recompute_scale: float = 1.0
     recompute_cost: float | None = None
     chunk_recompute_costs: dict[int, float] = field(default_factory=dict)
+    chunk_gradient_bytes: dict[int, tuple[float, float]] = field(default_factory=dict)
     update_bytes_per_s: float | None = None
     platform: str = "tpu"
     source: str = ""
@@ -171,6 +178,8 @@ class Machine:
             links = {kind: Link(**link) for kind, link in data.pop("links").items()}
             chunks = data.pop("chunk_recompute_costs", {})  # JSON keys are strings
             data["chunk_recompute_costs"] = {int(k): float(v) for k, v in chunks.items()}
+            sets = data.pop("chunk_gradient_bytes", {})
+            data["chunk_gradient_bytes"] = {int(k): (float(a), float(b)) for k, (a, b) in sets.items()}
             return cls(**data, links=links)
         except (ValueError, TypeError, KeyError, AttributeError) as err:
             raise PlanError(
