@@ -211,6 +211,7 @@ def test_calibrate_measures_this_machine_and_plan_reads_its_file(tmp_path, capsy
     assert machine.recompute_cost > 0  # measured (a recomputing step's time over a plain one's)
     assert set(machine.chunk_recompute_costs) == {2}  # the same with 2 layers recomputed as one chunk
     assert set(machine.chunk_gradient_bytes) == {1, 2}  # a stage's backward compiled for chunks of 1, 2
+    assert machine.remat_gradient_bytes[1] > 0 and machine.compiled_for.startswith("d_model=64,layers=2")
     assert all(per_token > 0 for _, per_token in machine.chunk_gradient_bytes.values())
     assert machine.update_bytes_per_s > 0  # AdamW's update timed
     assert (machine.overlaps, machine.shared_cores) == (False, True)  # simulated CPU devices
@@ -331,7 +332,8 @@ def test_a_pipeline_stage_holds_its_stash_and_its_chunks_compiled_gradient(tiny)
     from torsh_jax.planner.cost import _stash_rows, full_layer_bytes_per_token
 
     by_label = {c.label: c for c in candidates(tiny, devices=8, global_batch=64)}
-    machine = replace(CPU8, chunk_gradient_bytes={1: (1000.0, 300.0), 4: (5000.0, 900.0)})
+    compiled = {1: (1000.0, 300.0), 4: (5000.0, 900.0)}
+    machine = replace(CPU8, chunk_gradient_bytes=compiled, compiled_for=tiny.signature)
     layer = full_layer_bytes_per_token(tiny) * 2  # float32: twice the formula's 16-bit bytes
 
     def activations(label, m=machine):
@@ -347,6 +349,8 @@ def test_a_pipeline_stage_holds_its_stash_and_its_chunks_compiled_gradient(tiny)
     assert chunk == pytest.approx(5000 + (900 - 2 * layer) * tokens - logits, abs=1)
     chunk, _, tokens = activations("pp data=4 stage=2 1f1b m=2 acc=1", CPU8)  # none compiled
     assert chunk == pytest.approx(2 * layer * tokens, abs=1)
+    other = replace(machine, compiled_for=parse_model(SMALL).signature)  # compiled for another model
+    assert activations("pp data=4 stage=2 1f1b m=2 acc=1", other)[0] == pytest.approx(chunk, abs=1)
 
 
 #: the benchmark's small model (benchmarks/bench_planner.py): the plans whose memory the cost model
@@ -363,9 +367,10 @@ MEMORY_PLANS = (
 
 
 def test_predicted_memory_is_the_compiled_peak_within_5_percent():
-    """The machine's activation and recomputed-layer scales and its chunk gradients (of the
-    pipeline's chunks of one layer) measured here (``calibrate``'s compiles), each plan's
-    prediction against ``memory_analysis()`` of its compiled step."""
+    """The machine's activation and recomputed-layer scales, its chunk gradients (of the
+    pipeline's chunks of one layer) and its gradient with each layer recomputed (ZeRO-3's, remat's)
+    measured here (``calibrate``'s compiles), each plan's prediction against ``memory_analysis()``
+    of its compiled step."""
     import dataclasses
 
     import jax
@@ -373,14 +378,18 @@ def test_predicted_memory_is_the_compiled_peak_within_5_percent():
     from torsh_jax.analysis.memory import memory_report
     from torsh_jax.demo.model import synthetic_tokens
     from torsh_jax.plan import AxisCompression, CompressorSpec
-    from torsh_jax.planner.calibrate import activation_scales, chunk_gradient_bytes
+    from torsh_jax.planner.calibrate import activation_scales, chunk_gradient_bytes, remat_gradient_bytes
 
     require_devices(8)
     shape, devices = parse_model(SMALL), jax.devices()[:8]
     activations, recomputed = activation_scales(shape, devices[0])
-    chunks = chunk_gradient_bytes(shape, devices[0], lengths=(1,))
     machine = dataclasses.replace(
-        CPU8, activation_scale=activations, recompute_scale=recomputed, chunk_gradient_bytes=chunks
+        CPU8,
+        activation_scale=activations,
+        recompute_scale=recomputed,
+        chunk_gradient_bytes=chunk_gradient_bytes(shape, devices[0], lengths=(1,)),
+        remat_gradient_bytes=remat_gradient_bytes(shape, devices[0]),
+        compiled_for=shape.signature,
     )
     by_label = {c.label: c for c in candidates(shape, devices=8, global_batch=32)}
     int8 = (AxisCompression(axis="data", gradients=CompressorSpec(method="int8")),)

@@ -19,7 +19,8 @@ On the present devices (simulated CPU devices, or one host's accelerators):
   layer, over the cost model's per-layer formula (``activation_scale``), and the working set of one
   layer recomputed in the backward pass (``recompute_scale``, :func:`activation_scales`); and the
   temporaries of the gradient with 1, 2, 4, ... layers at two batch sizes, a pipeline stage's
-  backward over its chunk (``chunk_gradient_bytes``, :func:`chunk_gradient_bytes`).
+  backward over its chunk (``chunk_gradient_bytes``, :func:`chunk_gradient_bytes`), and with every
+  layer recomputed, ZeRO-3's program (``remat_gradient_bytes``).
 
 Times are medians of ``repeats`` runs after a warm-up; nothing here is a constant.
 
@@ -42,7 +43,14 @@ import numpy as np
 from torsh_jax.planner.machine import Link, Machine
 from torsh_jax.planner.shape import ModelShape
 
-__all__ = ["calibrate", "fit_alpha_beta", "activation_scales", "chunk_gradient_bytes", "LINK_SIZES"]
+__all__ = [
+    "calibrate",
+    "fit_alpha_beta",
+    "activation_scales",
+    "chunk_gradient_bytes",
+    "remat_gradient_bytes",
+    "LINK_SIZES",
+]
 
 #: Bytes per device of the collectives timed for the link fit.
 LINK_SIZES = tuple(4096 * 4**k for k in range(6))  # 4 KiB .. 4 MiB
@@ -258,13 +266,22 @@ def chunk_gradient_bytes(
     ``_ROWS / 2`` and ``_ROWS`` examples. A pipeline stage's backward is this program on one
     micro-batch: it recomputes its chunk of ``k`` layers from the stashed input, with the
     embedding and head."""
+    return {k: _temp_line(shape, k, device) for k in lengths or (1, *chunk_lengths(shape.layers))}
+
+
+def remat_gradient_bytes(shape: ModelShape, device, /) -> tuple[float, float]:
+    """``(fixed, per token)``: the compiler's temporaries of the model's gradient with every layer
+    recomputed from its saved input, on ``device``: what ZeRO-3 gathering each layer on use runs."""
+    return _temp_line(shape, shape.layers, device, remat=True)
+
+
+def _temp_line(shape: ModelShape, layers: int, device, *, remat: bool = False) -> tuple[float, float]:
+    """``(fixed, per token)`` of the gradient's temporaries through ``_ROWS / 2`` and ``_ROWS``
+    examples."""
     rows = (_ROWS // 2, _ROWS)
-    found = {}
-    for k in lengths or (1, *chunk_lengths(shape.layers)):
-        fewer, more = (_gradient_temp_bytes(shape, k, device, rows=r) for r in rows)
-        per_token = (more - fewer) / ((rows[1] - rows[0]) * shape.seq_len)
-        found[k] = (fewer - per_token * rows[0] * shape.seq_len, per_token)
-    return found
+    fewer, more = (_gradient_temp_bytes(shape, layers, device, remat=remat, rows=r) for r in rows)
+    per_token = (more - fewer) / ((rows[1] - rows[0]) * shape.seq_len)
+    return fewer - per_token * rows[0] * shape.seq_len, per_token
 
 
 def _gradient_temp_bytes(
@@ -345,6 +362,8 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         activation_scale=activations,
         recompute_scale=recomputed,
         chunk_gradient_bytes=chunk_gradient_bytes(shape, devices[0]),
+        remat_gradient_bytes=remat_gradient_bytes(shape, devices[0]),
+        compiled_for=shape.signature,
         platform=platform,
         source=f"torsh-jax calibrate on {len(devices)} {platform} devices with {shape.name}",
     )

@@ -228,9 +228,14 @@ def _memory(c: Candidate, shape: ModelShape, opt_factor: float, machine: Machine
         gathered = (2 * one_layer + shared) * cb
     activations, logits = _activation_bytes(c, shape, machine)
     one_gathered = (one_layer + shared) * pb if sharded else 0
+    gradients = _gradient_buffers(count * pb, state.grad_bytes, one_gathered, _recomputed(c))
+    if _compiled_remat_bytes(c, shape, machine) is not None:
+        gradients = 0  # the compiled gradient's buffers and the stored gradients are all of them
+        if sharded:  # and one layer gathered beside them
+            gathered = one_layer * cb
     parts = {
         "state": state.total_bytes,
-        "gradients": _gradient_buffers(count * pb, state.grad_bytes, one_gathered, _recomputed(c)),
+        "gradients": gradients,
         "gathered": gathered,
         "activations": activations,
         "logits": logits,
@@ -324,6 +329,9 @@ def _activation_bytes(c: Candidate, shape: ModelShape, machine: Machine) -> tupl
     logits = 2 * tokens * shape.vocab // t * 4
     if c.sizes["stage"] > 1:
         return _stage_activation_bytes(c, shape, machine, full * scale, tokens, logits), logits
+    compiled = _compiled_remat_bytes(c, shape, machine)
+    if compiled is not None:  # the model's gradient with each layer recomputed, as compiled
+        return int(compiled[0] + compiled[1] * tokens - logits), logits
     layers = shape.layers
     # one layer's backward working set, whole over ``tensor`` (XLA:CPU's recomputed layer at
     # tensor=2 held 1.17x its set at 1)
@@ -345,22 +353,20 @@ def _stage_activation_bytes(
     layers at ``layer_bytes`` per token each (the formula's)."""
     chunk = _chunk_layers(c, shape)
     stash = _stash_rows(c, chunk) * shape.d_model * DTYPE_BYTES[c.plan.precision.compute_dtype] * tokens
-    compiled = _compiled_chunk_bytes(c, machine, chunk, tokens, layer_bytes)
+    compiled = _compiled_chunk_bytes(c, shape, machine, chunk, tokens, layer_bytes)
     if compiled is not None:
         return int(stash + compiled - logits)
     return int(stash + layer_bytes * chunk * tokens)
 
 
 def _compiled_chunk_bytes(
-    c: Candidate, machine: Machine, chunk: int, tokens: int, layer_bytes: float
+    c: Candidate, shape: ModelShape, machine: Machine, chunk: int, tokens: int, layer_bytes: float
 ) -> float | None:
     """The gradient temporaries of ``chunk`` layers on ``tokens``, from the machine's compiled
     ones (the nearest measured length of 2 or more, plus or less ``layer_bytes`` per token per
-    layer); ``None`` where none applies: none measured, a lone layer unmeasured, or a chunk unlike
-    the one compiled (split over ``tensor``, remat, a compute dtype other than float32)."""
+    layer); ``None`` where none applies (:func:`_like_compiled`, remat, a lone layer unmeasured)."""
     found = machine.chunk_gradient_bytes
-    like = c.sizes["tensor"] == 1 and not c.remat and DTYPE_BYTES[c.plan.precision.compute_dtype] == 4
-    if not found or not like:
+    if not found or c.remat or not _like_compiled(c, shape, machine):
         return None
     if chunk in found:
         fixed, per_token = found[chunk]
@@ -371,6 +377,27 @@ def _compiled_chunk_bytes(
     k = min(scanned, key=lambda k: (abs(math.log(chunk / k)), -k))
     fixed, per_token = found[k]
     return fixed + (per_token + (chunk - k) * layer_bytes) * tokens
+
+
+def _compiled_remat_bytes(c: Candidate, shape: ModelShape, machine: Machine) -> tuple[float, float] | None:
+    """``(fixed, per token)`` of the machine's compiled gradient with every layer recomputed, where
+    the candidate recomputes each layer without a pipeline (:func:`_layer_remat`) and is like the
+    compiled program (:func:`_like_compiled`); else ``None``. Not ZeRO-3 accumulating: its pass
+    runs in a loop that holds more beside it (on XLA:CPU 1.8-10 MB more on the benchmark's models,
+    1.4-3.3 gradient shards, in no proportion found), so the formula costs it."""
+    compiled = machine.remat_gradient_bytes
+    if compiled is None or c.sizes["stage"] > 1 or not _layer_remat(c):
+        return None
+    if c.plan.zero.stage == 3 and c.plan.batch.accumulation_steps > 1:
+        return None
+    return compiled if _like_compiled(c, shape, machine) else None
+
+
+def _like_compiled(c: Candidate, shape: ModelShape, machine: Machine) -> bool:
+    """The machine's compiled gradients are of this model (:attr:`Machine.compiled_for`) and
+    the candidate runs its layers as they were compiled: whole (``tensor`` 1), in float32."""
+    whole = c.sizes["tensor"] == 1 and DTYPE_BYTES[c.plan.precision.compute_dtype] == 4
+    return whole and machine.compiled_for == shape.signature
 
 
 # -- time ----------------------------------------------------------------------------------------

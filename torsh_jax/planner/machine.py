@@ -98,6 +98,12 @@ class Machine:
             micro-batch, which is that program (``calibrate`` compiles ``k`` = 1, 2, 4, ... at two
             batch sizes; a lone layer is not a scan: XLA:CPU holds 0.28-0.34 of a scanned
             layer's bytes for it on the benchmark's models). Empty: the per-layer formula (a target).
+        remat_gradient_bytes: the same ``(fixed, per token)`` of the model's gradient with every
+            layer recomputed from its saved input, which ZeRO-3 gathering each layer on use is
+            (``calibrate`` compiles it at the model's depth); ``None``: the formula.
+        compiled_for: the :attr:`~torsh_jax.planner.shape.ModelShape.signature` of the model
+            :attr:`chunk_gradient_bytes` and :attr:`remat_gradient_bytes` are of; another model's
+            plans use the formula.
         update_bytes_per_s: the rate of the optimizer's update, a pass over parameters, gradients
             and optimizer state (``calibrate`` times AdamW's on every device at once; from a
             target: HBM bandwidth); ``None``: the update is not timed.
@@ -121,6 +127,8 @@ class Machine:
     recompute_cost: float | None = None
     chunk_recompute_costs: dict[int, float] = field(default_factory=dict)
     chunk_gradient_bytes: dict[int, tuple[float, float]] = field(default_factory=dict)
+    remat_gradient_bytes: tuple[float, float] | None = None
+    compiled_for: str = ""
     update_bytes_per_s: float | None = None
     platform: str = "tpu"
     source: str = ""
@@ -180,6 +188,8 @@ class Machine:
             data["chunk_recompute_costs"] = {int(k): float(v) for k, v in chunks.items()}
             sets = data.pop("chunk_gradient_bytes", {})
             data["chunk_gradient_bytes"] = {int(k): (float(a), float(b)) for k, (a, b) in sets.items()}
+            if data.get("remat_gradient_bytes") is not None:
+                data["remat_gradient_bytes"] = tuple(float(x) for x in data["remat_gradient_bytes"])
             return cls(**data, links=links)
         except (ValueError, TypeError, KeyError, AttributeError) as err:
             raise PlanError(

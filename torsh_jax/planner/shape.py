@@ -63,6 +63,19 @@ class ModelShape:
     leaves: tuple[tuple[str, tuple[int, ...]], ...] = field(default=(), repr=False)
 
     @property
+    def signature(self) -> str:
+        """The sizes that decide the demo model's compiled bytes (what a machine file's compiled
+        gradients are of).
+
+        Example:
+            >>> ModelShape(10, 20, 2, 10, d_model=8, seq_len=4, vocab=16, heads=2, mlp=32).signature
+            'd_model=8,layers=2,vocab=16,seq_len=4,heads=2,mlp=32,params=10+2x20+10'
+        """
+        sizes = f"d_model={self.d_model},layers={self.layers},vocab={self.vocab},seq_len={self.seq_len}"
+        params = f"params={self.embed_params}+{self.layers}x{self.layer_params}+{self.head_params}"
+        return f"{sizes},heads={self.heads},mlp={self.mlp},{params}"
+
+    @property
     def param_count(self) -> int:
         return self.embed_params + self.layers * self.layer_params + self.head_params
 
