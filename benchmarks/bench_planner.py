@@ -2,9 +2,10 @@
 
 ``torsh_jax.planner.calibrate`` measures the simulated devices first (the model's forward and
 backward pass on every device with no collective, ``psum``/``all_gather`` at several sizes, an
-empty step); none of the plans below is part of it. Then for each model size and plan the demo
-model's train step runs (``--steps`` timed steps after two warm-up steps, median) and the
-planner predicts it (:func:`torsh_jax.planner.cost.predict` with the calibrated machine).
+empty step); none of the plans below is part of it. Then for each model size every plan's demo
+model train step is compiled and warmed up (two steps), and ``--steps`` rounds each time one step
+of every plan in turn (median per plan: a drift of the machine's speed falls on all plans alike);
+the planner predicts each (:func:`torsh_jax.planner.cost.predict` with the calibrated machine).
 
 Prints one ``planner_plan`` row per plan and model (``predicted_s``, ``measured_s``, ``error``,
 ``predicted_memory``, ``compiled_peak``, ``memory_error``) and one ``planner_summary`` row per model
@@ -13,7 +14,7 @@ agreement of predicted and measured times: tau-b; ``kendall_tau_a`` beside it), 
 (measured time of the plan the planner ranks first / the fastest measured), ``memory_mape``.
 
 Usage:
-    python benchmarks/bench_planner.py [--steps 5] [--quick]
+    python benchmarks/bench_planner.py [--steps 7] [--quick]
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def parse_args():
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per plan")
+    parser.add_argument("--steps", type=int, default=7, help="timed rounds (one step per plan each)")
     parser.add_argument("--quick", action="store_true", help="one tiny model, two steps (a smoke run)")
     return parser.parse_args()
 
@@ -77,8 +78,9 @@ def plans_for(shape) -> list:
     return chosen
 
 
-def measure(candidate, shape, devices, steps: int) -> tuple[float, int]:
-    """(median step seconds, compiled peak bytes) of the demo model's step under the candidate."""
+def prepare(candidate, shape, devices, steps: int) -> dict:
+    """The demo model's step under the candidate, its state, ``steps`` batches and its compiled peak
+    bytes; two warm-up steps run."""
     import jax
 
     from torsh_jax.analysis.memory import memory_report
@@ -88,16 +90,32 @@ def measure(candidate, shape, devices, steps: int) -> tuple[float, int]:
     cfg = shape.demo_config()
     train, _ = abstract_train_step(candidate.plan, cfg, devices)
     state = train.init(init_params(cfg, jax.random.key(0)))
-    batches = [synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=i) for i in range(steps + 2)]
+    batches = [synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=i) for i in range(steps)]
     peak = memory_report(train.lower(state, batches[0]).compile()).peak_estimate_bytes
-    times = []
-    for i, batch in enumerate(batches):
-        start = time.perf_counter()
-        state, metrics = train.step(state, batch)
-        jax.block_until_ready(metrics["loss"])
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times), peak
+    run = {"train": train, "state": state, "batches": batches, "peak": peak, "times": []}
+    for batch in batches[:2]:
+        _timed_step(run, batch)
+    run["times"].clear()
+    return run
+
+
+def _timed_step(run: dict, batch) -> None:
+    import jax
+
+    start = time.perf_counter()
+    run["state"], metrics = run["train"].step(run["state"], batch)
+    jax.block_until_ready(metrics["loss"])
+    run["times"].append(time.perf_counter() - start)
+
+
+def measure_in_rounds(runs: list[dict], rounds: int) -> list[float]:
+    """Median step seconds of each prepared run over ``rounds`` rounds, each timing one step of
+    every run in turn: a drift of the machine's speed during the benchmark falls on every plan
+    alike instead of on the plans measured while it lasts."""
+    for r in range(rounds):
+        for run in runs:
+            _timed_step(run, run["batches"][r % len(run["batches"])])
+    return [statistics.median(run["times"]) for run in runs]
 
 
 def kendall_tau_b(a: list[float], b: list[float]) -> float:
@@ -160,12 +178,16 @@ def main() -> int:
                 "step_overhead_s": machine.step_overhead_s,
                 "activation_scale": machine.activation_scale,
                 "recompute_scale": machine.recompute_scale,
+                "flops_per_s_by_tokens": machine.flops_per_s_by_tokens,
             }
         )
         rows = []
-        for candidate in plans_for(shape):
+        chosen = plans_for(shape)
+        runs = [prepare(candidate, shape, devices, steps) for candidate in chosen]
+        measured = measure_in_rounds(runs, steps)
+        for candidate, run, seconds in zip(chosen, runs, measured, strict=True):
             p = predict(candidate, shape, machine, opt_factor=optimizer_state_factor(candidate.plan))
-            seconds, peak = measure(candidate, shape, devices, steps)
+            peak = run["peak"]
             row = {
                 "name": "planner_plan",
                 "model": name,

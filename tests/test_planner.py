@@ -214,6 +214,7 @@ def test_calibrate_measures_this_machine_and_plan_reads_its_file(tmp_path, capsy
     assert machine.remat_gradient_bytes[1] > 0 and machine.compiled_for.startswith("d_model=64,layers=2")
     assert all(per_token > 0 for _, per_token in machine.chunk_gradient_bytes.values())
     assert machine.update_bytes_per_s > 0  # AdamW's update timed
+    assert set(machine.flops_per_s_by_tokens) == {16, 32, 64}  # the rate at 1, 2 and 4 examples of 16
     assert (machine.overlaps, machine.shared_cores) == (False, True)  # simulated CPU devices
     assert main(["plan", "--model", TINY, "--machine", str(path), "--global-batch", "64", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["machine"]["devices"] == 8
@@ -248,6 +249,22 @@ def test_the_optimizer_update_is_timed_on_the_devices_slice_of_the_parameters(ti
     assert update["zero1 fsdp=8 acc=1"] == pytest.approx(update["ddp data=8 acc=1"] / 8)
     assert update["pp data=2 stage=4 1f1b m=4 acc=1"] < update["ddp data=8 acc=1"] / 2
     assert predict(by_label["ddp data=8 acc=1"], tiny, CPU8).update_s == 0.0  # not measured: not timed
+
+
+def test_compute_runs_at_the_rate_measured_for_the_micro_steps_tokens(tiny):
+    """Accumulating halves a device's micro-step; a pipeline's micro-batch is its ``1/m``; a
+    tensor-split layer is as much work as ``1/tensor`` of its tokens whole."""
+    from dataclasses import replace
+
+    by_label = {c.label: c for c in candidates(tiny, devices=8, global_batch=64)}
+    tokens = 8 * tiny.seq_len  # 8 examples per device without accumulation
+    fast = replace(CPU8, flops_per_s_by_tokens={tokens // 2: 2e9, tokens: 1e9})
+    compute = lambda label, m=fast: predict(by_label[label], tiny, m).compute_s
+    assert compute("ddp data=8 acc=2") == pytest.approx(compute("ddp data=8 acc=2", CPU8) / 2)
+    assert compute("ddp data=8 acc=1") == pytest.approx(compute("ddp data=8 acc=1", CPU8))
+    assert compute("ddp data=4 tensor=2 acc=1") == pytest.approx(compute("ddp data=4 tensor=2 acc=1", CPU8))
+    pipeline = "pp data=4 stage=2 1f1b m=4 acc=1"  # micro-batches of 4 examples: nearest 4
+    assert compute(pipeline) == pytest.approx(compute(pipeline, CPU8) / 2)
 
 
 def test_the_link_fit_recovers_alpha_and_beta_from_exact_times():

@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
             "slices": machine.slices,
             "flops_per_s": machine.flops_per_s,
             "memory_bytes": machine.memory_bytes,
+            # the machine's compiled gradients are of this model: pipelines and ZeRO-3 cost them
+            "compiled_gradients": bool(machine.compiled_for) and machine.compiled_for == shape.signature,
             "source": machine.source,
         },
         "global_batch": args.global_batch,

@@ -12,6 +12,8 @@ On the present devices (simulated CPU devices, or one host's accelerators):
   ``1/β`` are the least-squares fit of ``time = steps · α + wire bytes / β`` (ring steps and
   bytes as the cost model counts them), clipped at zero;
 * **overhead**: a step that does nothing but cross a ``shard_map`` over the devices;
+* **micro-step size**: the compute rate again at 1 and 2 examples per device
+  (``flops_per_s_by_tokens``);
 * **codec**: int8 encode and decode of 1 Mi gradient values on every device at once; top-k's and
   PowerSGD's (their default settings) of 256 Ki values (``codec_s_per_element_by_method``);
 * **update**: AdamW's update of 1 Mi parameters on every device at once (``update_bytes_per_s``);
@@ -56,6 +58,8 @@ __all__ = [
 LINK_SIZES = tuple(4096 * 4**k for k in range(6))  # 4 KiB .. 4 MiB
 #: Examples per device in the compute measurement.
 _ROWS = 4
+#: Examples per device the compute rate is also measured at (micro-steps smaller than ``_ROWS``).
+_RATE_ROWS = (1, 2)
 
 
 def _median_seconds(fn, *args, repeats: int) -> float:
@@ -71,7 +75,7 @@ def _median_seconds(fn, *args, repeats: int) -> float:
 
 
 def _gradient_seconds(
-    mesh, shape: ModelShape, repeats: int, *, recompute: str = "none", chunk: int = 1
+    mesh, shape: ModelShape, repeats: int, *, recompute: str = "none", chunk: int = 1, rows: int = _ROWS
 ) -> float:
     """Seconds of the demo model's loss and gradient on every device at once. ``recompute``:
     ``none``; ``layer``, each layer's forward runs again in the backward pass from its saved input
@@ -88,7 +92,7 @@ def _gradient_seconds(
     loss = _loss_recomputing(cfg, recompute, chunk)
     params = init_params(cfg, jax.random.key(0))
     n = mesh.shape["devices"]
-    batch = jax.tree.map(jnp.asarray, synthetic_tokens(cfg, batch_size=_ROWS * n, seed=0))
+    batch = jax.tree.map(jnp.asarray, synthetic_tokens(cfg, batch_size=rows * n, seed=0))
     batch = jax.device_put(batch, NamedSharding(mesh, P("devices")))
     params = jax.device_put(params, NamedSharding(mesh, P()))
 
@@ -311,6 +315,17 @@ def _gradient_temp_bytes(
     return memory_report(compiled).temp_bytes
 
 
+def _rates_by_tokens(mesh, shape: ModelShape, repeats: int, plain: float) -> dict[int, float]:
+    """Per-device FLOP/s of the plain pass by tokens per device: ``_RATE_ROWS`` examples each, and
+    ``_ROWS`` (``plain`` seconds)."""
+    rates = {}
+    for rows in (*_RATE_ROWS, _ROWS):
+        seconds = plain if rows == _ROWS else _gradient_seconds(mesh, shape, repeats, rows=rows)
+        tokens = rows * shape.seq_len
+        rates[tokens] = tokens * shape.train_flops_per_token(recompute=False) / seconds
+    return rates
+
+
 def _overhead(mesh, repeats: int) -> float:
     import jax
     import jax.numpy as jnp
@@ -344,6 +359,7 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         devices=len(devices),
         slices=1,
         flops_per_s=_ROWS * shape.seq_len * shape.train_flops_per_token(recompute=False) / plain,
+        flops_per_s_by_tokens=_rates_by_tokens(mesh, shape, repeats, plain),
         recompute_cost=_gradient_seconds(mesh, shape, repeats, recompute="layer") / plain,
         chunk_recompute_costs={
             k: _gradient_seconds(mesh, shape, repeats, recompute="chunk", chunk=k) / plain

@@ -24,7 +24,8 @@ layers by the formula.
 **Step time** = the machine's per-step overhead + compute + pipeline bubble + exposed communication:
 
 * compute: the busiest device's FLOPs (its tokens × :meth:`ModelShape.train_flops_per_token`,
-  split over ``tensor`` and ``stage``) over the machine's sustained FLOP/s, times
+  split over ``tensor`` and ``stage``) over the machine's sustained FLOP/s at the size of its
+  micro-steps (:meth:`Machine.flops_per_s_at`), times
   :func:`recompute_cost` where the layers' forward runs again (remat and ZeRO-3 on use per layer,
   a pipeline stage per chunk), plus encoding and decoding compressed gradients at the machine's
   rate for the method (:meth:`Machine.codec_seconds_per_element`);
@@ -403,11 +404,14 @@ def _like_compiled(c: Candidate, shape: ModelShape, machine: Machine) -> bool:
 # -- time ----------------------------------------------------------------------------------------
 def _compute_seconds(c: Candidate, shape: ModelShape, machine: Machine) -> float:
     """Each device's share of the step's FLOPs (the replica's tokens split over ``tensor`` and
-    ``stage``) at the machine's per-device rate."""
+    ``stage``) at the machine's per-device rate for its micro-steps (:meth:`Machine.flops_per_s_at`
+    their tokens, over ``tensor``: a device's share of a tensor-split layer is as much work as that
+    many whole tokens)."""
     replicas = c.sizes["data"] * c.sizes["fsdp"]
     tokens = c.plan.batch.global_batch_size(replicas) * shape.seq_len // replicas
     flops = tokens * shape.train_flops_per_token(recompute=False) / (c.sizes["tensor"] * c.sizes["stage"])
-    return flops / machine.flops_per_s * recompute_cost(c, shape, machine)
+    rate = machine.flops_per_s_at(_tokens_per_micro_step(c, shape) // c.sizes["tensor"])
+    return flops / rate * recompute_cost(c, shape, machine)
 
 
 def update_bytes(elements: float, /, *, param_bytes: int, opt_factor: float) -> float:

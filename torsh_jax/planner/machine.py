@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -65,6 +66,9 @@ class Machine:
         devices: devices of the whole machine.
         slices: slices (TPU) or nodes (GPU) joined by DCN; 1 for one.
         flops_per_s: sustained FLOP/s of one device on a training step's matmuls.
+        flops_per_s_by_tokens: the same by the tokens of a device's micro-step, where measured
+            (``calibrate`` times 1, 2 and 4 examples per device: on XLA:CPU 2 examples ran 3-10 %
+            faster per token than 4 on the benchmark's models); :meth:`flops_per_s_at` reads it.
         memory_bytes: memory one device may use.
         links: ``ici`` (in a slice or node) and ``dcn`` (across).
         overlaps: collectives can run beside compute (accelerators: yes; simulated CPU devices
@@ -132,6 +136,21 @@ class Machine:
     update_bytes_per_s: float | None = None
     platform: str = "tpu"
     source: str = ""
+    flops_per_s_by_tokens: dict[int, float] = field(default_factory=dict)
+
+    def flops_per_s_at(self, tokens: int, /) -> float:
+        """The per-device rate on micro-steps of ``tokens`` tokens: the measured count nearest in
+        ratio (the larger on a tie), else :attr:`flops_per_s`.
+
+        Example:
+            >>> m = Machine("m", 8, 1, 4e9, 2**30, flops_per_s_by_tokens={256: 4.4e9, 512: 4e9})
+            >>> m.flops_per_s_at(128) / 1e9, m.flops_per_s_at(2048) / 1e9
+            (4.4, 4.0)
+        """
+        rates = self.flops_per_s_by_tokens
+        if not rates:
+            return self.flops_per_s
+        return rates[min(rates, key=lambda k: (abs(math.log(tokens / k)), -k))]
 
     def codec_seconds_per_element(self, method: str, /) -> float:
         """Encode and decode of one gradient element with ``method``: measured
@@ -186,6 +205,8 @@ class Machine:
             links = {kind: Link(**link) for kind, link in data.pop("links").items()}
             chunks = data.pop("chunk_recompute_costs", {})  # JSON keys are strings
             data["chunk_recompute_costs"] = {int(k): float(v) for k, v in chunks.items()}
+            rates = data.pop("flops_per_s_by_tokens", {})
+            data["flops_per_s_by_tokens"] = {int(k): float(v) for k, v in rates.items()}
             sets = data.pop("chunk_gradient_bytes", {})
             data["chunk_gradient_bytes"] = {int(k): (float(a), float(b)) for k, (a, b) in sets.items()}
             if data.get("remat_gradient_bytes") is not None:
