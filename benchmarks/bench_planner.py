@@ -10,7 +10,9 @@ the planner predicts each (:func:`torsh_jax.planner.cost.predict` with the calib
 Prints one ``planner_plan`` row per plan and model (``predicted_s``, ``measured_s``, ``error``,
 ``predicted_memory``, ``compiled_peak``, ``memory_error``) and one ``planner_summary`` row per model
 and overall: ``mape`` (mean absolute percentage error of the step time), ``kendall_tau`` (rank
-agreement of predicted and measured times: tau-b; ``kendall_tau_a`` beside it), ``pick_ratio``
+agreement of predicted and measured times: tau-b; ``kendall_tau_a`` beside it),
+``misordered_beyond_noise`` (pairs ordered against the measurement by more than the rounds'
+spread, ``measured_iqr_s`` per plan), ``pick_ratio``
 (measured time of the plan the planner ranks first / the fastest measured), ``memory_mape``.
 
 Usage:
@@ -135,6 +137,25 @@ def kendall_tau_a(a: list[float], b: list[float]) -> float:
     return agree / len(pairs)
 
 
+def misordered_beyond_noise(rows: list[dict]) -> list[list[str]]:
+    """Pairs of plans the prediction orders against the measurement by more than the noise: the
+    measured gap exceeds both plans' interquartile range over the rounds (pairs predicted equal
+    are not counted). The pairs that decide a low Kendall's tau in figures rather than in noise."""
+    out = []
+    for a, b in itertools.combinations(rows, 2):
+        gap = a["measured_s"] - b["measured_s"]
+        predicted = a["predicted_s"] - b["predicted_s"]
+        beyond = abs(gap) > max(a["measured_iqr_s"], b["measured_iqr_s"])
+        if predicted and gap and (predicted > 0) != (gap > 0) and beyond:
+            out.append([a["plan"], b["plan"]])
+    return out
+
+
+def _iqr(times: list[float]) -> float:
+    low, _, high = statistics.quantiles(times, n=4)
+    return high - low
+
+
 def summary(rows: list[dict], name: str) -> dict:
     predicted = [r["predicted_s"] for r in rows]
     measured = [r["measured_s"] for r in rows]
@@ -146,6 +167,7 @@ def summary(rows: list[dict], name: str) -> dict:
         "mape": statistics.mean(abs(r["error"]) for r in rows),
         "kendall_tau": kendall_tau_b(predicted, measured),
         "kendall_tau_a": kendall_tau_a(predicted, measured),
+        "misordered_beyond_noise": misordered_beyond_noise(rows),
         "pick": rows[best]["plan"],
         "pick_ratio": measured[best] / min(measured),
         "memory_mape": statistics.mean(abs(r["memory_error"]) for r in rows),
@@ -194,6 +216,7 @@ def main() -> int:
                 "plan": candidate.label,
                 "predicted_s": p.step_s,
                 "measured_s": seconds,
+                "measured_iqr_s": _iqr(run["times"]),
                 "error": p.step_s / seconds - 1,
                 "predicted_memory": p.memory["total"],
                 "compiled_peak": peak,
