@@ -75,17 +75,21 @@ def test_a_tied_embedding_is_read_by_the_embedding_and_the_head():
     assert set(untied.model.head_keys) == {"norm", "output"}
 
 
-def _twin_report(name: str, plan, steps: int = 2, trained: bool = True):
+def _twin_report(name: str, plan, steps: int = 2, trained: bool = True, train=None):
     _, _, layered = _converted(name, trained=trained)
-    return layered_twin_report(layered.model, layered.params, plan, steps)
+    return layered_twin_report(layered.model, layered.params, plan, steps, train=train)
 
 
-def layered_twin_report(model, params, plan, steps: int = 2, *, in_float64=None, batch_of=lambda b: b):
+def layered_twin_report(
+    model, params, plan, steps: int = 2, *, in_float64=None, batch_of=lambda b: b, train=None
+):
     """``model`` on ``plan`` against its single-device twin and a float64 run (of ``in_float64``, a
     model computing in its parameters' dtype, when ``model`` does not), on ``batch_of`` the token
     batches. The twin runs are shared by the plans with the same twin (``shared_twin_runs``: the
-    models and ``batch_of`` are part of the key, so pass the same objects to share)."""
-    train = make_train_step(model, momentum(), plan, build_mesh(plan), params)
+    models and ``batch_of`` are part of the key, so pass the same objects to share). ``train``: the
+    step of ``model`` on ``plan`` with :func:`momentum` a test already made and inspected (its
+    program traced and compiled once)."""
+    train = train or make_train_step(model, momentum(), plan, build_mesh(plan), params)
     batches = [batch_of(_batch(train.global_batch_size, seed=i)) for i in range(steps)]
     exact_model = in_float64 or model
     key = ("layered", model, exact_model, batch_of, momentum, twin_plan_key(plan))
@@ -268,7 +272,7 @@ def test_auto_rules_split_a_nameless_model_as_megatron_does_and_it_equals_its_tw
         rows = train.global_batch_size // 4
         extra = 4 * CPU_EXTRA_PER_BLOCK[name] * _activation_bytes(rows)
         assert _tensor_activation_bytes(summary) == _megatron_bytes(rows) + extra
-    assert_matches_twin(_twin_report(name, plan), params=True)
+    assert_matches_twin(_twin_report(name, plan, train=train), params=True)
 
 
 @pytest.mark.parametrize("name", MODELS)

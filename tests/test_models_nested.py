@@ -111,7 +111,7 @@ def test_the_hf_llama_preset_splits_the_model_as_megatron_does_and_it_equals_its
     rows = train.global_batch_size // 4
     assert _tensor_activation_bytes(summary) == _megatron_bytes(rows) + 4 * 3 * _activation_bytes(rows)
     _, layered = _converted()
-    assert_matches_twin(layered_twin_report(layered.model, layered.params, plan), params=True)
+    assert_matches_twin(layered_twin_report(layered.model, layered.params, plan, train=train), params=True)
 
 
 def test_a_preset_entry_names_a_blocks_own_parameter_and_a_stacked_one():
