@@ -12,17 +12,16 @@ import numpy as np
 import pytest
 from conftest import require_devices
 from flax_blocks import GPT2, Llama, next_token_loss
-from helpers import assert_matches_twin
+from helpers import assert_matches_twin, shared_twin_runs, twin_plan_key
 from test_pipeline import momentum, pipeline_plan, zero_pipeline
 from test_pipeline_tied import cheaper
 
 from torsh_jax import ModelStructureError, NotSupportedYetError, from_linen, load_plan
 from torsh_jax.demo.model import LMConfig, synthetic_tokens
-from torsh_jax.runtime.inspect import inspect_step
+from torsh_jax.runtime.inspect import inspect_step, tensor_split
 from torsh_jax.runtime.layered import layered_loss
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.step import make_train_step
-from torsh_jax.runtime.twin import make_reference_step
 from torsh_jax.runtime.verify import compare_with_twin
 
 CFG = LMConfig(vocab=64, seq_len=8)
@@ -76,20 +75,26 @@ def test_a_tied_embedding_is_read_by_the_embedding_and_the_head():
     assert set(untied.model.head_keys) == {"norm", "output"}
 
 
-def _twin_report(name: str, plan, steps: int = 2, trained: bool = True):
+def _twin_report(name: str, plan, steps: int = 2, trained: bool = True, train=None):
     _, _, layered = _converted(name, trained=trained)
-    return layered_twin_report(layered.model, layered.params, plan, steps)
+    return layered_twin_report(layered.model, layered.params, plan, steps, train=train)
 
 
-def layered_twin_report(model, params, plan, steps: int = 2, *, in_float64=None, batch_of=lambda b: b):
+def layered_twin_report(
+    model, params, plan, steps: int = 2, *, in_float64=None, batch_of=lambda b: b, train=None
+):
     """``model`` on ``plan`` against its single-device twin and a float64 run (of ``in_float64``, a
     model computing in its parameters' dtype, when ``model`` does not), on ``batch_of`` the token
-    batches."""
-    optimizer = momentum()
-    train = make_train_step(model, optimizer, plan, build_mesh(plan), params)
-    twin = make_reference_step(layered_loss(model), optimizer, plan)
-    exact = make_reference_step(layered_loss(in_float64 or model), optimizer, plan, dtype="float64")
+    batches. The twin runs are shared by the plans with the same twin (``shared_twin_runs``: the
+    models and ``batch_of`` are part of the key, so pass the same objects to share). ``train``: the
+    step of ``model`` on ``plan`` with :func:`momentum` a test already made and inspected (its
+    program traced and compiled once)."""
+    train = train or make_train_step(model, momentum(), plan, build_mesh(plan), params)
     batches = [batch_of(_batch(train.global_batch_size, seed=i)) for i in range(steps)]
+    exact_model = in_float64 or model
+    key = ("layered", model, exact_model, batch_of, momentum, twin_plan_key(plan))
+    loss, exact_loss = layered_loss(model), layered_loss(exact_model)
+    twin, exact = shared_twin_runs(key, loss, exact_loss, momentum, plan, params, batches)
     return compare_with_twin(tuple(train), twin, params, batches, exact=exact)
 
 
@@ -98,10 +103,13 @@ def _with_auto_tensor_rules(plan):
 
 
 #: each pipeline preset's schedule and axes on 2 stages x 2 micro-batches (what is summed where does
-#: not depend on the counts; tests/test_pipeline_tied.py), and ZeRO-3 gathering one layer at a time
+#: not depend on the counts; tests/test_pipeline_tied.py), and ZeRO-3 gathering one layer at a time.
+#: The pipelines' global batch is 16 (micro-batches of 2 examples on 4 data ranks): one twin run
+#: serves them all (helpers.shared_twin_runs)
+PAIRS = {"micro_batch_size": 4}
 PLANS = {
-    "1f1b": pipeline_plan("1f1b", stages=2, microbatches=2),
-    "interleaved": pipeline_plan("interleaved", stages=2, microbatches=2),
+    "1f1b": pipeline_plan("1f1b", stages=2, microbatches=2, batch=PAIRS),
+    "interleaved": pipeline_plan("interleaved", stages=2, microbatches=2, batch=PAIRS),
     "fsdp_pp-zero2": zero_pipeline(2),
     "zero3": load_plan("zero3"),
     # data 2 x stage 2 x tensor 2; the compiler splits the layers over tensor by Megatron's rules
@@ -256,14 +264,15 @@ def test_auto_rules_split_a_nameless_model_as_megatron_does_and_it_equals_its_tw
     plan = _with_auto_tensor_rules(load_plan(preset))
     _, _, layered = _converted(name, trained=True)
     train = make_train_step(layered.model, momentum(), plan, build_mesh(plan), layered.params)
-    summary = inspect_step(train, train.abstract_state(), _batch(train.global_batch_size))
-    split = summary["tensor_split"]
+    split = tensor_split(train)  # what inspect reports, from the layout: no compile needed
     assert {path: split[path] for path in MEGATRON_SPLIT[name]} == MEGATRON_SPLIT[name]
     if preset == "tp":
+        summary = inspect_step(train, train.abstract_state(), _batch(train.global_batch_size))
+        assert summary["tensor_split"] == split
         rows = train.global_batch_size // 4
         extra = 4 * CPU_EXTRA_PER_BLOCK[name] * _activation_bytes(rows)
         assert _tensor_activation_bytes(summary) == _megatron_bytes(rows) + extra
-    assert_matches_twin(_twin_report(name, plan), params=True)
+    assert_matches_twin(_twin_report(name, plan, train=train), params=True)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -25,7 +25,7 @@ from test_pipeline import momentum, pipeline_plan
 from torsh_jax import ModelStructureError, from_linen, load_plan
 from torsh_jax.errors import ShardingError
 from torsh_jax.plan.io import load_param_dims, plan_from_dict
-from torsh_jax.runtime.inspect import inspect_step
+from torsh_jax.runtime.inspect import inspect_step, tensor_split
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.step import make_train_step
 
@@ -86,9 +86,13 @@ def _tp(param_dims=None):
     return plan.replace(param_dims=load_param_dims(param_dims)) if param_dims else plan
 
 
-def _tensor_split(plan):
+def _step(plan):
     _, layered = _converted()
-    train = make_train_step(layered.model, momentum(), plan, build_mesh(plan), layered.params)
+    return make_train_step(layered.model, momentum(), plan, build_mesh(plan), layered.params)
+
+
+def _tensor_split(plan):
+    train = _step(plan)
     return train, inspect_step(train, train.abstract_state(), _batch(train.global_batch_size))
 
 
@@ -97,7 +101,7 @@ def test_the_hf_llama_preset_splits_the_model_as_megatron_does_and_it_equals_its
     are Megatron's plus the separate q/k/v and gate/up input-gradient reductions (3 activations
     per block, as for the auto-split Llama)."""
     require_devices(8)
-    auto = _tensor_split(_with_auto_tensor_rules(_tp()))[1]["tensor_split"]
+    auto = tensor_split(_step(_with_auto_tensor_rules(_tp())))  # the layout's, no compile needed
     assert auto["model/layers/self_attn/q_proj/kernel"] == []
     assert auto["model/layers/self_attn/o_proj/kernel"] == []
     plan = _tp("hf_llama")
@@ -107,7 +111,7 @@ def test_the_hf_llama_preset_splits_the_model_as_megatron_does_and_it_equals_its
     rows = train.global_batch_size // 4
     assert _tensor_activation_bytes(summary) == _megatron_bytes(rows) + 4 * 3 * _activation_bytes(rows)
     _, layered = _converted()
-    assert_matches_twin(layered_twin_report(layered.model, layered.params, plan), params=True)
+    assert_matches_twin(layered_twin_report(layered.model, layered.params, plan, train=train), params=True)
 
 
 def test_a_preset_entry_names_a_blocks_own_parameter_and_a_stacked_one():

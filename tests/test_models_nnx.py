@@ -79,10 +79,17 @@ def _computing_in_param_dtype(model):
     return model
 
 
+@functools.cache
+def _in_float64(name: str, layers: int):
+    """The float64 run's model of :func:`_converted` (once per worker: the same object keys the
+    shared twin runs)."""
+    lifted = _computing_in_param_dtype(BUILD[name](layers))
+    return from_nnx(lifted, _batch(2), loss=next_token_loss, blocks=BLOCKS[name]).model
+
+
 def _twin_report(name: str, plan, steps: int = 2):
     _, layered = _converted(name, 4)
-    lifted = _computing_in_param_dtype(BUILD[name](4))
-    in_float64 = from_nnx(lifted, _batch(2), loss=next_token_loss, blocks=BLOCKS[name]).model
+    in_float64 = _in_float64(name, 4)
     return layered_twin_report(layered.model, layered.params, plan, steps, in_float64=in_float64)
 
 

@@ -168,7 +168,7 @@ def test_bad_schedules_name_the_key_and_the_fix(args, key, says):
 
 def assert_twin(plan, *, cfg=PIPE, steps=5):
     mlp = not needs_tensor_blocks(plan)
-    report, train = twin_report(plan, cfg=cfg, steps=steps, optimizer=momentum(), mlp=mlp)
+    report, train = twin_report(plan, cfg=cfg, steps=steps, optimizer=momentum, mlp=mlp)
     assert_matches_twin(report, params=True)
     return train
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from helpers import assert_matches_twin, mlp_params
+from helpers import assert_matches_twin, mlp_params, shared_twin_runs, twin_plan_key
 from test_pipeline import PIPE, momentum, pipeline_plan, zero_pipeline
 
 from torsh_jax import LayeredModel, NotSupportedYetError, load_plan
@@ -20,7 +20,6 @@ from torsh_jax.demo.model import LMConfig, synthetic_tokens
 from torsh_jax.runtime.layered import layered_loss
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.step import make_train_step
-from torsh_jax.runtime.twin import make_reference_step
 from torsh_jax.runtime.verify import compare_with_twin
 from torsh_jax.tensor import TensorAxis, tensor_axis
 
@@ -75,18 +74,24 @@ def tied_tensor_mlp_params(cfg: LMConfig, key: jax.Array) -> dict:
 
 def tied_twin_report(plan, *, model: LayeredModel | None = None, steps: int = 3):
     """``model`` (default: the tied MLP, from the tensor blocks when ``plan`` has a tensor axis; 4
-    layers) on ``plan`` and on one device."""
+    layers) on ``plan`` and on one device (the twin runs shared by the plans with the same twin)."""
     mesh = build_mesh(plan)
     cfg = PIPE  # 4 layers
     if mesh.shape.get("tensor", 1) > 1:
-        model, params = tied_tensor_mlp(tensor_axis(plan)), tied_tensor_mlp_params(cfg, jax.random.key(0))
+        tp = tensor_axis(plan)
+        model, params, name = (
+            tied_tensor_mlp(tp),
+            tied_tensor_mlp_params(cfg, jax.random.key(0)),
+            ("tensor", tp),
+        )
     else:
+        name = "plain" if model is None else model
         model, params = model or tied_mlp(), tied_mlp_params(cfg, jax.random.key(0))
-    optimizer = momentum()
-    train = make_train_step(model, optimizer, plan, mesh, params)
-    twin = make_reference_step(layered_loss(model), optimizer, plan)
-    exact = make_reference_step(layered_loss(model), optimizer, plan, dtype="float64")
+    train = make_train_step(model, momentum(), plan, mesh, params)
     batches = [synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=i) for i in range(steps)]
+    key = ("tied", name, momentum, twin_plan_key(plan))
+    loss = layered_loss(model)
+    twin, exact = shared_twin_runs(key, loss, loss, momentum, plan, params, batches)
     return compare_with_twin(tuple(train), twin, params, batches, exact=exact)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import require_devices
-from helpers import SMALL, assert_matches_twin, twin_report
+from helpers import SMALL, assert_matches_twin, recording_optimizer, twin_report
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -94,6 +94,8 @@ def test_vocab_parallel_loss_never_holds_full_logits():
     assert "f32[2,8,8]" in text and "f32[2,8,32]" not in text
 
 
+#: every plan's global batch is the tp presets' 32 (micro-batches of 4 or 8 per data-parallel rank):
+#: the plans with the same sequence parallelism then share one twin run (helpers.shared_twin_runs)
 TP_PLANS = [
     pytest.param(load_plan("tp"), id="tp"),
     pytest.param(load_plan("tp_sp"), id="tp-sequence-parallel"),
@@ -101,30 +103,30 @@ TP_PLANS = [
     pytest.param(load_plan("hsdp_tp"), id="hsdp-tp-zero3"),
     pytest.param(
         plan_from_dict({"mesh": {"data": 2, "fsdp": 2, "tensor": 2}, "zero": {"stage": 1},
-                        "batch": {"micro_batch_size": 2}}),
+                        "batch": {"micro_batch_size": 8}}),
         id="zero1-hsdp-tp",
     ),
     pytest.param(
         plan_from_dict({"mesh": {"data": 1, "fsdp": -1, "tensor": 2}, "zero": {"stage": 1},
-                        "batch": {"micro_batch_size": 2, "accumulation_steps": 2}}),
+                        "batch": {"micro_batch_size": 4, "accumulation_steps": 2}}),
         id="zero1-tp-accum",
     ),
     pytest.param(
         plan_from_dict({"mesh": {"data": 1, "fsdp": -1, "tensor": 2}, "zero": {"stage": 2},
                         "tensor": {"sequence_parallel": True},
-                        "batch": {"micro_batch_size": 2, "accumulation_steps": 2}}),
+                        "batch": {"micro_batch_size": 4, "accumulation_steps": 2}}),
         id="zero2-tp-sp-accum",
     ),
     pytest.param(
         plan_from_dict({"mesh": {"data": 1, "fsdp": -1, "tensor": 2}, "zero": {"stage": 3},
                         "tensor": {"sequence_parallel": True},
-                        "batch": {"micro_batch_size": 2, "accumulation_steps": 2}}),
+                        "batch": {"micro_batch_size": 4, "accumulation_steps": 2}}),
         id="zero3-tp-sp-accum",
     ),
     pytest.param(
         plan_from_dict({"mesh": {"data": 1, "fsdp": -1, "tensor": 2},
                         "zero": {"stage": 3, "prefetch_layers": 1},
-                        "tensor": {"sequence_parallel": True}, "batch": {"micro_batch_size": 2}}),
+                        "tensor": {"sequence_parallel": True}, "batch": {"micro_batch_size": 8}}),
         id="zero3-prefetch-tp-sp",
     ),
     pytest.param(
@@ -133,6 +135,13 @@ TP_PLANS = [
         id="fsdp2-tp4-zero3",
     ),
 ]  # fmt: skip
+
+
+def momentum() -> optax.GradientTransformation:
+    """SGD with momentum, recording the gradients."""
+    return optax.chain(record_gradients(), optax.sgd(0.05, momentum=0.9))
+
+
 HEADS4 = LMConfig(vocab=64, d_model=32, heads=4, head_dim=8, mlp=64, layers=2, seq_len=16)
 
 
@@ -141,8 +150,7 @@ def test_every_data_parallel_mode_composes_with_tensor_and_equals_its_twin(plan)
     """Free-running 5 steps. Adam on tensor=4 drifts in near-zero gradient elements (1e-4 in the
     parameters, 1.2e-5 in the gradients by step 5: docs/strategies.md), so that case uses momentum."""
     require_devices(8)
-    momentum = optax.chain(record_gradients(), optax.sgd(0.05, momentum=0.9))
-    optimizer = momentum if plan.mesh.tensor.ici == 4 else None
+    optimizer = momentum if plan.mesh.tensor.ici == 4 else recording_optimizer
     report, train = twin_report(plan, steps=5, cfg=HEADS4, optimizer=optimizer)
     assert train.layout.roles.tensor_axis == "tensor"
     assert_matches_twin(report)

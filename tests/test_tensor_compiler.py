@@ -10,7 +10,7 @@ import pytest
 from conftest import require_devices
 from flax import nnx
 from flax_models import SEQ, VOCAB, linen_loss, linen_params, nnx_loss, nnx_model
-from helpers import assert_matches_twin
+from helpers import assert_matches_twin, shared_twin_runs, twin_plan_key
 from jax.sharding import PartitionSpec as P
 
 from torsh_jax import load_plan
@@ -35,22 +35,30 @@ def _batches(train, steps: int = 5):
     return [jax.random.randint(jax.random.key(i), (n, SEQ), 0, VOCAB) for i in range(steps)]
 
 
-def _twin(loss, params, plan, optimizer=None, *, lockstep=False):
-    optimizer = optimizer or _sgd()
-    train = make_train_step(loss, optimizer, plan, build_mesh(plan), params)
-    twin, exact = (make_reference_step(loss, optimizer, plan, dtype=d) for d in (None, "float64"))
-    report = compare_with_twin(tuple(train), twin, params, _batches(train), lockstep=lockstep, exact=exact)
+def _twin(loss, params, plan, optimizer=_sgd, *, lockstep=False):
+    """``plan`` against its twin with the optimizer ``optimizer()`` makes; free-running, the twin runs
+    are shared by the plans with the same twin (helpers.shared_twin_runs)."""
+    train = make_train_step(loss, optimizer(), plan, build_mesh(plan), params)
+    batches = _batches(train)
+    if lockstep:  # the twin restarts from the parallel program's state: nothing to share
+        twin, exact = (make_reference_step(loss, optimizer(), plan, dtype=d) for d in (None, "float64"))
+    else:
+        key = ("tensor_compiler", loss, optimizer, twin_plan_key(plan))
+        twin, exact = shared_twin_runs(key, loss, loss, optimizer, plan, params, batches)
+    report = compare_with_twin(tuple(train), twin, params, batches, lockstep=lockstep, exact=exact)
     return report, train
 
 
+#: every plan's global batch is the presets' 32: one twin run serves them all
 LINEN_PLANS = [
     pytest.param(load_plan("fsdp_tp"), id="fsdp4-tp2-zero3"),
-    pytest.param(_plan({"data": 1, "fsdp": 2, "tensor": 4}, 3), id="fsdp2-tp4-zero3"),
+    pytest.param(_plan({"data": 1, "fsdp": 2, "tensor": 4}, 3, batch={"micro_batch_size": 16}),
+                 id="fsdp2-tp4-zero3"),
     pytest.param(load_plan("hsdp_tp"), id="hsdp-tp-zero3"),
-    pytest.param(_plan({"data": 1, "fsdp": 4, "tensor": 2}, 2, batch={"micro_batch_size": 2,
+    pytest.param(_plan({"data": 1, "fsdp": 4, "tensor": 2}, 2, batch={"micro_batch_size": 4,
                                                                      "accumulation_steps": 2}),
                  id="zero2-tp-accum"),
-    pytest.param(_plan({"data": 2, "fsdp": 2, "tensor": 2}, 1,
+    pytest.param(_plan({"data": 2, "fsdp": 2, "tensor": 2}, 1, batch={"micro_batch_size": 8},
                        compression=[{"axis": "data", "gradients": "int8"}],
                        communication={"bucket_mb": 0}), id="zero1-hsdp-tp-int8-data"),
 ]  # fmt: skip
@@ -83,7 +91,7 @@ def test_nnx_state_trains_under_fsdp_tp_and_equals_its_twin():
 def test_adam_gradients_equal_the_twin_in_lockstep():
     """Adam amplifies round-off in near-zero gradient elements (docs/strategies.md): compared in lockstep."""
     require_devices(8)
-    adam = optax.chain(record_gradients(), optax.adamw(1e-2))
+    adam = lambda: optax.chain(record_gradients(), optax.adamw(1e-2))
     report, _ = _twin(linen_loss, linen_params(jax.random.key(0)), load_plan("fsdp_tp"), adam, lockstep=True)
     assert_matches_twin(report)
 

@@ -15,12 +15,11 @@ import optax
 import pytest
 from conftest import require_devices
 from flax_models import SEQ, VOCAB, linen_loss, linen_params
-from helpers import assert_matches_twin
+from helpers import assert_matches_twin, shared_twin_runs, twin_plan_key
 
 from torsh_jax.errors import TranslationError
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.step import make_train_step
-from torsh_jax.runtime.twin import make_reference_step
 from torsh_jax.runtime.verify import compare_with_twin, record_gradients
 from torsh_jax.translate.deepspeed import translate_deepspeed
 from torsh_jax.translate.torch_fsdp import translate_torch_fsdp
@@ -95,15 +94,20 @@ def test_bad_meshes_name_the_problem(data, match):
         translate_torch_fsdp(data)
 
 
+def _momentum() -> optax.GradientTransformation:
+    return optax.chain(record_gradients(), optax.sgd(0.05, momentum=0.9))
+
+
 def _runs_and_equals_its_twin(plan) -> None:
+    """``plan`` on micro-batches of 2 against its twin (the twin runs shared by the translated plans
+    with the same global batch: helpers.shared_twin_runs)."""
     plan = plan.replace(batch=plan.batch.__class__(micro_batch_size=2))
-    optimizer = optax.chain(record_gradients(), optax.sgd(0.05, momentum=0.9))
     params = linen_params(jax.random.key(0))
-    train = make_train_step(linen_loss, optimizer, plan, build_mesh(plan), params)
-    twin = make_reference_step(linen_loss, optimizer, plan)
-    exact = make_reference_step(linen_loss, optimizer, plan, dtype="float64")
+    train = make_train_step(linen_loss, _momentum(), plan, build_mesh(plan), params)
     n = train.global_batch_size
     batches = [jax.random.randint(jax.random.key(i), (n, SEQ), 0, VOCAB) for i in range(3)]
+    key = ("translate_tensor", linen_loss, _momentum, twin_plan_key(plan))
+    twin, exact = shared_twin_runs(key, linen_loss, linen_loss, _momentum, plan, params, batches)
     report = compare_with_twin(tuple(train), twin, params, batches, exact=exact)
     assert train.layout.roles.tensor_axis == "tensor"
     assert_matches_twin(report, params=True)
