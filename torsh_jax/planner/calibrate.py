@@ -26,8 +26,9 @@ On the present devices (simulated CPU devices, or one host's accelerators):
 
 Times are medians of ``repeats`` runs after a warm-up; nothing here is a constant.
 
-``calibrate(jax.devices(), parse_model("demo:150m"))`` runs all of them (about twenty small
-programs to compile; tests/test_planner.py runs it through ``torsh-jax calibrate``).
+``calibrate(jax.devices(), parse_model("demo:150m"))`` runs all of them (38 small
+programs to compile, 14 of them compile-only; tests/test_planner.py runs it through
+``torsh-jax calibrate``).
 
 Example:
     >>> [size // 1024 for size in LINK_SIZES]  # KiB per device of the timed collectives
