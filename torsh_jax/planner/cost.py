@@ -79,7 +79,7 @@ from torsh_jax.plan import CompressorSpec
 from torsh_jax.plan.compressors import METHODS
 from torsh_jax.plan.factor import link_kind
 from torsh_jax.planner.buffers import compressed_buffers, tensor_replicated_elements
-from torsh_jax.planner.machine import Machine
+from torsh_jax.planner.machine import Machine, nearest_in_ratio
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Candidate
 
@@ -375,7 +375,7 @@ def _compiled_chunk_bytes(
     scanned = [k for k in found if k >= 2]
     if chunk == 1 or not scanned:
         return None
-    k = min(scanned, key=lambda k: (abs(math.log(chunk / k)), -k))
+    k = nearest_in_ratio(chunk, scanned)
     fixed, per_token = found[k]
     return fixed + (per_token + (chunk - k) * layer_bytes) * tokens
 

@@ -57,6 +57,17 @@ class Link:
         return steps * self.alpha_s + wire_bytes / self.bytes_per_s
 
 
+def nearest_in_ratio(value: float, known, /) -> int:
+    """The one of ``known`` nearest ``value`` in ratio (the larger on a tie): which measured size
+    stands for an unmeasured one.
+
+    Example:
+        >>> nearest_in_ratio(3, [2, 4, 8]), nearest_in_ratio(2, [1, 4]), nearest_in_ratio(100, [2, 4])
+        (4, 4, 4)
+    """
+    return min(known, key=lambda k: (abs(math.log(value / k)), -k))
+
+
 @dataclass(frozen=True)
 class Machine:
     """Devices, their rate and memory, and their links.
@@ -67,8 +78,8 @@ class Machine:
         slices: slices (TPU) or nodes (GPU) joined by DCN; 1 for one.
         flops_per_s: sustained FLOP/s of one device on a training step's matmuls.
         flops_per_s_by_tokens: the same by the tokens of a device's micro-step, where measured
-            (``calibrate`` times 1, 2 and 4 examples per device: on XLA:CPU 2 examples ran 3-10 %
-            faster per token than 4 on the benchmark's models); :meth:`flops_per_s_at` reads it.
+            (``calibrate`` times 1, 2 and 4 examples per device: on XLA:CPU 2 examples ran
+            faster per token than 4 here, run to run 0.5-13 %); :meth:`flops_per_s_at` reads it.
         memory_bytes: memory one device may use.
         links: ``ici`` (in a slice or node) and ``dcn`` (across).
         overlaps: collectives can run beside compute (accelerators: yes; simulated CPU devices
@@ -148,9 +159,7 @@ class Machine:
             (4.4, 4.0)
         """
         rates = self.flops_per_s_by_tokens
-        if not rates:
-            return self.flops_per_s
-        return rates[min(rates, key=lambda k: (abs(math.log(tokens / k)), -k))]
+        return rates[nearest_in_ratio(tokens, rates)] if rates else self.flops_per_s
 
     def codec_seconds_per_element(self, method: str, /) -> float:
         """Encode and decode of one gradient element with ``method``: measured
