@@ -85,32 +85,42 @@ class ArrayShape:
 Shape = ArrayShape | tuple
 
 
-def _split_top_level(text: str, sep: str = ",") -> list[str]:
-    """Split on ``sep`` outside any (), {}, [] nesting."""
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch in "({[":
-            depth += 1
-        elif ch in ")}]":
-            depth -= 1
-        elif ch == sep and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
+_BRACKETS_RE = re.compile(r"[(){}\[\]]")
+_SPLIT_RE = re.compile(r"[(){}\[\],]")
+_CLOSERS = {"(": ")", "{": "}", "[": "]"}
+_PAIR_RES = {opener: re.compile(f"[{re.escape(opener + closer)}]") for opener, closer in _CLOSERS.items()}
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside any (), {}, [] nesting; parts stripped, empty parts dropped."""
+    if _BRACKETS_RE.search(text) is None:
+        parts = text.split(",")
+    else:
+        parts, depth, start = [], 0, 0
+        for match in _SPLIT_RE.finditer(text):
+            ch = match.group()
+            if ch in "({[":
+                depth += 1
+            elif ch in ")}]":
+                depth -= 1
+            elif depth == 0:
+                parts.append(text[start : match.start()])
+                start = match.end()
+        parts.append(text[start:])
     return [p.strip() for p in parts if p.strip()]
 
 
 def _matching_close(text: str, start: int) -> int:
-    """Index of the bracket closing the one at ``text[start]``."""
-    pairs = {"(": ")", "{": "}", "[": "]"}
-    opener, depth = text[start], 0
-    for i in range(start, len(text)):
-        if text[i] == opener:
-            depth += 1
-        elif text[i] == pairs[opener]:
-            depth -= 1
-            if depth == 0:
-                return i
+    """Index of the bracket closing the one at ``text[start]`` (other bracket kinds are not counted)."""
+    opener = text[start]
+    close = text.find(_CLOSERS[opener], start + 1)
+    if close >= 0 and text.find(opener, start + 1, close) < 0:
+        return close
+    depth = 0
+    for match in _PAIR_RES[opener].finditer(text, start):
+        depth += 1 if match.group() == opener else -1
+        if depth == 0:
+            return match.start()
     raise NotSupportedYetError(
         f"unbalanced {opener!r} in HLO text: {text[:120]!r}",
         key="hlo",
@@ -125,10 +135,16 @@ def parse_shape(text: str) -> Shape:
         >>> parse_shape("(bf16[2,3]{1,0}, /*index=1*/s8[])")
         (ArrayShape(dtype='bf16', dims=(2, 3)), ArrayShape(dtype='s8', dims=()))
     """
-    text = _COMMENT_RE.sub("", text).strip()
+    return _cached_shape(text)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_shape(text: str) -> Shape:
+    """:func:`parse_shape`, once per distinct text (a program repeats few types; shapes are immutable)."""
+    text = _COMMENT_RE.sub("", text).strip() if "/*" in text else text.strip()
     if text.startswith("("):
         inner = text[1 : _matching_close(text, 0)]
-        return tuple(parse_shape(part) for part in _split_top_level(inner))
+        return tuple(_cached_shape(part) for part in _split_top_level(inner))
     match = _ARRAY_RE.match(text)
     if match is None:
         raise NotSupportedYetError(
@@ -169,6 +185,8 @@ def _blank_strings(text: str) -> str:
 
 #: ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}``: groups named by mesh axes.
 _MESH_GROUPS_RE = re.compile(r"mesh\[[^\]]*\](?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{[^}]*\}")
+_TOKEN_END_RE = re.compile(r"[,\s]|$")
+_CALLEE_NAME_RE = re.compile(r"%?([\w.\-]+)")
 
 
 @dataclass(frozen=True)
@@ -200,6 +218,8 @@ class Instruction:
 
     def attr(self, key: str) -> str | None:
         """The raw value of attribute ``key`` (a balanced {...} block or a token)."""
+        if f"{key}=" not in self.attrs:
+            return None
         match = _attr_key_re(key).search(self._searchable_attrs)
         if match is None:
             return None
@@ -212,20 +232,22 @@ class Instruction:
             return mesh.group(0)
         if start < len(self.attrs) and self.attrs[start] in "{[(":
             return self.attrs[start : _matching_close(self.attrs, start) + 1]
-        end = re.search(r"[,\s]|$", self.attrs[start:]).start()
-        return self.attrs[start : start + end]
+        return self.attrs[start : _TOKEN_END_RE.search(self.attrs, start).start()]
 
     def callees(self) -> list[tuple[str, str]]:
         """(attribute, computation name) for every computation this instruction calls."""
-        found = []
+        return list(self._callees)
+
+    @functools.cached_property
+    def _callees(self) -> tuple[tuple[str, str], ...]:
         if "=" not in self.attrs:
-            return found
+            return ()
+        found = []
         for key in _CALLEE_ATTRS:
             value = self.attr(key)
             if value is not None:
-                for name in re.findall(r"%?([\w.\-]+)", value.strip("{}")):
-                    found.append((key, name))
-        return found
+                found.extend((key, name) for name in _CALLEE_NAME_RE.findall(value.strip("{}")))
+        return tuple(found)
 
 
 @dataclass
@@ -254,24 +276,53 @@ class HloModuleText:
 _LITERAL_RE = re.compile(r"^[-+]?(\d|\.\d|inf|nan|true|false|\{)", re.IGNORECASE)
 
 
-def _parse_operands(text: str) -> tuple[tuple[str, ...], tuple[Shape | None, ...]]:
-    names, shapes = [], []
-    for part in _split_top_level(text):
+_OPERAND_NAME_RE = re.compile(r"%?([\w.\-]+)$")
+_OPCODE_RE = re.compile(r"\s*([\w\-]+)\(")
+#: ``%name, %name, ...``: operands as the current printer writes them.
+_NAMES_ONLY_RE = re.compile(r"%[\w.\-]+(?:, %[\w.\-]+)*")
+#: One number such as ``parameter(0)``'s or ``constant(-3.4e+38)``'s.
+_LONE_NUMBER_RE = re.compile(r"[-+]?\.?\d[\w.+\-]*")
+#: The common line: an array type (no spaces), one space, ``opcode(`` and operands without parentheses.
+_SIMPLE_LINE_RE = re.compile(r"\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*([^\s(][^ ]*) ([\w\-]+)\(([^()]*)\)(.*)")
+
+
+def _parse_operand(part: str) -> tuple[str, Shape | None] | None:
+    """(name, inline type or ``None``) of one operand; a literal is kept as written, untyped."""
+    if "/*" in part:
         part = _COMMENT_RE.sub("", part).strip()
-        if _LITERAL_RE.match(part):
-            names.append(part)  # a literal such as ``constant(-3.4e+38)``: kept as written, untyped
-            shapes.append(None)
-            continue
-        match = re.search(r"%?([\w.\-]+)$", part)
-        if match is None:
-            continue
-        names.append(match.group(1))
-        typed = part[: match.start()].strip()
-        shapes.append(parse_shape(typed) if typed else None)
-    return tuple(names), tuple(shapes)
+    if _LITERAL_RE.match(part):
+        return part, None  # a literal such as ``constant(-3.4e+38)``
+    match = _OPERAND_NAME_RE.search(part)
+    if match is None:
+        return None
+    typed = part[: match.start()].strip()
+    return match.group(1), (_cached_shape(typed) if typed else None)
+
+
+def _parse_operands(text: str) -> tuple[tuple[str, ...], tuple[Shape | None, ...]]:
+    if _NAMES_ONLY_RE.fullmatch(text):
+        names = tuple(text[1:].split(", %"))
+        return names, (None,) * len(names)
+    if _LONE_NUMBER_RE.fullmatch(text):
+        return (text,), (None,)
+    if not text:
+        return (), ()
+    parsed = [op for op in map(_parse_operand, _split_top_level(text)) if op is not None]
+    return tuple(name for name, _ in parsed), tuple(shape for _, shape in parsed)
 
 
 def _parse_instruction(line: str) -> Instruction | None:
+    simple = _SIMPLE_LINE_RE.match(line)
+    if simple is None:
+        return _parse_any_instruction(line)
+    root, name, shape, opcode, operands, attrs = simple.groups()
+    names, shapes = _parse_operands(operands)
+    attrs = attrs.rstrip().lstrip(", ")
+    return Instruction(name, _cached_shape(shape), opcode, names, shapes, attrs, bool(root))
+
+
+def _parse_any_instruction(line: str) -> Instruction | None:
+    """:func:`_parse_instruction` for any line: tuple types, parentheses among the operands."""
     match = _INSTRUCTION_RE.match(line)
     if match is None:
         return None
@@ -282,11 +333,11 @@ def _parse_instruction(line: str) -> Instruction | None:
         type_end = rest.find(" ")
         if type_end < 0:
             return None
-    shape = parse_shape(rest[:type_end])
-    op_match = re.match(r"\s*([\w\-]+)\(", rest[type_end:])
+    shape = _cached_shape(rest[:type_end])
+    op_match = _OPCODE_RE.match(rest, type_end)
     if op_match is None:
         return None
-    open_at = type_end + op_match.end() - 1
+    open_at = op_match.end() - 1
     close_at = _matching_close(rest, open_at)
     operands, operand_shapes = _parse_operands(rest[open_at + 1 : close_at])
     attrs = rest[close_at + 1 :].lstrip(", ")
@@ -334,3 +385,4 @@ def parse_module(text: str) -> HloModuleText:
             fix="pass the text of a whole HLO module (compiled.as_text())",
         )
     return module
+
