@@ -38,6 +38,7 @@ __all__ = [
     "flat_arrays",
     "shape_bytes",
     "parse_module",
+    "cached_module",
 ]
 
 #: Bits per element of HLO primitive types.
@@ -386,3 +387,11 @@ def parse_module(text: str) -> HloModuleText:
         )
     return module
 
+
+@functools.lru_cache(maxsize=2)
+def cached_module(text: str) -> HloModuleText:
+    """:func:`parse_module`, once for the analyses that read the same program one after another.
+
+    Every call with the same text returns the same object: read it, do not change it.
+    """
+    return parse_module(text)

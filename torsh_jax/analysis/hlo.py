@@ -30,9 +30,9 @@ from torsh_jax.analysis._hlo_text import (
     HloModuleText,
     Instruction,
     Shape,
+    cached_module,
     element_bits,
     flat_arrays,
-    parse_module,
     shape_bytes,
 )
 from torsh_jax.analysis.theory import ring_wire_bytes
@@ -300,7 +300,7 @@ def collectives_from_text(
         >>> c.kind, c.axes, c.payload_bytes, c.wire_bytes
         ('all-gather', ('fsdp',), 64, 48.0)
     """  # noqa: E501
-    return _collect(parse_module(hlo_text), axis_sizes, positions)
+    return _collect(cached_module(hlo_text), axis_sizes, positions)
 
 
 def _collect(module: HloModuleText, axis_sizes, positions) -> list[Collective]:
@@ -383,7 +383,11 @@ def collectives(compiled, mesh) -> list[Collective]:
         MeshError: the program runs on a different number of devices than
             ``mesh`` has.
     """
-    module = parse_module(compiled.as_text())
+    return program_collectives(cached_module(compiled.as_text()), compiled, mesh)
+
+
+def program_collectives(module: HloModuleText, compiled, mesh) -> list[Collective]:
+    """:func:`collectives` of ``compiled``, whose text is already parsed as ``module``."""
     check_devices(module, mesh)
     axis_sizes = {name: int(size) for name, size in mesh.shape.items()}
     return _collect(module, axis_sizes, _mesh_positions(compiled, mesh))

@@ -49,9 +49,16 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from torsh_jax.analysis._calls import computation_executions, trip_count
-from torsh_jax.analysis._hlo_text import ArrayShape, HloModuleText, Instruction, flat_arrays, parse_module
-from torsh_jax.analysis.hlo import KINDS, Collective, _collect, _mesh_positions, check_devices, collectives
+from torsh_jax.analysis._calls import Executions, computation_executions, trip_count
+from torsh_jax.analysis._hlo_text import ArrayShape, HloModuleText, Instruction, cached_module, flat_arrays
+from torsh_jax.analysis.hlo import (
+    KINDS,
+    Collective,
+    _collect,
+    _mesh_positions,
+    check_devices,
+    program_collectives,
+)
 
 __all__ = ["CollectiveOverlap", "OverlapReport", "collective_overlap", "collectives_once"]
 
@@ -209,19 +216,25 @@ def collective_overlap(
         MeshError: the program runs on a different number of devices than ``mesh`` has.
         NotSupportedYetError: the text is not an HLO module.
     """
-    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-    module = parse_module(text)
+    is_text = isinstance(compiled_or_text, str)
+    text = compiled_or_text if is_text else compiled_or_text.as_text()
+    return _overlap_report(text, None if is_text else compiled_or_text, mesh, axis_sizes)
+
+
+def _overlap_report(text: str, compiled, mesh, axis_sizes: dict[str, int] | None) -> OverlapReport:
+    """:func:`collective_overlap` of the program ``text``; ``compiled`` (or ``None``) places its devices."""
+    module = cached_module(text)
     positions = None
     if mesh is not None:
         check_devices(module, mesh)
         axis_sizes = {name: int(size) for name, size in mesh.shape.items()}
-        if not isinstance(compiled_or_text, str):
-            positions = _mesh_positions(compiled_or_text, mesh)
+        if compiled is not None:
+            positions = _mesh_positions(compiled, mesh)
     records = {(c.computation, c.name): c for c in _collect(module, axis_sizes, positions)}
     flops: dict[str, int] = {}  # computation -> FLOPs, filled on use
     scheduled = bool(re.search(r"\bis_scheduled=true\b", text.split("\n", 1)[0]))
     found, executions = [], computation_executions(module)
-    for computation in _scheduled_computations(module):
+    for computation in _scheduled_computations(module, executions):
         in_loop = executions[computation].in_loop
         found.extend(_Schedule(module, computation, records, flops, in_loop).overlaps())
     return OverlapReport(tuple(found), scheduled)
@@ -234,20 +247,20 @@ def collectives_once(compiled, mesh) -> list[Collective]:
     that carry its progress, each holding a copy of the instruction (with the same channel id);
     the copies in carrying fusions are dropped. Elsewhere (CPU, GPU) nothing is dropped.
     """
-    found = collectives(compiled, mesh)
-    module = parse_module(compiled.as_text())
-    scheduled = set(_scheduled_computations(module))
+    text = compiled.as_text()
+    module = cached_module(text)
+    found = program_collectives(module, compiled, mesh)
+    scheduled = set(_scheduled_computations(module, computation_executions(module)))
     if all(c.computation in scheduled for c in found):
         return found
-    counted = {
-        (o.collective.computation, o.collective.name) for o in collective_overlap(compiled, mesh).collectives
-    }
+    overlaps = _overlap_report(text, compiled, mesh, None).collectives
+    counted = {(o.collective.computation, o.collective.name) for o in overlaps}
     return [c for c in found if c.computation in scheduled or (c.computation, c.name) in counted]
 
 
-def _scheduled_computations(module: HloModuleText) -> list[str]:
-    """ENTRY and every computation run as its own instruction sequence (loop bodies, branches, calls)."""
-    reachable = computation_executions(module)
+def _scheduled_computations(module: HloModuleText, reachable: dict[str, Executions]) -> list[str]:
+    """ENTRY and every computation run as its own instruction sequence (loop bodies, branches, calls);
+    ``reachable``: :func:`~torsh_jax.analysis._calls.computation_executions` of ``module``."""
     order, todo = [], [module.entry]
     while todo:
         name = todo.pop(0)
