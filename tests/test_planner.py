@@ -148,7 +148,12 @@ def test_a_machine_file_round_trips_and_a_bad_one_is_one_error(tmp_path):
     from dataclasses import replace
 
     path = tmp_path / "machine.json"
-    measured = replace(CPU8, chunk_recompute_costs={2: 1.1}, chunk_gradient_bytes={1: (1e3, 3e2)})
+    measured = replace(
+        CPU8,
+        chunk_recompute_costs={2: 1.1},
+        chunk_gradient_bytes={1: (1e3, 3e2)},
+        recompute_costs_by_tokens={1: {16: 0.8, 64: 0.6}, 2: {64: 1.1}},
+    )
     path.write_text(measured.to_json())
     assert Machine.load(path) == measured  # integer keys and pairs come back as written
     path.write_text('{"name": "x"}')
@@ -215,6 +220,9 @@ def test_calibrate_measures_this_machine_and_plan_reads_its_file(tmp_path, capsy
     assert all(per_token > 0 for _, per_token in machine.chunk_gradient_bytes.values())
     assert machine.update_bytes_per_s > 0  # AdamW's update timed
     assert set(machine.flops_per_s_by_tokens) == {16, 32, 64}  # the rate at 1, 2 and 4 examples of 16
+    by_tokens = machine.recompute_costs_by_tokens  # the recompute ratios at the same sizes, each chunk
+    assert {k: set(costs) for k, costs in by_tokens.items()} == {1: {16, 32, 64}, 2: {16, 32, 64}}
+    assert (by_tokens[1][64], by_tokens[2][64]) == (machine.recompute_cost, machine.chunk_recompute_costs[2])
     assert (machine.overlaps, machine.shared_cores) == (False, True)  # simulated CPU devices
     assert main(["plan", "--model", TINY, "--machine", str(path), "--global-batch", "64", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["machine"]["devices"] == 8
@@ -235,6 +243,13 @@ def test_pipelines_pay_the_recompute_measured_for_their_chunk_length(tiny):
     assert cost("pp data=2 stage=4 1f1b m=4 acc=1") == 0.9
     flops = tiny.train_flops_per_token(recompute=True) / tiny.train_flops_per_token(recompute=False)
     assert cost("pp data=2 stage=4 1f1b m=4 acc=1", CPU8) == pytest.approx(flops)  # not measured
+    # measured by micro-step tokens too: read at the micro-batch's (64 examples over 2 replicas, m=4:
+    # 8 examples of 32 tokens, 256; m=8: 128), the nearest measured count
+    by_tokens = replace(machine, recompute_costs_by_tokens={1: {128: 0.7, 256: 0.6}, 2: {256: 1.3}})
+    assert cost("pp data=2 stage=4 1f1b m=4 acc=1", by_tokens) == 0.6
+    assert cost("pp data=2 stage=4 1f1b m=8 acc=1", by_tokens) == 0.7
+    assert cost("pp data=4 stage=2 1f1b m=2 acc=1", by_tokens) == 1.3  # chunks of 2
+    assert cost("zero3 fsdp=8 acc=1", by_tokens) == 0.6  # 8 examples per device: 256 tokens
 
 
 def test_the_optimizer_update_is_timed_on_the_devices_slice_of_the_parameters(tiny):
@@ -378,7 +393,7 @@ MEMORY_PLANS = (
     "zero2 fsdp=8 acc=2",
     "zero3 fsdp=8 acc=1",
     "zero3 fsdp=4 tensor=2 acc=1",
-    "pp data=2 stage=4 1f1b m=8 acc=1",
+    "pp data=2 stage=4 1f1b m=4 acc=1",  # m=4: 14 ticks to compile, not m=8's 22
     "ddp data=8 acc=1",
 )
 

@@ -13,7 +13,9 @@ On the present devices (simulated CPU devices, or one host's accelerators):
   bytes as the cost model counts them), clipped at zero;
 * **overhead**: a step that does nothing but cross a ``shard_map`` over the devices;
 * **micro-step size**: the compute rate again at 1 and 2 examples per device
-  (``flops_per_s_by_tokens``);
+  (``flops_per_s_by_tokens``), and the recomputing passes' ratios at each of the three sizes
+  (``recompute_costs_by_tokens``: on XLA:CPU the ratio moves with the size, 0.62 to 0.95 for
+  layers recomputed one at a time on the benchmark's smaller model);
 * **codec**: int8 encode and decode of 1 Mi gradient values on every device at once; top-k's and
   PowerSGD's (their default settings) of 256 Ki values (``codec_s_per_element_by_method``);
 * **update**: AdamW's update of 1 Mi parameters on every device at once (``update_bytes_per_s``);
@@ -26,7 +28,7 @@ On the present devices (simulated CPU devices, or one host's accelerators):
 
 Times are medians of ``repeats`` runs after a warm-up; nothing here is a constant.
 
-``calibrate(jax.devices(), parse_model("demo:150m"))`` runs all of them (38 small
+``calibrate(jax.devices(), parse_model("demo:150m"))`` runs all of them (46 small
 programs to compile, 14 of them compile-only; tests/test_planner.py runs it through
 ``torsh-jax calibrate``).
 
@@ -316,15 +318,35 @@ def _gradient_temp_bytes(
     return memory_report(compiled).temp_bytes
 
 
-def _rates_by_tokens(mesh, shape: ModelShape, repeats: int, plain: float) -> dict[int, float]:
-    """Per-device FLOP/s of the plain pass by tokens per device: ``_RATE_ROWS`` examples each, and
-    ``_ROWS`` (``plain`` seconds)."""
-    rates = {}
-    for rows in (*_RATE_ROWS, _ROWS):
-        seconds = plain if rows == _ROWS else _gradient_seconds(mesh, shape, repeats, rows=rows)
-        tokens = rows * shape.seq_len
-        rates[tokens] = tokens * shape.train_flops_per_token(recompute=False) / seconds
-    return rates
+def _pass_seconds(mesh, shape: ModelShape, repeats: int) -> dict[int, dict[int, float]]:
+    """Seconds of the model's loss and gradient on every device at once, by layers recomputed
+    together (0: none; 1: each layer on its own, ``LayeredModel.remat``; ``k``: chunks of ``k``, as
+    a pipeline stage recomputes its chunk, ``k`` in :func:`chunk_lengths`) and by examples per
+    device (``_RATE_ROWS`` and ``_ROWS``)."""
+    recompute = {0: "none", 1: "layer"} | {k: "chunk" for k in chunk_lengths(shape.layers)}
+    return {
+        k: {
+            rows: _gradient_seconds(mesh, shape, repeats, recompute=how, chunk=k, rows=rows)
+            for rows in (*_RATE_ROWS, _ROWS)
+        }
+        for k, how in recompute.items()
+    }
+
+
+def _rates_by_tokens(shape: ModelShape, plain: dict[int, float]) -> dict[int, float]:
+    """Per-device FLOP/s of the plain pass by tokens per device, from its seconds by examples."""
+    flops = shape.train_flops_per_token(recompute=False)
+    return {rows * shape.seq_len: rows * shape.seq_len * flops / seconds for rows, seconds in plain.items()}
+
+
+def _recompute_costs_by_tokens(shape: ModelShape, seconds: dict[int, dict[int, float]]) -> dict:
+    """``{k: {tokens: recomputing pass / plain pass}}`` for every ``k`` > 0 of :func:`_pass_seconds`."""
+    plain = seconds[0]
+    return {
+        k: {rows * shape.seq_len: by_rows[rows] / plain[rows] for rows in by_rows}
+        for k, by_rows in seconds.items()
+        if k
+    }
 
 
 def _overhead(mesh, repeats: int) -> float:
@@ -350,7 +372,9 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         (len(devices), 1), ("devices", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=devices
     )
     overhead = _overhead(mesh, repeats)
-    plain = _gradient_seconds(mesh, shape, repeats)
+    seconds = _pass_seconds(mesh, shape, repeats)
+    costs = _recompute_costs_by_tokens(shape, seconds)
+    at_rows = _ROWS * shape.seq_len
     link = fit_alpha_beta(_collective_times(mesh, repeats), len(devices), overhead_s=overhead)
     limit = device_memory_limit(mesh)
     platform = devices[0].platform
@@ -359,13 +383,11 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         name=name or f"{platform}-{len(devices)} (calibrated)",
         devices=len(devices),
         slices=1,
-        flops_per_s=_ROWS * shape.seq_len * shape.train_flops_per_token(recompute=False) / plain,
-        flops_per_s_by_tokens=_rates_by_tokens(mesh, shape, repeats, plain),
-        recompute_cost=_gradient_seconds(mesh, shape, repeats, recompute="layer") / plain,
-        chunk_recompute_costs={
-            k: _gradient_seconds(mesh, shape, repeats, recompute="chunk", chunk=k) / plain
-            for k in chunk_lengths(shape.layers)
-        },
+        flops_per_s=at_rows * shape.train_flops_per_token(recompute=False) / seconds[0][_ROWS],
+        flops_per_s_by_tokens=_rates_by_tokens(shape, seconds[0]),
+        recompute_cost=costs[1][at_rows],
+        chunk_recompute_costs={k: by_tokens[at_rows] for k, by_tokens in costs.items() if k > 1},
+        recompute_costs_by_tokens=costs,
         memory_bytes=limit.bytes if limit else 0,
         links={"ici": link},
         overlaps=platform != "cpu",

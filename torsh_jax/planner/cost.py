@@ -442,17 +442,21 @@ def update_seconds(c: Candidate, shape: ModelShape, machine: Machine, opt_factor
 def recompute_cost(c: Candidate, shape: ModelShape, machine: Machine) -> float:
     """Time of the candidate's step over the same step that recomputes nothing: 1 where nothing is
     recomputed; else the machine's measured ratio for the layers recomputed one at a time
-    (:attr:`Machine.recompute_cost`: remat, ZeRO-3) or in a pipeline stage's chunks of ``k``
-    layers (:attr:`Machine.chunk_recompute_costs`, the measured ``k`` nearest in ratio; ``k = 1``
-    is one at a time); unmeasured, the FLOPs' ratio."""
+    (remat, ZeRO-3: ``k`` = 1) or in a pipeline stage's chunks of ``k`` layers, the measured ``k``
+    nearest in ratio: by the tokens of the micro-step (:attr:`Machine.recompute_costs_by_tokens`,
+    the measured count nearest), else at the calibration's size (:attr:`Machine.recompute_cost`,
+    :attr:`Machine.chunk_recompute_costs`); unmeasured, the FLOPs' ratio."""
     if not _recomputed(c):
         return 1.0
+    k = _chunk_layers(c, shape) if c.sizes["stage"] > 1 else 1
+    if machine.recompute_costs_by_tokens:
+        by_tokens = machine.recompute_costs_by_tokens[nearest_in_ratio(k, machine.recompute_costs_by_tokens)]
+        return by_tokens[nearest_in_ratio(_tokens_per_micro_step(c, shape) // c.sizes["tensor"], by_tokens)]
     measured = {1: machine.recompute_cost} if machine.recompute_cost is not None else {}
     measured.update(machine.chunk_recompute_costs)
     if not measured:
         return shape.train_flops_per_token(recompute=True) / shape.train_flops_per_token(recompute=False)
-    k = _chunk_layers(c, shape) if c.sizes["stage"] > 1 else 1
-    return measured[min(measured, key=lambda known: abs(math.log(known / k)))]
+    return measured[nearest_in_ratio(k, measured)]
 
 
 def _chunk_layers(c: Candidate, shape: ModelShape) -> int:

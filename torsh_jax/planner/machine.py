@@ -107,6 +107,12 @@ class Machine:
             :attr:`recompute_cost`). A chunk's activations are all alive again while it is
             recomputed, so the ratio grows with ``k`` (XLA:CPU, the benchmark's medium model: 0.87
             at 1, 1.19 at 8).
+        recompute_costs_by_tokens: the two above by the tokens of a device's micro-step too,
+            ``{k: {tokens: ratio}}`` (``k`` = 1: each layer on its own), where measured: on XLA:CPU
+            the ratio is not one figure (the benchmark's smaller model, layers recomputed one at a
+            time: 0.95 at 1 example per device, 0.86 at 2, 0.62 at 4), so a pipeline's
+            micro-batches and a ZeRO-3 step read it at their own size
+            (:func:`~torsh_jax.planner.cost.recompute_cost` reads it first).
         chunk_gradient_bytes: the compiler's temporaries of the model's gradient with ``k`` layers on
             one device, ``(fixed, per token)`` bytes by ``k``: a pipeline stage's backward recomputes
             its chunk of ``k`` layers (with the embedding and head, which every stage holds) on one
@@ -148,6 +154,7 @@ class Machine:
     platform: str = "tpu"
     source: str = ""
     flops_per_s_by_tokens: dict[int, float] = field(default_factory=dict)
+    recompute_costs_by_tokens: dict[int, dict[int, float]] = field(default_factory=dict)
 
     def flops_per_s_at(self, tokens: int, /) -> float:
         """The per-device rate on micro-steps of ``tokens`` tokens: the measured count nearest in
@@ -216,6 +223,10 @@ class Machine:
             data["chunk_recompute_costs"] = {int(k): float(v) for k, v in chunks.items()}
             rates = data.pop("flops_per_s_by_tokens", {})
             data["flops_per_s_by_tokens"] = {int(k): float(v) for k, v in rates.items()}
+            costs = data.pop("recompute_costs_by_tokens", {})
+            data["recompute_costs_by_tokens"] = {
+                int(k): {int(t): float(r) for t, r in by_tokens.items()} for k, by_tokens in costs.items()
+            }
             sets = data.pop("chunk_gradient_bytes", {})
             data["chunk_gradient_bytes"] = {int(k): (float(a), float(b)) for k, (a, b) in sets.items()}
             if data.get("remat_gradient_bytes") is not None:
