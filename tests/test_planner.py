@@ -298,6 +298,31 @@ def test_the_link_fit_recovers_alpha_and_beta_from_exact_times():
     assert link.alpha_s == pytest.approx(alpha, rel=1e-6) and link.bytes_per_s == pytest.approx(
         beta, rel=1e-6
     )
+    assert link.bytes_per_s_by_kind == pytest.approx({"all-reduce": beta, "all-gather": beta}, rel=1e-6)
+
+
+def test_each_collective_kind_gets_its_own_beta_and_the_planner_charges_it(tiny):
+    """A psum 8 times cheaper per wire byte than an all-gather (as on the simulated devices of a
+    2-core host): each kind's β comes back from the fit at the common α, and a plan's all-reduce is
+    charged at its own β."""
+    from dataclasses import replace
+
+    from torsh_jax.analysis.theory import ring_wire_bytes
+    from torsh_jax.planner.calibrate import fit_alpha_beta
+
+    n, betas = 8, {"all-reduce": 2.4e9, "all-gather": 3e8, "reduce-scatter": 6e8}
+    samples = []
+    for nbytes in (4096, 65536, 1 << 20):
+        for kind, beta in betas.items():
+            payload = nbytes * n if kind == "all-gather" else nbytes
+            samples.append((kind, nbytes, ring_wire_bytes(kind, payload, n) / beta))
+    link = fit_alpha_beta(samples, n)
+    assert link.bytes_per_s_by_kind == pytest.approx(betas, rel=1e-6)
+    ddp = {c.label: c for c in candidates(tiny, devices=8, global_batch=64)}["ddp data=8 acc=1"]
+    one_beta = replace(CPU8, links={"ici": Link(0.0, 3e8)})
+    by_kind = replace(CPU8, links={"ici": Link(0.0, 3e8, {"all-reduce": 2.4e9})})
+    charged = lambda m: sum(predict(ddp, tiny, m).comm_s.values())
+    assert charged(by_kind) == pytest.approx(charged(one_beta) / 8)  # DDP's collectives: all-reduces
 
 
 def test_compressed_gradients_cost_fewer_bytes_and_say_where_they_pay(tiny):

@@ -56,9 +56,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     link = machine.link("ici")
     chunks = "".join(f", x{v:.2f} by chunks of {k}" for k, v in machine.chunk_recompute_costs.items())
+    kinds = "".join(f", {kind} {beta / 1e9:.3f}" for kind, beta in link.bytes_per_s_by_kind.items())
     print(
         f"{machine.name}: {machine.flops_per_s / 1e9:.2f} GFLOP/s per device, link alpha "
-        f"{link.alpha_s * 1e6:.1f} us, beta {link.bytes_per_s / 1e9:.3f} GB/s, step overhead "
+        f"{link.alpha_s * 1e6:.1f} us, beta {link.bytes_per_s / 1e9:.3f} GB/s{kinds}, step overhead "
         f"{machine.step_overhead_s * 1e3:.2f} ms, recompute x{machine.recompute_cost:.2f} per layer"
         f"{chunks}, {format_bytes(machine.memory_bytes)} per device"
         + (f"; wrote {args.output}" if args.output else "")

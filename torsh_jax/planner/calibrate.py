@@ -8,9 +8,11 @@ On the present devices (simulated CPU devices, or one host's accelerators):
   the same pass with each layer recomputed (``jax.checkpoint``) over it is ``recompute_cost``, and
   with the layers recomputed in chunks of 2, 4, ... of them (a pipeline stage's backward pass)
   ``chunk_recompute_costs``;
-* **links**: ``psum`` and ``all_gather`` over all devices at sizes from 4 KiB to 16 MiB; ``α`` and
-  ``1/β`` are the least-squares fit of ``time = steps · α + wire bytes / β`` (ring steps and
-  bytes as the cost model counts them), clipped at zero;
+* **links**: ``psum``, ``all_gather`` and ``psum_scatter`` over all devices at sizes from 4 KiB
+  to 4 MiB; ``α`` and ``1/β`` are the least-squares fit of ``time = steps · α + wire bytes / β``
+  (ring steps and bytes as the cost model counts them), clipped at zero, and each kind's own ``β``
+  at that ``α`` (``bytes_per_s_by_kind``: on 8 simulated devices of a 2-core host a ``psum``
+  moved a wire byte about 8 times faster than an ``all_gather``);
 * **overhead**: a step that does nothing but cross a ``shard_map`` over the devices;
 * **micro-step size**: the compute rate again at 1 and 2 examples per device
   (``flops_per_s_by_tokens``), and the recomputing passes' ratios at each of the three sizes
@@ -28,7 +30,7 @@ On the present devices (simulated CPU devices, or one host's accelerators):
 
 Times are medians of ``repeats`` runs after a warm-up; nothing here is a constant.
 
-``calibrate(jax.devices(), parse_model("demo:150m"))`` runs all of them (46 small
+``calibrate(jax.devices(), parse_model("demo:150m"))`` runs all of them (52 small
 programs to compile, 14 of them compile-only; tests/test_planner.py runs it through
 ``torsh-jax calibrate``).
 
@@ -141,15 +143,18 @@ def chunk_lengths(layers: int, /) -> list[int]:
 
 
 def _collective_times(mesh, repeats: int) -> list[tuple[str, int, float]]:
-    """(kind, bytes per device, seconds) of ``psum`` and ``all_gather`` at :data:`LINK_SIZES`."""
+    """(kind, bytes per device, seconds) of ``psum``, ``all_gather`` and ``psum_scatter`` at
+    :data:`LINK_SIZES`."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    n = mesh.shape["devices"]
     ops = {
         "all-reduce": lambda x: jax.lax.psum(x, "devices"),
         "all-gather": lambda x: jax.lax.all_gather(x, "devices", tiled=True)[: x.shape[0]] * 2,
+        "reduce-scatter": lambda x: jnp.tile(jax.lax.psum_scatter(x, "devices", tiled=True), n),
     }
     found = []
     for kind, op in ops.items():
@@ -157,7 +162,7 @@ def _collective_times(mesh, repeats: int) -> list[tuple[str, int, float]]:
             jax.shard_map(op, mesh=mesh, in_specs=P("devices"), out_specs=P("devices"), check_vma=False)
         )
         for nbytes in LINK_SIZES:
-            x = jnp.ones((mesh.shape["devices"] * nbytes // 4,), jnp.float32)
+            x = jnp.ones((n * nbytes // 4,), jnp.float32)
             x = jax.device_put(x, NamedSharding(mesh, P("devices")))
             found.append((kind, nbytes, _median_seconds(fn, x, repeats=repeats)))
     return found
@@ -167,7 +172,8 @@ def fit_alpha_beta(
     samples: list[tuple[str, int, float]], devices: int, /, *, overhead_s: float = 0.0
 ) -> Link:
     """The least-squares ``Link`` of ``time - overhead = steps · α + wire / β`` over ``samples`` of
-    (kind, bytes per device, seconds), ring steps and wire bytes as the cost model counts them.
+    (kind, bytes per device, seconds), ring steps and wire bytes as the cost model counts them; and
+    each kind's own ``β`` at that ``α`` (``bytes_per_s_by_kind``).
 
     Example:
         >>> samples = [("all-reduce", b, 2 * 3 * 1e-5 + 2 * b * 3 / 4 / 1e9) for b in (1e3, 1e6)]
@@ -177,14 +183,27 @@ def fit_alpha_beta(
     """
     from torsh_jax.analysis.theory import ring_wire_bytes
 
-    rows, times = [], []
+    kinds, rows, times = [], [], []
     for kind, nbytes, seconds in samples:
-        payload = nbytes if kind == "all-reduce" else nbytes * devices  # a gather's output
+        payload = nbytes * devices if kind == "all-gather" else nbytes  # a gather's output
         steps = 2 * (devices - 1) if kind == "all-reduce" else devices - 1
+        kinds.append(kind)
         rows.append([steps, ring_wire_bytes(kind, payload, devices)])
         times.append(max(seconds - overhead_s, 0.0))
-    (alpha, inverse_beta), *_ = np.linalg.lstsq(np.array(rows, float), np.array(times), rcond=None)
-    return Link(max(float(alpha), 0.0), 1.0 / max(float(inverse_beta), 1e-15))
+    rows, times = np.array(rows, float), np.array(times)
+    (alpha, inverse_beta), *_ = np.linalg.lstsq(rows, times, rcond=None)
+    alpha = max(float(alpha), 0.0)
+    by_kind = {}
+    for kind in dict.fromkeys(kinds):
+        mine = np.array([k == kind for k in kinds])
+        steps, wire = rows[mine].T
+        by_kind[kind] = _inverse(float(wire @ (times[mine] - steps * alpha) / (wire @ wire)))
+    return Link(alpha, _inverse(float(inverse_beta)), by_kind)
+
+
+def _inverse(seconds_per_byte: float) -> float:
+    """Bytes per second of a fitted seconds per byte (clipped above zero)."""
+    return 1.0 / max(seconds_per_byte, 1e-15)
 
 
 #: Methods whose codec time is measured besides int8 (the planner's compression candidates).

@@ -610,7 +610,7 @@ def _comm_seconds(c: Candidate, shape: ModelShape, machine: Machine) -> dict[str
             link = machine.link(link_kind(col.axes, c.dcn))
             steps = _STEPS.get(col.kind, lambda n: n - 1)(col.group_size) * col.count
             axis = "+".join(col.axes)
-            seconds[axis] = seconds.get(axis, 0.0) + link.seconds(col.wire_bytes, steps)
+            seconds[axis] = seconds.get(axis, 0.0) + link.seconds(col.wire_bytes, steps, col.kind)
     return seconds
 
 

@@ -47,14 +47,24 @@ class Link:
     Attributes:
         alpha_s: latency per collective step (a ring all-reduce over ``n`` has ``2 (n-1)`` steps).
         bytes_per_s: bytes per second one device sends on it (one direction).
+        bytes_per_s_by_kind: the same for one collective kind (``all-reduce``, ``all-gather``,
+            ``reduce-scatter``), where measured apart; other kinds use :attr:`bytes_per_s`. On
+            simulated CPU devices the kinds differ by several times: a ``psum`` sums in shared
+            memory, an ``all_gather`` writes every device's whole output.
+
+    Example:
+        >>> link = Link(0.0, 1e9, {"all-reduce": 4e9})
+        >>> link.seconds(4e9, 1, "all-reduce"), link.seconds(4e9, 1, "all-gather")
+        (1.0, 4.0)
     """
 
     alpha_s: float
     bytes_per_s: float
+    bytes_per_s_by_kind: dict[str, float] = field(default_factory=dict)
 
-    def seconds(self, wire_bytes: float, steps: int) -> float:
-        """Time of a collective that sends ``wire_bytes`` per device in ``steps`` ring steps."""
-        return steps * self.alpha_s + wire_bytes / self.bytes_per_s
+    def seconds(self, wire_bytes: float, steps: int, kind: str | None = None) -> float:
+        """Time of a collective of ``kind`` that sends ``wire_bytes`` per device in ``steps`` ring steps."""
+        return steps * self.alpha_s + wire_bytes / self.bytes_per_s_by_kind.get(kind, self.bytes_per_s)
 
 
 def nearest_in_ratio(value: float, known, /) -> int:
