@@ -295,6 +295,12 @@ def _tokens_per_micro_step(c: Candidate, shape: ModelShape) -> int:
     return rows * shape.seq_len
 
 
+def _rate_tokens(c: Candidate, shape: ModelShape) -> int:
+    """The tokens a device's measured rates are read at: its micro-step's over ``tensor`` (a
+    device's share of a tensor-split layer is as much work as that many whole tokens)."""
+    return _tokens_per_micro_step(c, shape) // c.sizes["tensor"]
+
+
 def _stashed_microbatches(c: Candidate) -> int:
     """Stage inputs a pipeline stage holds at most: the schedule table's most activations in flight
     (1F1B and ZB-H1: ``min(m, stages)`` on the first stage; interleaved: its in-flight cap, in
@@ -405,12 +411,11 @@ def _like_compiled(c: Candidate, shape: ModelShape, machine: Machine) -> bool:
 def _compute_seconds(c: Candidate, shape: ModelShape, machine: Machine) -> float:
     """Each device's share of the step's FLOPs (the replica's tokens split over ``tensor`` and
     ``stage``) at the machine's per-device rate for its micro-steps (:meth:`Machine.flops_per_s_at`
-    their tokens, over ``tensor``: a device's share of a tensor-split layer is as much work as that
-    many whole tokens)."""
+    :func:`_rate_tokens`)."""
     replicas = c.sizes["data"] * c.sizes["fsdp"]
     tokens = c.plan.batch.global_batch_size(replicas) * shape.seq_len // replicas
     flops = tokens * shape.train_flops_per_token(recompute=False) / (c.sizes["tensor"] * c.sizes["stage"])
-    rate = machine.flops_per_s_at(_tokens_per_micro_step(c, shape) // c.sizes["tensor"])
+    rate = machine.flops_per_s_at(_rate_tokens(c, shape))
     return flops / rate * recompute_cost(c, shape, machine)
 
 
@@ -451,7 +456,7 @@ def recompute_cost(c: Candidate, shape: ModelShape, machine: Machine) -> float:
     k = _chunk_layers(c, shape) if c.sizes["stage"] > 1 else 1
     if machine.recompute_costs_by_tokens:
         by_tokens = machine.recompute_costs_by_tokens[nearest_in_ratio(k, machine.recompute_costs_by_tokens)]
-        return by_tokens[nearest_in_ratio(_tokens_per_micro_step(c, shape) // c.sizes["tensor"], by_tokens)]
+        return by_tokens[nearest_in_ratio(_rate_tokens(c, shape), by_tokens)]
     measured = {1: machine.recompute_cost} if machine.recompute_cost is not None else {}
     measured.update(machine.chunk_recompute_costs)
     if not measured:
