@@ -11,6 +11,8 @@ Prints one ``planner_plan`` row per plan and model (``predicted_s``, ``measured_
 ``predicted_memory``, ``compiled_peak``, ``memory_error``) and one ``planner_summary`` row per model
 and overall: ``mape`` (mean absolute percentage error of the step time), ``kendall_tau`` (rank
 agreement of predicted and measured times: tau-b; ``kendall_tau_a`` beside it),
+``kendall_tau_halves`` (tau-b of the even rounds' medians against the odd rounds': how well the
+measurement ranks the plans against itself, the most a prediction can be expected to reach here),
 ``misordered_beyond_noise`` (pairs ordered against the measurement by more than the rounds'
 spread, ``measured_iqr_s`` per plan), ``pick_ratio``
 (measured time of the plan the planner ranks first / the fastest measured), ``memory_mape``.
@@ -151,6 +153,12 @@ def misordered_beyond_noise(rows: list[dict]) -> list[list[str]]:
     return out
 
 
+def _halves(times: list[float]) -> list[float]:
+    """Median step seconds of the even and of the odd rounds: two measurements of the plan from
+    the same run."""
+    return [statistics.median(times[0::2]), statistics.median(times[1::2])]
+
+
 def _iqr(times: list[float]) -> float:
     low, _, high = statistics.quantiles(times, n=4)
     return high - low
@@ -167,6 +175,7 @@ def summary(rows: list[dict], name: str) -> dict:
         "mape": statistics.mean(abs(r["error"]) for r in rows),
         "kendall_tau": kendall_tau_b(predicted, measured),
         "kendall_tau_a": kendall_tau_a(predicted, measured),
+        "kendall_tau_halves": kendall_tau_b(*zip(*(r["measured_halves_s"] for r in rows), strict=True)),
         "misordered_beyond_noise": misordered_beyond_noise(rows),
         "pick": rows[best]["plan"],
         "pick_ratio": measured[best] / min(measured),
@@ -217,6 +226,7 @@ def main() -> int:
                 "predicted_s": p.step_s,
                 "measured_s": seconds,
                 "measured_iqr_s": _iqr(run["times"]),
+                "measured_halves_s": _halves(run["times"]),
                 "error": p.step_s / seconds - 1,
                 "predicted_memory": p.memory["total"],
                 "compiled_peak": peak,

@@ -11,7 +11,9 @@ fifth faster than on 8.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import subprocess
 import sys
 
@@ -172,3 +174,49 @@ def test_compressor_benchmark_pairs_each_measurement_with_its_baseline():
     for r in collective:
         low, high = r["compressed_over_plain_spread"]
         assert low <= r["compressed_over_plain"] <= high and r["plain_seconds"] > 0
+
+
+def _load_bench_planner():
+    """``benchmarks/bench_planner.py`` as a module (it imports ``common`` by name, as run)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("bench_planner", BENCHMARKS / "bench_planner.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _planner_row(plan: str, predicted: float, measured: float, iqr: float) -> dict:
+    return {
+        "plan": plan,
+        "predicted_s": predicted,
+        "measured_s": measured,
+        "measured_iqr_s": iqr,
+        "measured_halves_s": [measured, measured * (3.0 if plan == "a" else 1.0)],
+        "error": predicted / measured - 1,
+        "memory_error": 0.01,
+    }
+
+
+def test_planner_benchmark_scores_the_ranking_the_pick_and_the_misordered_pairs():
+    """The planner benchmark's figures from its rows: MAPE, tau-b (a pair predicted equal is left
+    out), the measurement's tau-b against itself (even rounds against odd), the pick's measured
+    time over the fastest, and the pairs ordered against the measurement by more than either
+    plan's spread."""
+    bench = _load_bench_planner()
+    rows = [
+        _planner_row("a", 1.0, 1.1, 0.01),  # predicted fastest, measured 10 % off the fastest
+        _planner_row("b", 2.0, 1.0, 0.01),  # against a beyond the spread
+        _planner_row("c", 3.0, 3.0, 0.01),
+        _planner_row("d", 3.0, 2.9, 0.5),  # predicted equal to c: no pair with c counted
+    ]
+    found = bench.summary(rows, "m")
+    assert found["pick"] == "a" and found["pick_ratio"] == pytest.approx(1.1)
+    assert found["misordered_beyond_noise"] == [["a", "b"]]
+    assert found["mape"] == pytest.approx((0.1 / 1.1 + 1.0 + 0.0 + 0.1 / 2.9) / 4)
+    # 5 untied pairs: 4 agree, (a, b) disagrees; tau-b's denominator leaves the tie (c, d) out
+    assert found["kendall_tau"] == pytest.approx((4 - 1) / math.sqrt(5 * 6))
+    # the odd rounds put a (3.3 s) after c and d: 4 of 6 pairs agree with the even rounds
+    assert found["kendall_tau_halves"] == pytest.approx((4 - 2) / 6)
+    rows[1]["measured_iqr_s"] = 0.2  # the gap (0.1 s) is within b's spread now
+    assert bench.misordered_beyond_noise(rows) == []

@@ -28,10 +28,12 @@ On the present devices (simulated CPU devices, or one host's accelerators):
   backward over its chunk (``chunk_gradient_bytes``, :func:`chunk_gradient_bytes`), and with every
   layer recomputed, ZeRO-3's program (``remat_gradient_bytes``).
 
-Times are medians of ``repeats`` runs after a warm-up; nothing here is a constant.
+Times are medians of ``repeats`` runs after a warm-up; the passes, and the collectives, are each
+timed in the same rounds (one call of each in turn), so a drift of the host's speed does not fall
+on one of them alone. Nothing here is a constant.
 
-``calibrate(jax.devices(), parse_model("demo:150m"))`` runs all of them (52 small
-programs to compile, 14 of them compile-only; tests/test_planner.py runs it through
+``calibrate(jax.devices(), parse_model("demo:150m"))`` runs all of them (50 small
+programs to compile, 12 of them compile-only; tests/test_planner.py runs it through
 ``torsh-jax calibrate``).
 
 Example:
@@ -43,7 +45,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from functools import partial
+from functools import lru_cache, partial
 
 import numpy as np
 
@@ -68,24 +70,58 @@ _RATE_ROWS = (1, 2)
 
 
 def _median_seconds(fn, *args, repeats: int) -> float:
+    return _seconds_in_rounds({None: (fn, args)}, repeats)[None]
+
+
+def _seconds_in_rounds(programs: dict, rounds: int, /) -> dict:
+    """Median seconds of each program of ``programs`` (``{key: (fn, args)}``) after a warm-up call
+    of each, timed one call of every program in turn per round: a drift of the machine's speed
+    during the measurement falls on all of them alike, so the ratios of their times (a
+    recomputing pass over a plain one, one size over another) hold.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> programs = {n: (jnp.sin, (jnp.ones(n),)) for n in (8, 8192)}
+        >>> found = _seconds_in_rounds(programs, 3)
+        >>> sorted(found), all(s > 0 for s in found.values())
+        ([8, 8192], True)
+    """
     import jax
 
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    for fn, args in programs.values():
+        jax.block_until_ready(fn(*args))  # compile and warm up
+    times: dict = {key: [] for key in programs}
+    for _ in range(rounds):
+        for key, (fn, args) in programs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(found) for key, found in times.items()}
 
 
-def _gradient_seconds(
-    mesh, shape: ModelShape, repeats: int, *, recompute: str = "none", chunk: int = 1, rows: int = _ROWS
-) -> float:
-    """Seconds of the demo model's loss and gradient on every device at once. ``recompute``:
-    ``none``; ``layer``, each layer's forward runs again in the backward pass from its saved input
+def _gradient_program(mesh, shape: ModelShape, args, *, recompute: str = "none", chunk: int = 1):
+    """The demo model's loss and gradient on every device at once, each on its own examples of
+    ``args`` (replicated parameters, batch split over ``devices``). ``recompute``: ``none``;
+    ``layer``, each layer's forward runs again in the backward pass from its saved input
     (``LayeredModel.remat``); ``chunk``, each ``chunk`` layers' forward runs again from their saved
     input, as a pipeline stage recomputes its chunk."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    loss = _loss_recomputing(shape.demo_config(), recompute, chunk)
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("devices")), out_specs=P("devices"), check_vma=False)
+    def grads_per_device(p, b):
+        value, grads = jax.value_and_grad(loss)(p, b)  # the value keeps a checkpointed forward alive
+        return (value + jnp.stack([jnp.sum(g) for g in jax.tree.leaves(grads)]))[None]
+
+    return grads_per_device, args
+
+
+def _gradient_args(mesh, shape: ModelShape, rows: int) -> tuple:
+    """The demo model's parameters on every device and ``rows`` examples per device."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -94,20 +130,12 @@ def _gradient_seconds(
     from torsh_jax.demo.model import init_params, synthetic_tokens
 
     cfg = shape.demo_config()
-    loss = _loss_recomputing(cfg, recompute, chunk)
-    params = init_params(cfg, jax.random.key(0))
     n = mesh.shape["devices"]
     batch = jax.tree.map(jnp.asarray, synthetic_tokens(cfg, batch_size=rows * n, seed=0))
-    batch = jax.device_put(batch, NamedSharding(mesh, P("devices")))
-    params = jax.device_put(params, NamedSharding(mesh, P()))
-
-    @jax.jit
-    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("devices")), out_specs=P("devices"), check_vma=False)
-    def grads_per_device(p, b):
-        value, grads = jax.value_and_grad(loss)(p, b)  # the value keeps a checkpointed forward alive
-        return (value + jnp.stack([jnp.sum(g) for g in jax.tree.leaves(grads)]))[None]
-
-    return _median_seconds(grads_per_device, params, batch, repeats=repeats)
+    params = init_params(cfg, jax.random.key(0))
+    return jax.device_put(params, NamedSharding(mesh, P())), jax.device_put(
+        batch, NamedSharding(mesh, P("devices"))
+    )
 
 
 def _loss_recomputing(cfg, recompute: str, chunk: int = 1):
@@ -144,7 +172,7 @@ def chunk_lengths(layers: int, /) -> list[int]:
 
 def _collective_times(mesh, repeats: int) -> list[tuple[str, int, float]]:
     """(kind, bytes per device, seconds) of ``psum``, ``all_gather`` and ``psum_scatter`` at
-    :data:`LINK_SIZES`."""
+    :data:`LINK_SIZES`, timed in the same rounds."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -156,16 +184,18 @@ def _collective_times(mesh, repeats: int) -> list[tuple[str, int, float]]:
         "all-gather": lambda x: jax.lax.all_gather(x, "devices", tiled=True)[: x.shape[0]] * 2,
         "reduce-scatter": lambda x: jnp.tile(jax.lax.psum_scatter(x, "devices", tiled=True), n),
     }
-    found = []
+    sharded = NamedSharding(mesh, P("devices"))
+    inputs = {
+        nbytes: jax.device_put(jnp.ones((n * nbytes // 4,), jnp.float32), sharded) for nbytes in LINK_SIZES
+    }
+    programs = {}
     for kind, op in ops.items():
         fn = jax.jit(
             jax.shard_map(op, mesh=mesh, in_specs=P("devices"), out_specs=P("devices"), check_vma=False)
         )
-        for nbytes in LINK_SIZES:
-            x = jnp.ones((n * nbytes // 4,), jnp.float32)
-            x = jax.device_put(x, NamedSharding(mesh, P("devices")))
-            found.append((kind, nbytes, _median_seconds(fn, x, repeats=repeats)))
-    return found
+        programs |= {(kind, nbytes): (fn, (x,)) for nbytes, x in inputs.items()}
+    seconds = _seconds_in_rounds(programs, repeats)
+    return [(kind, nbytes, t) for (kind, nbytes), t in seconds.items()]
 
 
 def fit_alpha_beta(
@@ -310,9 +340,13 @@ def _temp_line(shape: ModelShape, layers: int, device, *, remat: bool = False) -
     return fewer - per_token * rows[0] * shape.seq_len, per_token
 
 
+@lru_cache(maxsize=64)
 def _gradient_temp_bytes(
     shape: ModelShape, layers: int, device, *, remat: bool = False, rows: int = _ROWS
 ) -> int:
+    """The compiler's temporaries of the model's gradient with ``layers`` layers on ``rows``
+    examples on ``device`` (cached: :func:`activation_scales`, :func:`chunk_gradient_bytes` and
+    :func:`remat_gradient_bytes` read some of the same programs)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import AxisType
@@ -341,15 +375,16 @@ def _pass_seconds(mesh, shape: ModelShape, repeats: int) -> dict[int, dict[int, 
     """Seconds of the model's loss and gradient on every device at once, by layers recomputed
     together (0: none; 1: each layer on its own, ``LayeredModel.remat``; ``k``: chunks of ``k``, as
     a pipeline stage recomputes its chunk, ``k`` in :func:`chunk_lengths`) and by examples per
-    device (``_RATE_ROWS`` and ``_ROWS``)."""
+    device (``_RATE_ROWS`` and ``_ROWS``), all timed in the same rounds."""
     recompute = {0: "none", 1: "layer"} | {k: "chunk" for k in chunk_lengths(shape.layers)}
-    return {
-        k: {
-            rows: _gradient_seconds(mesh, shape, repeats, recompute=how, chunk=k, rows=rows)
-            for rows in (*_RATE_ROWS, _ROWS)
-        }
+    args = {rows: _gradient_args(mesh, shape, rows) for rows in (*_RATE_ROWS, _ROWS)}
+    programs = {
+        (k, rows): _gradient_program(mesh, shape, args[rows], recompute=how, chunk=k)
         for k, how in recompute.items()
+        for rows in args
     }
+    seconds = _seconds_in_rounds(programs, repeats)
+    return {k: {rows: seconds[k, rows] for rows in args} for k in recompute}
 
 
 def _rates_by_tokens(shape: ModelShape, plain: dict[int, float]) -> dict[int, float]:
