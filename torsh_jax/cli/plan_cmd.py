@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             "flops_per_s": machine.flops_per_s,
             "memory_bytes": machine.memory_bytes,
             # the machine's compiled gradients are of this model: pipelines and ZeRO-3 cost them
-            "compiled_gradients": bool(machine.compiled_for) and machine.compiled_for == shape.signature,
+            "compiled_gradients": machine.compiled_gradients_of(shape.signature),
             "source": machine.source,
         },
         "global_batch": args.global_batch,

@@ -404,7 +404,7 @@ def _like_compiled(c: Candidate, shape: ModelShape, machine: Machine) -> bool:
     """The machine's compiled gradients are of this model (:attr:`Machine.compiled_for`) and
     the candidate runs its layers as they were compiled: whole (``tensor`` 1), in float32."""
     whole = c.sizes["tensor"] == 1 and DTYPE_BYTES[c.plan.precision.compute_dtype] == 4
-    return whole and machine.compiled_for == shape.signature
+    return whole and machine.compiled_gradients_of(shape.signature)
 
 
 # -- time ----------------------------------------------------------------------------------------

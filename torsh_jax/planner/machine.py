@@ -192,6 +192,17 @@ class Machine:
             return self.codec_s_per_element_by_method[method]
         return self.codec_s_per_element * CODEC_VS_INT8.get(method, 1.0)
 
+    def compiled_gradients_of(self, signature: str, /) -> bool:
+        """Whether the compiled gradients (:attr:`chunk_gradient_bytes`, :attr:`remat_gradient_bytes`)
+        are of the model with this :attr:`~torsh_jax.planner.shape.ModelShape.signature`.
+
+        Example:
+            >>> m = Machine("m", 8, 1, 1e9, 2**30, compiled_for="d_model=8")
+            >>> m.compiled_gradients_of("d_model=8"), Machine("t", 8, 1, 1e9, 2**30).compiled_gradients_of("")
+            (True, False)
+        """
+        return bool(self.compiled_for) and self.compiled_for == signature
+
     def link(self, kind: str) -> Link:
         """The ``ici`` or ``dcn`` link (``dcn`` falls back to ``ici`` on one slice)."""
         return self.links.get(kind) or self.links["ici"]
