@@ -120,8 +120,9 @@ def _gradient_program(mesh, shape: ModelShape, args, *, recompute: str = "none",
     return grads_per_device, args
 
 
-def _gradient_args(mesh, shape: ModelShape, rows: int) -> tuple:
-    """The demo model's parameters on every device and ``rows`` examples per device."""
+def _gradient_args(mesh, shape: ModelShape, rows: tuple[int, ...]) -> dict[int, tuple]:
+    """The demo model's parameters on every device (one copy, shared) with ``r`` examples per
+    device, by ``r`` of ``rows``."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -131,11 +132,10 @@ def _gradient_args(mesh, shape: ModelShape, rows: int) -> tuple:
 
     cfg = shape.demo_config()
     n = mesh.shape["devices"]
-    batch = jax.tree.map(jnp.asarray, synthetic_tokens(cfg, batch_size=rows * n, seed=0))
-    params = init_params(cfg, jax.random.key(0))
-    return jax.device_put(params, NamedSharding(mesh, P())), jax.device_put(
-        batch, NamedSharding(mesh, P("devices"))
-    )
+    params = jax.device_put(init_params(cfg, jax.random.key(0)), NamedSharding(mesh, P()))
+    split = NamedSharding(mesh, P("devices"))
+    batch = lambda r: jax.tree.map(jnp.asarray, synthetic_tokens(cfg, batch_size=r * n, seed=0))
+    return {r: (params, jax.device_put(batch(r), split)) for r in rows}
 
 
 def _loss_recomputing(cfg, recompute: str, chunk: int = 1):
@@ -377,7 +377,7 @@ def _pass_seconds(mesh, shape: ModelShape, repeats: int) -> dict[int, dict[int, 
     a pipeline stage recomputes its chunk, ``k`` in :func:`chunk_lengths`) and by examples per
     device (``_RATE_ROWS`` and ``_ROWS``), all timed in the same rounds."""
     recompute = {0: "none", 1: "layer"} | {k: "chunk" for k in chunk_lengths(shape.layers)}
-    args = {rows: _gradient_args(mesh, shape, rows) for rows in (*_RATE_ROWS, _ROWS)}
+    args = _gradient_args(mesh, shape, (*_RATE_ROWS, _ROWS))
     programs = {
         (k, rows): _gradient_program(mesh, shape, args[rows], recompute=how, chunk=k)
         for k, how in recompute.items()
