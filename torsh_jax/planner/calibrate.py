@@ -99,9 +99,9 @@ def _seconds_in_rounds(programs: dict, rounds: int, /) -> dict:
     return {key: statistics.median(found) for key, found in times.items()}
 
 
-def _gradient_program(mesh, shape: ModelShape, args, *, recompute: str = "none", chunk: int = 1):
-    """The demo model's loss and gradient on every device at once, each on its own examples of
-    ``args`` (replicated parameters, batch split over ``devices``). ``recompute``: ``none``;
+def _gradient_program(mesh, shape: ModelShape, *, recompute: str = "none", chunk: int = 1):
+    """The demo model's loss and gradient on every device at once, each on its own examples
+    (arguments: replicated parameters, a batch split over ``devices``). ``recompute``: ``none``;
     ``layer``, each layer's forward runs again in the backward pass from its saved input
     (``LayeredModel.remat``); ``chunk``, each ``chunk`` layers' forward runs again from their saved
     input, as a pipeline stage recomputes its chunk."""
@@ -117,7 +117,7 @@ def _gradient_program(mesh, shape: ModelShape, args, *, recompute: str = "none",
         value, grads = jax.value_and_grad(loss)(p, b)  # the value keeps a checkpointed forward alive
         return (value + jnp.stack([jnp.sum(g) for g in jax.tree.leaves(grads)]))[None]
 
-    return grads_per_device, args
+    return grads_per_device
 
 
 def _gradient_args(mesh, shape: ModelShape, rows: tuple[int, ...]) -> dict[int, tuple]:
@@ -378,11 +378,10 @@ def _pass_seconds(mesh, shape: ModelShape, repeats: int) -> dict[int, dict[int, 
     device (``_RATE_ROWS`` and ``_ROWS``), all timed in the same rounds."""
     recompute = {0: "none", 1: "layer"} | {k: "chunk" for k in chunk_lengths(shape.layers)}
     args = _gradient_args(mesh, shape, (*_RATE_ROWS, _ROWS))
-    programs = {
-        (k, rows): _gradient_program(mesh, shape, args[rows], recompute=how, chunk=k)
-        for k, how in recompute.items()
-        for rows in args
-    }
+    programs = {}
+    for k, how in recompute.items():
+        fn = _gradient_program(mesh, shape, recompute=how, chunk=k)
+        programs |= {(k, rows): (fn, args[rows]) for rows in args}
     seconds = _seconds_in_rounds(programs, repeats)
     return {k: {rows: seconds[k, rows] for rows in args} for k in recompute}
 
