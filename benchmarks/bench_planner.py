@@ -12,7 +12,8 @@ Prints one ``planner_plan`` row per plan and model (``predicted_s``, ``measured_
 and overall: ``mape`` (mean absolute percentage error of the step time), ``kendall_tau`` (rank
 agreement of predicted and measured times: tau-b; ``kendall_tau_a`` beside it),
 ``kendall_tau_halves`` (tau-b of the even rounds' medians against the odd rounds': how well the
-measurement ranks the plans against itself, the most a prediction can be expected to reach here),
+measurement ranks the plans against itself; each side has half the rounds, so it understates how
+well two whole runs agree),
 ``misordered_beyond_noise`` (pairs ordered against the measurement by more than the rounds'
 spread, ``measured_iqr_s`` per plan), ``pick_ratio``
 (measured time of the plan the planner ranks first / the fastest measured), ``memory_mape``.
