@@ -428,6 +428,7 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
     seconds = _pass_seconds(mesh, shape, repeats)
     costs = _recompute_costs_by_tokens(shape, seconds)
     at_rows = _ROWS * shape.seq_len
+    rates = _rates_by_tokens(shape, seconds[0])
     link = fit_alpha_beta(_collective_times(mesh, repeats), len(devices), overhead_s=overhead)
     limit = device_memory_limit(mesh)
     platform = devices[0].platform
@@ -436,8 +437,8 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         name=name or f"{platform}-{len(devices)} (calibrated)",
         devices=len(devices),
         slices=1,
-        flops_per_s=at_rows * shape.train_flops_per_token(recompute=False) / seconds[0][_ROWS],
-        flops_per_s_by_tokens=_rates_by_tokens(shape, seconds[0]),
+        flops_per_s=rates[at_rows],
+        flops_per_s_by_tokens=rates,
         recompute_cost=costs[1][at_rows],
         chunk_recompute_costs={k: by_tokens[at_rows] for k, by_tokens in costs.items() if k > 1},
         recompute_costs_by_tokens=costs,
