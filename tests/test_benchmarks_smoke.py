@@ -176,11 +176,11 @@ def test_compressor_benchmark_pairs_each_measurement_with_its_baseline():
         assert low <= r["compressed_over_plain"] <= high and r["plain_seconds"] > 0
 
 
-def _load_bench_planner():
-    """``benchmarks/bench_planner.py`` as a module (it imports ``common`` by name, as run)."""
+def _load_bench(name: str = "bench_planner"):
+    """``benchmarks/<name>.py`` as a module (it imports ``common`` by name, as run)."""
     if str(BENCHMARKS) not in sys.path:
         sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("bench_planner", BENCHMARKS / "bench_planner.py")
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -203,7 +203,7 @@ def test_planner_benchmark_scores_the_ranking_the_pick_and_the_misordered_pairs(
     out), the measurement's tau-b against itself (even rounds against odd), the pick's measured
     time over the fastest, and the pairs ordered against the measurement by more than either
     plan's spread."""
-    bench = _load_bench_planner()
+    bench = _load_bench()
     rows = [
         _planner_row("a", 1.0, 1.1, 0.01),  # predicted fastest, measured 10 % off the fastest
         _planner_row("b", 2.0, 1.0, 0.01),  # against a beyond the spread
@@ -220,3 +220,25 @@ def test_planner_benchmark_scores_the_ranking_the_pick_and_the_misordered_pairs(
     assert found["kendall_tau_halves"] == pytest.approx((4 - 2) / 6)
     rows[1]["measured_iqr_s"] = 0.2  # the gap (0.1 s) is within b's spread now
     assert bench.misordered_beyond_noise(rows) == []
+
+
+def test_planner_memory_benchmark_sorts_the_candidates_into_kinds_and_counts_within_5_percent():
+    """The memory benchmark's kinds (ZeRO stage or schedule, with ZeRO-3 under a pipeline, tensor,
+    remat and accumulation) and its summary of the errors."""
+    from torsh_jax.planner.shape import parse_model
+    from torsh_jax.planner.space import candidates
+
+    bench = _load_bench("bench_planner_memory")
+    shape = parse_model(bench.MODELS["tiny"])
+    by_label = {c.label: c for c in candidates(shape, devices=8, global_batch=bench.GLOBAL_BATCH)}
+    kinds = {
+        "ddp data=8 acc=1": "ddp",
+        "zero2 fsdp=8 remat acc=2": "zero2 remat acc",
+        "zero3 fsdp=4 tensor=2 acc=1": "zero3 tensor",
+        "pp fsdp=4 stage=2 1f1b m=2 zero3 acc=2": "pp 1f1b zero3 acc",
+        "pp data=2 tensor=2 stage=2 zb_h1 m=2 acc=1": "pp zb_h1 tensor",
+    }
+    assert {label: bench.kind_of(by_label[label]) for label in kinds} == kinds
+    found = bench.summary([{"error": e} for e in (0.01, -0.05, 0.2, -0.08)], "k")
+    assert (found["plans"], found["within_5pct"]) == (4, 2)
+    assert found["max_abs_error"] == pytest.approx(0.2) and found["mean_abs_error"] == pytest.approx(0.085)

@@ -58,6 +58,7 @@ __all__ = [
     "activation_scales",
     "chunk_gradient_bytes",
     "remat_gradient_bytes",
+    "compiled_memory",
     "LINK_SIZES",
 ]
 
@@ -314,6 +315,33 @@ def activation_scales(shape: ModelShape, device, /) -> tuple[float, float]:
     return max(full, 0) / formula, max(working, 0) / formula
 
 
+def compiled_memory(shape: ModelShape, device, /, lengths: tuple[int, ...] | None = None) -> dict:
+    """The :class:`Machine` fields the cost model's memory reads, from programs compiled for
+    ``device`` only (nothing runs: a target's compile-only device too): ``activation_scale``,
+    ``recompute_scale`` (:func:`activation_scales`), ``chunk_gradient_bytes``,
+    ``remat_gradient_bytes`` and ``compiled_for`` (the model they are of); ``lengths``: the chunk
+    lengths compiled (:func:`chunk_gradient_bytes`).
+
+    Example (a machine that predicts the memory of the model's plans as this device compiles them;
+    about ten small programs, so skipped here: tests/test_planner.py runs it):
+        >>> import dataclasses, jax
+        >>> from torsh_jax.planner.shape import parse_model
+        >>> shape = parse_model("demo:d_model=64,layers=2,vocab=64,seq_len=16")
+        >>> found = compiled_memory(shape, jax.devices()[0])  # doctest: +SKIP
+        >>> machine = dataclasses.replace(Machine.from_target("v5e-8"), **found)  # doctest: +SKIP
+        >>> sorted(machine.chunk_gradient_bytes)  # doctest: +SKIP
+        [1, 2]
+    """
+    activations, recomputed = activation_scales(shape, device)
+    return {
+        "activation_scale": activations,
+        "recompute_scale": recomputed,
+        "chunk_gradient_bytes": chunk_gradient_bytes(shape, device, lengths),
+        "remat_gradient_bytes": remat_gradient_bytes(shape, device),
+        "compiled_for": shape.signature,
+    }
+
+
 def chunk_gradient_bytes(
     shape: ModelShape, device, /, lengths: tuple[int, ...] | None = None
 ) -> dict[int, tuple[float, float]]:
@@ -432,7 +460,6 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
     link = fit_alpha_beta(_collective_times(mesh, repeats), len(devices), overhead_s=overhead)
     limit = device_memory_limit(mesh)
     platform = devices[0].platform
-    activations, recomputed = activation_scales(shape, devices[0])
     return Machine(
         name=name or f"{platform}-{len(devices)} (calibrated)",
         devices=len(devices),
@@ -452,11 +479,7 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         codec_s_per_element_by_method={
             m: _codec_seconds_per_element(mesh, repeats, 1 << 18, method=m) for m in CODEC_METHODS
         },
-        activation_scale=activations,
-        recompute_scale=recomputed,
-        chunk_gradient_bytes=chunk_gradient_bytes(shape, devices[0]),
-        remat_gradient_bytes=remat_gradient_bytes(shape, devices[0]),
-        compiled_for=shape.signature,
+        **compiled_memory(shape, devices[0]),
         platform=platform,
         source=f"torsh-jax calibrate on {len(devices)} {platform} devices with {shape.name}",
     )

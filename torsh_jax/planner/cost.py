@@ -3,8 +3,10 @@
 **Memory per device** = training state (the ZeRO split of parameters, gradients and optimizer state,
 :func:`~torsh_jax.analysis.theory.theoretical_memory_per_device`) + gradient buffers (below ZeRO-3
 the whole local gradient, and its reduced copy where the layers are recomputed, accumulating or not:
-:func:`_gradient_buffers`; ZeRO-3: one layer's whole gradient with the embedding's and head's) +
-ZeRO-3's gathered working set (one layer twice, embedding and head once, in the compute dtype) +
+:func:`_gradient_buffers`; ZeRO-3 gathering on use: one layer's whole gradient with the embedding's
+and head's; accumulated pipeline passes: the step's sum beside each pass's, :func:`_pass_sum_bytes`)
++ ZeRO-3's gathered working set (one layer twice, embedding and head once, in the compute dtype;
+under a pipeline, the stage's parameters gathered once: :func:`_gathered_bytes`) +
 compressed reductions' error feedback (a residual of the reduced gradient; two-phase methods such as
 int8 one more of its ``1/n`` chunk) + activations. Activations per token and layer follow
 Korthikanti et al. 2022 (eq. 2 and 4; ``34 d + 5 a s`` bytes in 16-bit with no tensor parallelism,
@@ -18,8 +20,9 @@ its stash, the runtime's slots for the activations and gradients it receives (ab
 schedule table holds in flight: ``min(microbatches, stages)`` for 1F1B and ZB-H1, interleaved's cap
 in chunk inputs, all ``microbatches`` for GPipe) and ZB-H1's ``W`` slots; its backward recomputes a
 chunk from a stashed input, which is the gradient of a model of the chunk's layers on one
-micro-batch: as the machine compiled it (:attr:`Machine.chunk_gradient_bytes`), else the chunk's
-layers by the formula.
+micro-batch: as the machine compiled it (:attr:`Machine.chunk_gradient_bytes`; split over ``tensor``,
+its bytes per token at the formula's share, :func:`_tensor_share`), else the chunk's layers by the
+formula.
 
 **Step time** = the machine's per-step overhead + compute + pipeline bubble + exposed communication:
 
@@ -78,6 +81,7 @@ from torsh_jax.pipeline.slots import slot_plan
 from torsh_jax.plan import CompressorSpec
 from torsh_jax.plan.compressors import METHODS
 from torsh_jax.plan.factor import link_kind
+from torsh_jax.plan.roles import compose
 from torsh_jax.planner.buffers import compressed_buffers, tensor_replicated_elements
 from torsh_jax.planner.machine import Machine, nearest_in_ratio
 from torsh_jax.planner.shape import ModelShape
@@ -219,20 +223,22 @@ def _memory(c: Candidate, shape: ModelShape, opt_factor: float, machine: Machine
     count = layers + shared
     pb, cb = DTYPE_BYTES[plan.precision.param_dtype], DTYPE_BYTES[plan.precision.compute_dtype]
     zero_stage, fsdp = plan.zero.stage, c.sizes["fsdp"]
-    sharded = zero_stage == 3 and fsdp > 1
     state = theoretical_memory_per_device(
         count * pb, int(count * opt_factor * 4), count * pb, zero_stage, fsdp
     )
-    gathered = 0
     one_layer = layers // max(1, shape.layers // c.sizes["stage"])
-    if sharded:
-        gathered = (2 * one_layer + shared) * cb
+    roles = compose(plan, c.sizes)
+    on_use = roles.gather == "on_use"
+    gathered = _gathered_bytes(roles.gather, cb, count, one_layer, shared)
     activations, logits = _activation_bytes(c, shape, machine)
-    one_gathered = (one_layer + shared) * pb if sharded else 0
+    one_gathered = (one_layer + shared) * pb if on_use else 0
     gradients = _gradient_buffers(count * pb, state.grad_bytes, one_gathered, _recomputed(c))
+    gradients += _pass_sum_bytes(c, roles.reduce, count * pb)
     if _compiled_remat_bytes(c, shape, machine) is not None:
-        gradients = 0  # the compiled gradient's buffers and the stored gradients are all of them
-        if sharded:  # and one layer gathered beside them
+        # the compiled gradient's buffers hold the local gradient: the stored gradients are the
+        # rest, but ZeRO-2's, a shard of it made beside it
+        gradients = 0 if on_use else count * pb - state.grad_bytes
+        if on_use:  # and one layer gathered beside them
             gathered = one_layer * cb
     parts = {
         "state": state.total_bytes,
@@ -245,20 +251,41 @@ def _memory(c: Candidate, shape: ModelShape, opt_factor: float, machine: Machine
     return {**parts, "total": sum(parts.values())}
 
 
+def _gathered_bytes(gather: str, cb: int, count: int, one_layer: int, shared: int) -> int:
+    """ZeRO-3's gathered parameters (:attr:`~torsh_jax.plan.roles.Roles.gather`) at ``cb`` bytes
+    each: gathering ``on_use``, one layer twice (the one computing, the next arriving) and the
+    embedding and head; ``per_stage`` (under a pipeline), the stage's ``count`` parameters whole,
+    for every pass of the step."""
+    if gather == "on_use":
+        return (2 * one_layer + shared) * cb
+    return count * cb if gather == "per_stage" else 0
+
+
 def _gradient_buffers(param_bytes: int, stored_grads: int, one_gathered: int, recomputed: bool) -> int:
     """Buffers beyond the stored gradients. Below ZeRO-3 the whole local gradient exists at the
     peak, in the backward pass beside the activations (1 parameter-sized buffer); where the layers
     are recomputed (remat, a pipeline stage), the peak holds it next to its reduced copy (2; the
-    updated parameters reuse the donated ones). ZeRO-3 (``one_gathered``: the bytes of one gathered
-    layer with the embedding and head) reduces each layer's whole gradient as the backward pass
-    makes it, so one layer's and the embedding's and head's are alive at once. Accumulating adds
-    nothing: each micro-step's gradient is added into the carried sum in place. What the compiled
-    CPU programs of the demo models hold (tests/test_planner.py, benchmarks/bench_planner.py)."""
+    updated parameters reuse the donated ones). ZeRO-3 gathering on use (``one_gathered``: the
+    bytes of one gathered layer with the embedding and head) reduces each layer's whole gradient as
+    the backward pass makes it, so one layer's and the embedding's and head's are alive at once;
+    under a pipeline gathering once, a stage's pass makes its whole gradient as below ZeRO-3.
+    Accumulating adds nothing: each micro-step's gradient is added into the carried sum in place
+    (pipelines: :func:`_pass_sum_bytes`). What the compiled CPU programs of the demo models hold
+    (tests/test_planner.py, benchmarks/bench_planner.py, benchmarks/bench_planner_memory.py)."""
     if one_gathered:
         return one_gathered
-    if not recomputed:
-        return param_bytes - stored_grads
-    return 2 * param_bytes - stored_grads
+    held = 2 * param_bytes if recomputed else param_bytes
+    return held - stored_grads
+
+
+def _pass_sum_bytes(c: Candidate, reduce: str, param_bytes: int) -> int:
+    """What accumulating pipeline passes adds: each pass carries its own gradient sum, so beside
+    it the step's sum is one more buffer: the whole local gradient where the step reduces once
+    (:attr:`~torsh_jax.plan.roles.Roles.reduce` ``per_step``), else the pass's reduced ``fsdp``
+    shard about to be added into the stored one."""
+    if c.sizes["stage"] == 1 or c.plan.batch.accumulation_steps == 1:
+        return 0
+    return param_bytes if reduce == "per_step" else param_bytes // c.sizes["fsdp"]
 
 
 def _feedback_bytes(c: Candidate, param_bytes: int) -> int:
@@ -366,24 +393,36 @@ def _stage_activation_bytes(
     return int(stash + layer_bytes * chunk * tokens)
 
 
+def _tensor_share(c: Candidate, shape: ModelShape) -> float:
+    """A device's share under ``tensor`` of a layer's activations (the formula's, at ``tensor``
+    over at 1): what scales the compiled whole-layer programs' bytes per token."""
+    t, sp = c.sizes["tensor"], c.plan.tensor.sequence_parallel
+    return full_layer_bytes_per_token(shape, t, sp) / full_layer_bytes_per_token(shape)
+
+
 def _compiled_chunk_bytes(
     c: Candidate, shape: ModelShape, machine: Machine, chunk: int, tokens: int, layer_bytes: float
 ) -> float | None:
     """The gradient temporaries of ``chunk`` layers on ``tokens``, from the machine's compiled
     ones (the nearest measured length of 2 or more, plus or less ``layer_bytes`` per token per
-    layer); ``None`` where none applies (:func:`_like_compiled`, remat, a lone layer unmeasured)."""
+    layer); split over ``tensor``, their bytes per token but the logits' at the formula's share
+    (:func:`_tensor_share`). ``None`` where none applies (:func:`_of_compiled_model`, remat, a lone
+    layer unmeasured)."""
     found = machine.chunk_gradient_bytes
-    if not found or c.remat or not _like_compiled(c, shape, machine):
+    if not found or c.remat or not _of_compiled_model(c, shape, machine):
         return None
+    share = _tensor_share(c, shape)
     if chunk in found:
         fixed, per_token = found[chunk]
-        return fixed + per_token * tokens
-    scanned = [k for k in found if k >= 2]
-    if chunk == 1 or not scanned:
-        return None
-    k = nearest_in_ratio(chunk, scanned)
-    fixed, per_token = found[k]
-    return fixed + (per_token + (chunk - k) * layer_bytes) * tokens
+    else:
+        scanned = [k for k in found if k >= 2]
+        if chunk == 1 or not scanned:
+            return None
+        k = nearest_in_ratio(chunk, scanned)
+        fixed, per_token = found[k]
+        per_token += (chunk - k) * layer_bytes / share  # a whole layer's
+    logits = 2 * shape.vocab * 4  # per token, whole: the tensor split's are counted beside
+    return fixed + ((per_token - logits) * share + logits / c.sizes["tensor"]) * tokens
 
 
 def _compiled_remat_bytes(c: Candidate, shape: ModelShape, machine: Machine) -> tuple[float, float] | None:
@@ -401,10 +440,16 @@ def _compiled_remat_bytes(c: Candidate, shape: ModelShape, machine: Machine) -> 
 
 
 def _like_compiled(c: Candidate, shape: ModelShape, machine: Machine) -> bool:
-    """The machine's compiled gradients are of this model (:attr:`Machine.compiled_for`) and
-    the candidate runs its layers as they were compiled: whole (``tensor`` 1), in float32."""
-    whole = c.sizes["tensor"] == 1 and DTYPE_BYTES[c.plan.precision.compute_dtype] == 4
-    return whole and machine.compiled_gradients_of(shape.signature)
+    """The candidate runs its layers as the machine compiled them: of this model, in float32
+    (:func:`_of_compiled_model`), whole (``tensor`` 1)."""
+    return c.sizes["tensor"] == 1 and _of_compiled_model(c, shape, machine)
+
+
+def _of_compiled_model(c: Candidate, shape: ModelShape, machine: Machine) -> bool:
+    """The machine's compiled gradients are of this model (:attr:`Machine.compiled_for`) and the
+    candidate computes in float32, as they were compiled."""
+    f32 = DTYPE_BYTES[c.plan.precision.compute_dtype] == 4
+    return f32 and machine.compiled_gradients_of(shape.signature)
 
 
 # -- time ----------------------------------------------------------------------------------------

@@ -1,0 +1,111 @@
+"""The planner's predicted memory against the compiled peak, over its whole candidate space.
+
+``bench_planner.py`` checks 13 plans per model with a timed calibration; this compiles every
+candidate the planner enumerates for the demo model on 8 simulated CPU devices (global batch 32:
+DDP, ZeRO-1/2/3, tensor and sequence parallelism, remat, pipelines of every schedule and
+micro-batch count, accumulation) and compares each prediction with ``memory_analysis()`` of its
+compiled step, through :func:`torsh_jax.planner.rank.verify` (what ``plan --verify`` runs). The
+machine's memory fields come from :func:`torsh_jax.planner.calibrate.compiled_memory` (compiled,
+nothing timed), so the run needs no quiet machine.
+
+Prints one ``planner_memory`` row per candidate (``plan``, ``kind``, ``predicted``, ``compiled``,
+``error``) and one ``planner_memory_summary`` row per kind of plan and overall: ``plans``,
+``within_5pct``, ``max_abs_error``, ``mean_abs_error``.
+
+Usage:
+    python benchmarks/bench_planner_memory.py [--model small|medium] [--match TEXT] [--every N] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+
+import common
+
+#: The models of bench_planner.py.
+MODELS = {
+    "small": "demo:d_model=128,layers=4,vocab=1024,seq_len=128",
+    "medium": "demo:d_model=256,layers=8,vocab=2048,seq_len=128",
+    "tiny": "demo:d_model=128,layers=4,vocab=256,seq_len=32",
+}
+GLOBAL_BATCH = 32
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="small")
+    parser.add_argument("--match", default="", help="only candidates whose label holds this text")
+    parser.add_argument("--every", type=int, default=1, help="every N-th candidate (a sample)")
+    parser.add_argument("--quick", action="store_true", help="the tiny model, every 40th candidate")
+    return parser.parse_args()
+
+
+def kind_of(candidate) -> str:
+    """The candidate's kind: ZeRO stage or pipeline schedule, with tensor, remat, accumulation."""
+    plan, sizes = candidate.plan, candidate.sizes
+    if sizes["stage"] > 1:
+        parts = [f"pp {plan.pipeline.schedule}"]
+        if plan.zero.stage == 3 and sizes["fsdp"] > 1:
+            parts.append("zero3")
+    else:
+        parts = [candidate.label.split()[0]]
+    parts += [name for name, on in (("tensor", sizes["tensor"] > 1), ("remat", candidate.remat)) if on]
+    if plan.batch.accumulation_steps > 1:
+        parts.append("acc")
+    return " ".join(parts)
+
+
+def summary(rows: list[dict], kind: str) -> dict:
+    errors = [abs(r["error"]) for r in rows]
+    return {
+        "name": "planner_memory_summary",
+        "kind": kind,
+        "plans": len(rows),
+        "within_5pct": sum(e <= 0.05 for e in errors),
+        "max_abs_error": max(errors),
+        "mean_abs_error": statistics.mean(errors),
+    }
+
+
+def main() -> int:
+    args = parse_args()
+    common.setup_devices(8)
+    import jax
+
+    from torsh_jax.planner.calibrate import compiled_memory
+    from torsh_jax.planner.cost import optimizer_state_factor, predict
+    from torsh_jax.planner.machine import Link, Machine
+    from torsh_jax.planner.rank import verify
+    from torsh_jax.planner.shape import parse_model
+    from torsh_jax.planner.space import candidates
+
+    name, every = ("tiny", 40) if args.quick else (args.model, args.every)
+    shape, devices = parse_model(MODELS[name]), jax.devices()[:8]
+    machine = Machine("cpu-8", 8, 1, 1e9, 2**34, {"ici": Link(20e-6, 1e9)}, overlaps=False, platform="cpu")
+    machine = dataclasses.replace(machine, **compiled_memory(shape, devices[0]))
+    found = [c for c in candidates(shape, devices=8, global_batch=GLOBAL_BATCH) if args.match in c.label]
+    rows = []
+    for candidate in found[::every]:
+        predicted = predict(candidate, shape, machine, opt_factor=optimizer_state_factor(candidate.plan))
+        compiled = verify(predicted, shape, devices)
+        row = {
+            "name": "planner_memory",
+            "model": name,
+            "plan": candidate.label,
+            "kind": kind_of(candidate),
+            "predicted": predicted.memory["total"],
+            "compiled": compiled["peak"],
+            "error": compiled["memory_error"],
+        }
+        common.emit(row)
+        rows.append(row)
+    for kind in sorted({r["kind"] for r in rows}):
+        common.emit(summary([r for r in rows if r["kind"] == kind], kind))
+    common.emit(summary(rows, "all"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
