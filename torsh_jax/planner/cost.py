@@ -4,7 +4,7 @@
 :func:`~torsh_jax.analysis.theory.theoretical_memory_per_device`) + gradient buffers (below ZeRO-3
 the whole local gradient, and its reduced copy where the layers are recomputed, accumulating or not:
 :func:`_gradient_buffers`; ZeRO-3 gathering on use: one layer's whole gradient with the embedding's
-and head's; accumulated pipeline passes: the step's sum beside each pass's, :func:`_pass_sum_bytes`)
+and head's; accumulating, the step's sum beside each micro-step's, :func:`_accumulated_sum_bytes`)
 + ZeRO-3's gathered working set (one layer twice, embedding and head once, in the compute dtype;
 under a pipeline, the stage's parameters gathered once: :func:`_gathered_bytes`) +
 compressed reductions' error feedback (a residual of the reduced gradient; two-phase methods such as
@@ -233,13 +233,13 @@ def _memory(c: Candidate, shape: ModelShape, opt_factor: float, machine: Machine
     activations, logits = _activation_bytes(c, shape, machine)
     one_gathered = (one_layer + shared) * pb if on_use else 0
     gradients = _gradient_buffers(count * pb, state.grad_bytes, one_gathered, _recomputed(c))
-    gradients += _pass_sum_bytes(c, roles.reduce, count * pb)
     if _compiled_remat_bytes(c, shape, machine) is not None:
         # the compiled gradient's buffers hold the local gradient: the stored gradients are the
         # rest, but ZeRO-2's, a shard of it made beside it
         gradients = 0 if on_use else count * pb - state.grad_bytes
         if on_use:  # and one layer gathered beside them
             gathered = one_layer * cb
+    gradients += _accumulated_sum_bytes(c, roles.reduce, count * pb, layers * pb)
     parts = {
         "state": state.total_bytes,
         "gradients": gradients,
@@ -269,23 +269,27 @@ def _gradient_buffers(param_bytes: int, stored_grads: int, one_gathered: int, re
     bytes of one gathered layer with the embedding and head) reduces each layer's whole gradient as
     the backward pass makes it, so one layer's and the embedding's and head's are alive at once;
     under a pipeline gathering once, a stage's pass makes its whole gradient as below ZeRO-3.
-    Accumulating adds nothing: each micro-step's gradient is added into the carried sum in place
-    (pipelines: :func:`_pass_sum_bytes`). What the compiled CPU programs of the demo models hold
-    (tests/test_planner.py, benchmarks/bench_planner.py, benchmarks/bench_planner_memory.py)."""
+    Accumulating: :func:`_accumulated_sum_bytes`. What the compiled CPU programs of the demo models
+    hold (tests/test_planner.py, benchmarks/bench_planner.py, benchmarks/bench_planner_memory.py)."""
     if one_gathered:
         return one_gathered
     held = 2 * param_bytes if recomputed else param_bytes
     return held - stored_grads
 
 
-def _pass_sum_bytes(c: Candidate, reduce: str, param_bytes: int) -> int:
-    """What accumulating pipeline passes adds: each pass carries its own gradient sum, so beside
-    it the step's sum is one more buffer: the whole local gradient where the step reduces once
-    (:attr:`~torsh_jax.plan.roles.Roles.reduce` ``per_step``), else the pass's reduced ``fsdp``
-    shard about to be added into the stored one."""
-    if c.sizes["stage"] == 1 or c.plan.batch.accumulation_steps == 1:
+def _accumulated_sum_bytes(c: Candidate, reduce: str, param_bytes: int, layer_bytes: int) -> int:
+    """What accumulating adds: the step's gradient sum beside each micro-step's (a pipeline pass's)
+    own gradient. Where the step reduces once (:attr:`~torsh_jax.plan.roles.Roles.reduce`
+    ``per_step``: DDP, ZeRO-1), the whole local gradient (``param_bytes``), or with each layer
+    recomputed the stacked layers' (``layer_bytes``: the embedding's and head's are made after the
+    peak); the ``fsdp`` shard where each micro-step is reduced (ZeRO-2, a pipeline stage gathered
+    once); nothing where ZeRO-3 reduces each layer's gradient into the stored shard in the
+    backward pass."""
+    if c.plan.batch.accumulation_steps == 1 or reduce == "in_backward":
         return 0
-    return param_bytes if reduce == "per_step" else param_bytes // c.sizes["fsdp"]
+    if reduce == "per_step":
+        return layer_bytes if _layer_remat(c) else param_bytes
+    return param_bytes // c.sizes["fsdp"]
 
 
 def _feedback_bytes(c: Candidate, param_bytes: int) -> int:
