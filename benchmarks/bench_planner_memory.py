@@ -23,14 +23,11 @@ import dataclasses
 import statistics
 
 import common
+from bench_planner import GLOBAL_BATCH, QUICK_MODELS
+from bench_planner import MODELS as TIMED_MODELS
 
-#: The models of bench_planner.py.
-MODELS = {
-    "small": "demo:d_model=128,layers=4,vocab=1024,seq_len=128",
-    "medium": "demo:d_model=256,layers=8,vocab=2048,seq_len=128",
-    "tiny": "demo:d_model=128,layers=4,vocab=256,seq_len=32",
-}
-GLOBAL_BATCH = 32
+#: The models of bench_planner.py, its quick one too.
+MODELS = {**TIMED_MODELS, **QUICK_MODELS}
 
 
 def parse_args() -> argparse.Namespace:
