@@ -413,7 +413,8 @@ def test_a_pipeline_stage_holds_its_stash_and_its_chunks_compiled_gradient(tiny)
 def test_accumulation_a_stage_gathered_once_and_a_chunk_over_tensor_hold_what_the_runtime_keeps(tiny):
     """Accumulating adds the step's gradient sum beside each micro-step's or pipeline pass's own
     (whole where the step reduces once, the stacked layers' with each layer recomputed, the
-    ``fsdp`` shard where each is reduced, nothing under ZeRO-3 on use); ZeRO-3 under a
+    ``fsdp`` shard where each is reduced, nothing under ZeRO-3 on use); an interleaved stage
+    copies a chunk's parameters and, unaccumulated, its layers' gradients; ZeRO-3 under a
     pipeline gathers the stage's parameters whole once and makes its whole gradient; a chunk split
     over ``tensor`` holds the compiled chunk's per-token bytes (less the logits) at the formula's
     share."""
@@ -441,6 +442,13 @@ def test_accumulation_a_stage_gathered_once_and_a_chunk_over_tensor_hold_what_th
     assert held["gathered"] == params // 4 * DTYPE_BYTES[zero3.plan.precision.compute_dtype]
     assert held["gradients"] == 2 * params - params // 4  # the whole gradient and its reduced copy
 
+    # an interleaved stage copies a chunk's parameters and, not accumulating, its layers' gradients
+    layers = _local_params(by_label[stage.format("zero1", 1)], tiny)[0] * 4
+    interleaved = "pp fsdp=4 stage=2 interleaved v=2 m=2 zero1 acc={}"
+    for steps, copied in ((1, layers), (2, 0)):
+        plain, split = memory(stage.format("zero1", steps)), memory(interleaved.format(steps))
+        assert split["gathered"] == layers // 2 and split["gradients"] - plain["gradients"] == copied
+
     compiled = {1: (1000.0, 300.0), 2: (2000.0, 9000.0)}
     machine = replace(CPU8, chunk_gradient_bytes=compiled, compiled_for=tiny.signature)
     c = by_label["pp fsdp=2 tensor=2 stage=2 1f1b m=2 zero1 acc=1"]
@@ -466,6 +474,7 @@ MEMORY_PLANS = (
     "pp data=2 stage=4 1f1b m=4 acc=2",  # m=4: 14 ticks to compile, not m=8's 22
     "pp fsdp=4 stage=2 1f1b m=4 zero3 acc=1",  # a stage gathered once, chunks of 2
     "pp data=2 tensor=2 stage=2 1f1b m=4 acc=1",  # chunks of 2 split over tensor
+    "pp fsdp=4 stage=2 interleaved v=2 m=2 zero1 acc=1",  # two chunks of one layer per stage
     "ddp data=8 acc=1",
 )
 
