@@ -374,6 +374,12 @@ def full_layer_bytes_per_token(shape: ModelShape, tensor: int = 1, sequence_para
     return (10 + 24 / t) * d + 5 * heads * s / t
 
 
+def _logit_bytes_per_token(shape: ModelShape, tensor: int = 1) -> float:
+    """The float32 logits and their gradient per token, of a device's ``1/tensor`` of the
+    vocabulary."""
+    return 2 * shape.vocab / tensor * 4
+
+
 def _activation_bytes(c: Candidate, shape: ModelShape, machine: Machine) -> tuple[int, int]:
     """(activations, logits) of one device at its peak (see the module docstring)."""
     t, d = c.sizes["tensor"], shape.d_model
@@ -381,7 +387,7 @@ def _activation_bytes(c: Candidate, shape: ModelShape, machine: Machine) -> tupl
     formula = full_layer_bytes_per_token(shape, t, c.plan.tensor.sequence_parallel)
     full = formula * machine.activation_scale
     tokens = _tokens_per_micro_step(c, shape)
-    logits = 2 * tokens * shape.vocab // t * 4
+    logits = int(_logit_bytes_per_token(shape, t) * tokens)
     if c.sizes["stage"] > 1:
         return _stage_activation_bytes(c, shape, machine, full * scale, tokens, logits), logits
     compiled = _compiled_remat_bytes(c, shape, machine)
@@ -442,8 +448,8 @@ def _compiled_chunk_bytes(
         k = nearest_in_ratio(chunk, scanned)
         fixed, per_token = found[k]
         per_token += (chunk - k) * layer_bytes / share  # a whole layer's
-    logits = 2 * shape.vocab * 4  # per token, whole: the tensor split's are counted beside
-    return fixed + ((per_token - logits) * share + logits / c.sizes["tensor"]) * tokens
+    logits = _logit_bytes_per_token(shape)  # whole: the tensor split's are counted beside
+    return fixed + ((per_token - logits) * share + _logit_bytes_per_token(shape, c.sizes["tensor"])) * tokens
 
 
 def _compiled_remat_bytes(c: Candidate, shape: ModelShape, machine: Machine) -> tuple[float, float] | None:
