@@ -15,6 +15,7 @@ import pytest
 from conftest import require_devices
 
 from torsh_jax.cli.main import main
+from torsh_jax.cli.plan_cmd import TARGET_VERIFY
 from torsh_jax.demo.run import abstract_train_step
 from torsh_jax.errors import PlanError
 from torsh_jax.plan import load_plan
@@ -23,6 +24,7 @@ from torsh_jax.planner.machine import Link, Machine
 from torsh_jax.planner.rank import search, verify
 from torsh_jax.planner.shape import ModelShape, demo_config, parse_model
 from torsh_jax.planner.space import candidates
+from torsh_jax.targets import missing_compiler
 
 TINY = "demo:d_model=256,layers=4,vocab=256,seq_len=32"
 #: A machine file's figures (as ``calibrate`` would write them): nothing overlaps, 8 devices.
@@ -184,6 +186,10 @@ def test_plan_cli_prints_the_ranking_and_writes_the_best_plan(tmp_path, capsys):
     best = report["plans"][0]
     assert set(best) >= {"label", "step_s", "compute_s", "bubble_s", "comm_s", "exposed_s", "memory", "fits"}
     assert report["pick"] == best["label"] and report["activation_scale"] == 1.0
+    if missing_compiler("v5e-8") is None:  # a target's compiler installed: the pick compiled, and fits
+        assert report["verify"] == TARGET_VERIFY and best["compiled"]["fits"] and not report["unverified"]
+    else:
+        assert report["verify"] == 0 and "not compiled" in report["unverified"] and not best["compiled"]
     written = load_plan(str(out))
     assert written.mesh.resolve(8).shape == best["sizes"] and report["output"] == str(out)
 

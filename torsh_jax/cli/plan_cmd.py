@@ -15,6 +15,9 @@ from torsh_jax.cli.args import count_type
 
 __all__ = ["register"]
 
+#: Plans compiled down the ranking by default for a target whose compiler is installed.
+TARGET_VERIFY = 3
+
 #: Printed after writing a plan whose candidate recomputes its layers (a model property).
 REMAT_NOTE = (
     "the plan file cannot say remat (a property of the model): build the model with each layer "
@@ -54,8 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--verify",
         type=count_type(0, 100, fix="pass --verify 1"),
-        default=0,
-        help="compile the best N plans and report the compiler's memory [0]",
+        default=None,
+        help=f"compile down the ranking, at most N plans, until one fits [{TARGET_VERIFY} for a --target "
+        "whose compiler is installed, else 0]",
     )
     parser.add_argument("--json", action="store_true", help="print the ranking as JSON")
     parser.add_argument("-o", "--output", default=None, help="write the best plan as TOML to this file")
@@ -72,10 +76,12 @@ def run(args: argparse.Namespace) -> int:
     machine, target = _machine(args)
     base = load_plan(args.base, key="--base") if args.base else None
     check = lambda p: _verify(p, shape, target, machine)
+    budget, unverified = _verify_budget(args.verify, target)
     ranked, pick, machine = search_verified(
-        shape, machine, global_batch=args.global_batch, budget=args.verify, check=check, base=base
+        shape, machine, global_batch=args.global_batch, budget=budget, check=check, base=base
     )
     shown = ranked[: max(args.top, ranked.index(pick) + 1 if pick in ranked else 0)]
+    shown += [p for p in ranked[len(shown) :] if p.compiled]  # what the compiler refused, too
     written = args.output if args.output and pick is not None else None
     if written:
         save_plan(pick.candidate.plan, written)
@@ -100,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         "global_batch": args.global_batch,
         "candidates": len(ranked),
         "fitting": sum(p.fits for p in ranked),
+        "verify": budget,
+        "unverified": unverified,
         "pick": pick.candidate.label if pick is not None else None,
         "plans": [p.to_dict() for p in shown],
         "rules_of_thumb": rules_of_thumb(ranked, shape, machine) if ranked else [],
@@ -128,6 +136,17 @@ def _machine(args: argparse.Namespace):
         return Machine.load(args.machine), None
     target = parse_target(args.target, slices=args.slices)
     return Machine.from_target(args.target, slices=args.slices), target
+
+
+def _verify_budget(verify: int | None, target) -> tuple[int, str | None]:
+    """``--verify`` as given; unset, :data:`TARGET_VERIFY` for a target whose compiler is installed
+    (its memory is the compiler's, not a formula's), else 0 with what is missing to compile."""
+    if verify is not None or target is None:
+        return verify or 0, None
+    from torsh_jax.targets import missing_compiler
+
+    missing = missing_compiler(target.name)
+    return (0, f"memory predicted, not compiled: {missing}") if missing else (TARGET_VERIFY, None)
 
 
 def _verify(prediction, shape, target, machine) -> dict:
@@ -167,6 +186,10 @@ def _table(report: dict) -> str:
         )
     if report["pick"]:
         lines.append(f"pick: {report['pick']}")
+    elif report.get("verify"):
+        lines.append(f"pick: none; no plan compiled and fit in {report['verify']} compiles (pass --verify N)")
+    if report.get("unverified"):
+        lines.append(report["unverified"])
     for row in report["rules_of_thumb"]:
         lines.append(f"rule of thumb: {row['rule']}: {row['reason']}")
     if report["output"]:
