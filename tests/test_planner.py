@@ -510,3 +510,21 @@ def test_predicted_memory_is_the_compiled_peak_within_5_percent():
         predicted = predict(candidate, shape, machine, opt_factor=optimizer_state_factor(candidate.plan))
         errors[candidate.label] = verify(predicted, shape, devices)["memory_error"]
     assert all(abs(e) <= 0.05 for e in errors.values()), errors
+
+
+def test_plan_on_a_target_whose_compiler_cannot_start_predicts_and_says_why(monkeypatch, capsys):
+    from torsh_jax.cli import plan_cmd
+    from torsh_jax.errors import TargetError
+
+    def refuse(*_):
+        raise TargetError("the tpu compiler did not start", key="target 'v5e-8'", fix="set X")
+
+    monkeypatch.setattr(plan_cmd, "_verify", refuse)
+    monkeypatch.setattr(plan_cmd, "_verify_budget", lambda verify, target: (verify or TARGET_VERIFY, None))
+    args = ["plan", "--model", TINY, "--target", "v5e-8", "--global-batch", "64", "--json", "--top", "1"]
+    assert main(args) == 0  # unasked, the plans are predicted and the report says why
+    report = json.loads(capsys.readouterr().out)
+    assert report["verify"] == 0 and "did not start" in report["unverified"] and report["pick"]
+    assert main([*args, "--verify", "1"]) == 2  # asked for: one line
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did not start" in err[0]

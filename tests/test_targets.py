@@ -11,6 +11,7 @@ installs it beside the test environment); elsewhere those tests skip, saying wha
 from __future__ import annotations
 
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -229,3 +230,16 @@ def test_gpu_target_compiles_and_fits(capsys, name):
     code, target = _inspect(capsys, "--plan", "zero3", "--target", name, *SMALL)
     assert code == 0 and target["platform"] == "gpu" and target["chips"] == 8 and target["fits"] is True
     assert target["hbm_limit_bytes"] == CHIPS[name.split("-")[0]].hbm_bytes
+
+
+def test_plan_on_two_gpu_nodes_compiles_its_pick_with_data_across_the_nodes(capsys):
+    _needs_gpu("h100-16")
+    model = "demo:d_model=64,layers=2,vocab=256,seq_len=32"
+    code = main(
+        ["plan", "--model", model, "--target", "h100-16", "--global-batch", "32", "--json", "--top", "1"]
+    )
+    report = json.loads(capsys.readouterr().out)
+    pick = next(p for p in report["plans"] if p["label"] == report["pick"])
+    assert code == 0 and report["verify"] == 3 and report["unverified"] is None
+    assert pick["compiled"]["fits"] and abs(pick["compiled"]["memory_error"]) < 1  # compiled, over 2 nodes
+    assert pick["dcn"] and math.prod(pick["dcn"].values()) == 2

@@ -68,6 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from torsh_jax.cli.output import json_text
+    from torsh_jax.errors import TargetError
     from torsh_jax.plan.io import load_plan, save_plan
     from torsh_jax.planner.rank import rules_of_thumb, search_verified
     from torsh_jax.planner.shape import parse_model
@@ -77,9 +78,16 @@ def run(args: argparse.Namespace) -> int:
     base = load_plan(args.base, key="--base") if args.base else None
     check = lambda p: _verify(p, shape, target, machine)
     budget, unverified = _verify_budget(args.verify, target)
-    ranked, pick, machine = search_verified(
-        shape, machine, global_batch=args.global_batch, budget=budget, check=check, base=base
+    search = lambda n: search_verified(
+        shape, machine, global_batch=args.global_batch, budget=n, check=check, base=base
     )
+    try:
+        ranked, pick, machine = search(budget)
+    except TargetError as error:
+        if args.verify is not None:  # asked for: the error stands
+            raise
+        budget, unverified = 0, f"memory predicted, not compiled: {error}"
+        ranked, pick, machine = search(0)
     shown = ranked[: max(args.top, ranked.index(pick) + 1 if pick in ranked else 0)]
     shown += [p for p in ranked[len(shown) :] if p.compiled]  # what the compiler refused, too
     written = args.output if args.output and pick is not None else None
@@ -140,7 +148,8 @@ def _machine(args: argparse.Namespace):
 
 def _verify_budget(verify: int | None, target) -> tuple[int, str | None]:
     """``--verify`` as given; unset, :data:`TARGET_VERIFY` for a target whose compiler is installed
-    (its memory is the compiler's, not a formula's), else 0 with what is missing to compile."""
+    (its memory is the compiler's, not a formula's), else 0 with what is missing to compile. (A
+    compiler installed but unable to start, unset, leaves the plans predicted and says why.)"""
     if verify is not None or target is None:
         return verify or 0, None
     from torsh_jax.targets import missing_compiler

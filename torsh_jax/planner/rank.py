@@ -132,8 +132,8 @@ def verify(prediction: Prediction, shape: ModelShape, devices, /, *, target=None
 
     candidate = prediction.candidate
     cfg = shape.demo_config()
-    slices = target.slices if target is not None else None
-    train, batch = abstract_train_step(candidate.plan, cfg, devices, num_slices=slices, remat=candidate.remat)
+    # the candidate's DCN sizes are its slices (TPU) or nodes (GPU: the devices' processes)
+    train, batch = abstract_train_step(candidate.plan, cfg, devices, remat=candidate.remat)
     if target is not None:
         from torsh_jax.targets import compile_for_target
 
