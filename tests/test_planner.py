@@ -528,3 +528,27 @@ def test_plan_on_a_target_whose_compiler_cannot_start_predicts_and_says_why(monk
     assert main([*args, "--verify", "1"]) == 2  # asked for: one line
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "did not start" in err[0]
+
+
+def test_plan_shows_the_compiled_plans_that_did_not_fit_beside_the_pick(monkeypatch, capsys):
+    from torsh_jax.cli import plan_cmd
+
+    seen = []
+
+    def first_refused(prediction, *_):  # the first plan compiled does not fit, the next does
+        seen.append(prediction.candidate.label)
+        peak = prediction.memory["total"] * (3 if len(seen) == 1 else 1)
+        return {
+            "peak": peak,
+            "temp": peak,
+            "fits": len(seen) > 1,
+            "memory_error": -0.5 if len(seen) == 1 else 0,
+        }
+
+    monkeypatch.setattr(plan_cmd, "_verify", first_refused)
+    args = ["plan", "--model", TINY, "--target", "v5e-8", "--global-batch", "64", "--json", "--top", "1"]
+    assert main([*args, "--verify", "3"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    compiled = {p["label"]: p["compiled"]["fits"] for p in report["plans"] if p["compiled"]}
+    assert report["pick"] == seen[1] and compiled == {seen[0]: False, seen[1]: True}
+    assert report["activation_scale"] > 1  # learned from the refusal
