@@ -481,6 +481,7 @@ MEMORY_PLANS = (
     "pp fsdp=4 stage=2 1f1b m=4 zero3 acc=1",  # a stage gathered once, chunks of 2
     "pp data=2 tensor=2 stage=2 1f1b m=4 acc=1",  # chunks of 2 split over tensor
     "pp fsdp=4 stage=2 interleaved v=2 m=2 zero1 acc=1",  # two chunks of one layer per stage
+    "zero1 fsdp=4 tensor=2 sp remat acc=4",  # the recomputing gradient split over tensor
     "ddp data=8 acc=1",
 )
 

@@ -382,7 +382,7 @@ def _logit_bytes_per_token(shape: ModelShape, tensor: int = 1) -> float:
 
 def _activation_bytes(c: Candidate, shape: ModelShape, machine: Machine) -> tuple[int, int]:
     """(activations, logits) of one device at its peak (see the module docstring)."""
-    t, d = c.sizes["tensor"], shape.d_model
+    t = c.sizes["tensor"]
     scale = DTYPE_BYTES[c.plan.precision.compute_dtype] / 2  # the formulas count 16-bit activations
     formula = full_layer_bytes_per_token(shape, t, c.plan.tensor.sequence_parallel)
     full = formula * machine.activation_scale
@@ -398,7 +398,9 @@ def _activation_bytes(c: Candidate, shape: ModelShape, machine: Machine) -> tupl
     # tensor=2 held 1.17x its set at 1)
     working = full_layer_bytes_per_token(shape) * machine.recompute_scale
     if _layer_remat(c):  # every layer's input (split over ``tensor`` by sequence parallelism)
-        per_token = 2 * d * layers / (t if c.plan.tensor.sequence_parallel else 1) + working
+        per_token = (
+            _saved_input_bytes_per_token(shape) / (t if c.plan.tensor.sequence_parallel else 1) + working
+        )
     else:  # every layer's activations
         per_token = full * layers + working
     return int(per_token * scale * tokens), logits
@@ -454,22 +456,35 @@ def _compiled_chunk_bytes(
 
 def _compiled_remat_bytes(c: Candidate, shape: ModelShape, machine: Machine) -> tuple[float, float] | None:
     """``(fixed, per token)`` of the machine's compiled gradient with every layer recomputed, where
-    the candidate recomputes each layer without a pipeline (:func:`_layer_remat`) and is like the
-    compiled program (:func:`_like_compiled`); else ``None``. Not ZeRO-3 accumulating: its pass
-    runs in a loop that holds more beside it (on XLA:CPU 1.8-10 MB more on the benchmark's models,
-    1.4-3.3 gradient shards, in no proportion found), so the formula costs it."""
+    the candidate recomputes each layer without a pipeline (:func:`_layer_remat`) and runs the
+    compiled model (:func:`_of_compiled_model`); else ``None``. Split over ``tensor``, the saved
+    layer inputs are split only by sequence parallelism, and the rest of its bytes per token but
+    the logits scale at the formula's share (:func:`_tensor_share`), as a pipeline chunk's do (the
+    smaller benchmark model's 16 ZeRO-1 and -2 plans with remat over ``tensor = 2``: -3.5 % to
+    +0.8 %; the formula had -2.0 % to +17.2 %). Not ZeRO-3 accumulating, whose pass runs in a loop
+    that holds more beside it (on XLA:CPU 1.8-10 MB more on the benchmark's models, 1.4-3.3
+    gradient shards, in no proportion found), nor ZeRO-3 over ``tensor`` (its plan without
+    accumulation went from -2.1 % to -5.8 %): the formula costs them."""
     compiled = machine.remat_gradient_bytes
     if compiled is None or c.sizes["stage"] > 1 or not _layer_remat(c):
         return None
-    if c.plan.zero.stage == 3 and c.plan.batch.accumulation_steps > 1:
+    t = c.sizes["tensor"]
+    if c.plan.zero.stage == 3 and (c.plan.batch.accumulation_steps > 1 or t > 1):
         return None
-    return compiled if _like_compiled(c, shape, machine) else None
+    if not _of_compiled_model(c, shape, machine):
+        return None
+    if t == 1:
+        return compiled
+    fixed, per_token = compiled
+    saved = _saved_input_bytes_per_token(shape) * 2  # compiled in float32
+    rest = per_token - saved - _logit_bytes_per_token(shape)
+    split = t if c.plan.tensor.sequence_parallel else 1
+    return fixed, saved / split + rest * _tensor_share(c, shape) + _logit_bytes_per_token(shape, t)
 
 
-def _like_compiled(c: Candidate, shape: ModelShape, machine: Machine) -> bool:
-    """The candidate runs its layers as the machine compiled them: of this model, in float32
-    (:func:`_of_compiled_model`), whole (``tensor`` 1)."""
-    return c.sizes["tensor"] == 1 and _of_compiled_model(c, shape, machine)
+def _saved_input_bytes_per_token(shape: ModelShape) -> float:
+    """Every layer's saved input per token, at 16 bits: what a pass recomputing each layer keeps."""
+    return 2 * shape.d_model * shape.layers
 
 
 def _of_compiled_model(c: Candidate, shape: ModelShape, machine: Machine) -> bool:
