@@ -455,14 +455,16 @@ def test_accumulation_a_stage_gathered_once_and_a_chunk_over_tensor_hold_what_th
         plain, split = memory(stage.format("zero1", steps)), memory(interleaved.format(steps))
         assert split["gathered"] == layers // 2 and split["gradients"] - plain["gradients"] == copied
 
-    compiled = {1: (1000.0, 300.0), 2: (2000.0, 9000.0)}
+    # a chunk over tensor: its layers' bytes per token at the share; outside them (the line through
+    # the scanned lengths 2 and 4 at no layers: 9000 - 2 * 3000) whole, but the logits split
+    compiled = {1: (1000.0, 300.0), 2: (2000.0, 9000.0), 4: (2500.0, 15000.0)}
     machine = replace(CPU8, chunk_gradient_bytes=compiled, compiled_for=tiny.signature)
     c = by_label["pp fsdp=2 tensor=2 stage=2 1f1b m=2 zero1 acc=1"]
     tokens = c.plan.batch.micro_batch_size // 2 * tiny.seq_len
-    share, whole_logits = _tensor_share(c, tiny), 2 * tiny.vocab * 4
+    share, whole_logits, outside = _tensor_share(c, tiny), 2 * tiny.vocab * 4, 9000 - 2 * 3000
     assert 0.5 < share < 1  # some of a layer's activations are whole on every tensor device
     stash = _stash_rows(c, 2) * tiny.d_model * 4 * tokens
-    chunk = 2000 + ((9000 - whole_logits) * share + whole_logits / 2) * tokens
+    chunk = 2000 + ((9000 - outside) * share + outside - whole_logits / 2) * tokens
     p = predict(c, tiny, machine)
     assert p.memory["activations"] == pytest.approx(stash + chunk - p.memory["logits"], abs=1)
 
@@ -479,7 +481,7 @@ MEMORY_PLANS = (
     "zero3 fsdp=4 tensor=2 acc=1",
     "pp data=2 stage=4 1f1b m=4 acc=2",  # m=4: 14 ticks to compile, not m=8's 22
     "pp fsdp=4 stage=2 1f1b m=4 zero3 acc=1",  # a stage gathered once, chunks of 2
-    "pp data=2 tensor=2 stage=2 1f1b m=4 acc=1",  # chunks of 2 split over tensor
+    "pp tensor=2 stage=4 1f1b m=4 acc=1",  # chunks of one layer split over tensor
     "pp fsdp=4 stage=2 interleaved v=2 m=2 zero1 acc=1",  # two chunks of one layer per stage
     "zero1 fsdp=4 tensor=2 sp remat acc=4",  # the recomputing gradient split over tensor
     "ddp data=8 acc=1",
@@ -500,7 +502,7 @@ def test_predicted_memory_is_the_compiled_peak_within_5_percent():
 
     require_devices(8)
     shape, devices = parse_model(SMALL), jax.devices()[:8]
-    machine = dataclasses.replace(CPU8, **compiled_memory(shape, devices[0], lengths=(1, 2)))
+    machine = dataclasses.replace(CPU8, **compiled_memory(shape, devices[0], lengths=(1, 2, 4)))
     by_label = {c.label: c for c in candidates(shape, devices=8, global_batch=32)}
     int8 = (AxisCompression(axis="data", gradients=CompressorSpec(method="int8")),)
     chosen = [by_label[label] for label in MEMORY_PLANS]
