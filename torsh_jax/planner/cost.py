@@ -22,8 +22,10 @@ schedule table holds in flight: ``min(microbatches, stages)`` for 1F1B and ZB-H1
 in chunk inputs, all ``microbatches`` for GPipe) and ZB-H1's ``W`` slots; its backward recomputes a
 chunk from a stashed input, which is the gradient of a model of the chunk's layers on one
 micro-batch: as the machine compiled it (:attr:`Machine.chunk_gradient_bytes`; split over ``tensor``,
-its bytes per token at the formula's share, :func:`_tensor_share`), else the chunk's layers by the
-formula.
+its layers' bytes per token at the formula's share, :func:`_tensor_share`, the rest whole but the
+logits), else the chunk's layers by the formula. Where each layer is recomputed without a pipeline,
+the model's gradient recomputing every layer as the machine compiled it
+(:attr:`Machine.remat_gradient_bytes`, likewise over ``tensor``: :func:`_compiled_remat_bytes`).
 
 **Step time** = the machine's per-step overhead + compute + pipeline bubble + exposed communication:
 
