@@ -471,7 +471,7 @@ def _outside_layers_per_token(found: dict[int, tuple[float, float]], logits: flo
         return logits
     a, b = scanned[:2]
     per_layer = (found[b][1] - found[a][1]) / (b - a)
-    return found[a][1] - a * per_layer
+    return max(found[a][1] - a * per_layer, logits)  # the logits at least
 
 
 def _compiled_remat_bytes(c: Candidate, shape: ModelShape, machine: Machine) -> tuple[float, float] | None:
@@ -497,7 +497,7 @@ def _compiled_remat_bytes(c: Candidate, shape: ModelShape, machine: Machine) -> 
         return compiled
     fixed, per_token = compiled
     saved = _saved_input_bytes_per_token(shape) * 2  # compiled in float32
-    rest = per_token - saved - _logit_bytes_per_token(shape)
+    rest = max(per_token - saved - _logit_bytes_per_token(shape), 0.0)
     split = t if c.plan.tensor.sequence_parallel else 1
     return fixed, saved / split + rest * _tensor_share(c, shape) + _logit_bytes_per_token(shape, t)
 
