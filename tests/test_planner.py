@@ -27,6 +27,8 @@ from torsh_jax.planner.space import candidates
 from torsh_jax.targets import missing_compiler
 
 TINY = "demo:d_model=256,layers=4,vocab=256,seq_len=32"
+#: Smaller still: a target compiles its plans in seconds.
+MICRO = "demo:d_model=64,layers=2,vocab=64,seq_len=16"
 #: A machine file's figures (as ``calibrate`` would write them): nothing overlaps, 8 devices.
 CPU8 = Machine("cpu-8", 8, 1, 1e9, 2**30, {"ici": Link(20e-6, 1e9)}, overlaps=False, platform="cpu")
 
@@ -169,7 +171,7 @@ def test_plan_cli_prints_the_ranking_and_writes_the_best_plan(tmp_path, capsys):
         [
             "plan",
             "--model",
-            TINY,
+            MICRO,
             "--target",
             "v5e-8",
             "--global-batch",
@@ -209,7 +211,7 @@ def test_calibrate_measures_this_machine_and_plan_reads_its_file(tmp_path, capsy
             "--devices",
             "8",
             "--model",
-            "demo:d_model=64,layers=2,vocab=64,seq_len=16",
+            MICRO,
             "--repeats",
             "2",
             "-o",
