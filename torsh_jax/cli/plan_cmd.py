@@ -18,6 +18,9 @@ __all__ = ["register"]
 #: Plans compiled down the ranking by default for a target whose compiler is installed.
 TARGET_VERIFY = 3
 
+#: Said when a target's plans are predicted but not compiled, with the reason.
+UNVERIFIED = "memory predicted, not compiled: {}"
+
 #: Printed after writing a plan whose candidate recomputes its layers (a model property).
 REMAT_NOTE = (
     "the plan file cannot say remat (a property of the model): build the model with each layer "
@@ -86,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     except TargetError as error:
         if args.verify is not None:  # asked for: the error stands
             raise
-        budget, unverified = 0, f"memory predicted, not compiled: {error}"
+        budget, unverified = 0, UNVERIFIED.format(error)
         ranked, pick, machine = search(0)
     shown = ranked[: max(args.top, ranked.index(pick) + 1 if pick in ranked else 0)]
     shown += [p for p in ranked[len(shown) :] if p.compiled]  # what the compiler refused, too
@@ -155,7 +158,7 @@ def _verify_budget(verify: int | None, target) -> tuple[int, str | None]:
     from torsh_jax.targets import missing_compiler
 
     missing = missing_compiler(target.name)
-    return (0, f"memory predicted, not compiled: {missing}") if missing else (TARGET_VERIFY, None)
+    return (0, UNVERIFIED.format(missing)) if missing else (TARGET_VERIFY, None)
 
 
 def _verify(prediction, shape, target, machine) -> dict:
