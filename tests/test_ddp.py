@@ -66,3 +66,23 @@ def test_step_compiles_once_over_ten_steps():
     assert int(state.step) == 10
     chex.assert_trees_all_equal_shapes_and_dtypes(state.params, params)
     chex.assert_tree_all_finite(state.params)
+
+
+def test_a_weakly_typed_parameter_compiles_the_step_once():
+    """``jnp.asarray(2.0)`` is weakly typed and the step's new state is not: init stores it strong."""
+    import jax.numpy as jnp
+    import optax
+
+    def loss(params, batch):
+        return jnp.mean((batch["x"] @ params["w"] * params["scale"] - batch["y"]) ** 2)
+
+    params = {"w": jnp.ones((4, 2)), "scale": jnp.asarray(2.0)}
+    assert params["scale"].weak_type
+    plan = load_plan("ddp")
+    train = make_train_step(loss, optax.sgd(0.1), plan, build_mesh(plan), params)
+    state = train.init(params)
+    batch = {"x": jnp.ones((train.global_batch_size, 4)), "y": jnp.zeros((train.global_batch_size, 2))}
+    for _ in range(3):
+        state, _ = train.step(state, batch)
+    assert train.traces == 1
+    assert not state.params["scale"].weak_type and state.params["scale"].dtype == jnp.float32

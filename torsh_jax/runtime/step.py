@@ -42,7 +42,7 @@ from torsh_jax.runtime.layout import StateLayout, layout_for
 from torsh_jax.runtime.mesh import mesh_shape_str
 from torsh_jax.runtime.offload import to_device_memory
 from torsh_jax.runtime.params import take_params, with_auto_tensor_names
-from torsh_jax.runtime.precision import cast_tree
+from torsh_jax.runtime.precision import state_params
 from torsh_jax.runtime.program import build_program
 from torsh_jax.runtime.specs import path_str
 from torsh_jax.runtime.state import TrainState
@@ -212,7 +212,7 @@ def make_train_step(
     """
     intake = take_params(params, plan, warn=True)
     decided = decide(loss_fn, with_auto_tensor_names(intake.plan, intake.params, loss_fn, mesh), mesh)
-    like = jax.eval_shape(lambda p: cast_tree(p, plan.precision.param_dtype), intake.params)
+    like = jax.eval_shape(lambda p: state_params(p, plan.precision.param_dtype), intake.params)
     layout = layout_for(decided, like, optimizer)
     check_tensor_split(
         layout.compute, decided.roles, decided.plan, tensor_blocks=has_tensor_blocks(decided.model)
@@ -271,7 +271,7 @@ def _init_state(
     scaler = scaler_for(plan)
 
     def init(params: PyTree) -> TrainState:
-        params = to_stored(cast_tree(params, plan.precision.param_dtype))
+        params = to_stored(state_params(params, plan.precision.param_dtype))
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,

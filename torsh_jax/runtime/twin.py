@@ -24,7 +24,7 @@ import optax
 
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.params import take_params
-from torsh_jax.runtime.precision import cast_tree
+from torsh_jax.runtime.precision import cast_tree, state_params
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.runtime.update import guarded_update, scaler_for
 
@@ -85,7 +85,7 @@ def make_reference_step(
     param_dtype = _policy(plan, dtype)[0]
 
     def init(params: PyTree) -> TrainState:
-        params = cast_tree(take_params(params, plan).params, param_dtype)
+        params = state_params(take_params(params, plan).params, param_dtype)
         scale_state = None if scaler is None else scaler.init()
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), scale_state)
 
