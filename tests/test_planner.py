@@ -378,14 +378,36 @@ def test_verify_compiles_down_the_ranking_and_learns_from_a_plan_that_does_not_f
             return {"peak": None, "temp": temp, "fits": False, "memory_error": None}
         return {"peak": p.memory["total"], "temp": 1, "fits": True, "memory_error": 0.0}
 
-    ranked, pick, machine = search_verified(tiny, CPU8, global_batch=64, budget=3, check=check)
+    ranked, pick, machine, stopped = search_verified(tiny, CPU8, global_batch=64, budget=3, check=check)
     assert seen[0] == first.candidate.label and len(seen) == 2 and pick.candidate.label == seen[1]
     assert machine.activation_scale == pytest.approx(2.0)  # learned from the refusal
-    assert pick.compiled["fits"] is True and pick.fits
+    assert pick.compiled["fits"] is True and pick.fits and stopped is None
     refused = next(p for p in ranked if p.candidate.label == seen[0])
     assert refused.compiled["fits"] is False
-    _, unchecked, same = search_verified(tiny, CPU8, global_batch=64, budget=0, check=check)
+    _, unchecked, same, _ = search_verified(tiny, CPU8, global_batch=64, budget=0, check=check)
     assert unchecked.candidate.label == first.candidate.label and same is CPU8 and len(seen) == 2
+
+
+def test_verify_starts_no_compile_that_would_end_past_its_seconds(tiny, monkeypatch):
+    """Each compile takes 50 s of a fake clock and does not fit: with 90 s, the second would end at
+    100 s, so it is not started; with 120 s, it is (the third would end at 150 s)."""
+    from torsh_jax.planner import rank
+
+    clock = [0.0]
+
+    def check(p):
+        clock[0] += 50.0
+        temp = p.memory["gradients"] + 2 * (p.memory["activations"] + p.memory["logits"])
+        return {"peak": None, "temp": temp, "fits": False, "memory_error": None}
+
+    monkeypatch.setattr(rank.time, "perf_counter", lambda: clock[0])
+    for seconds, compiles in ((90, 1), (120, 2)):
+        found = rank.search_verified(tiny, CPU8, global_batch=64, budget=3, check=check, seconds=seconds)
+        compiled = [p.compiled for p in found.ranked if p.compiled]
+        assert found.pick is None and len(compiled) == compiles
+        assert all(c["seconds"] == 50.0 for c in compiled)
+        took = f"{compiles} compile{'s' * (compiles > 1)} took {50 * compiles} s"
+        assert found.stopped == f"{took}; another would pass {seconds} s"
 
 
 def test_a_pipeline_stage_holds_its_stash_and_its_chunks_compiled_gradient(tiny):
@@ -557,3 +579,21 @@ def test_plan_shows_the_compiled_plans_that_did_not_fit_beside_the_pick(monkeypa
     compiled = {p["label"]: p["compiled"]["fits"] for p in report["plans"] if p["compiled"]}
     assert report["pick"] == seen[1] and compiled == {seen[0]: False, seen[1]: True}
     assert report["activation_scale"] > 1  # learned from the refusal
+    assert report["verify_seconds"] == 90 and report["verify_stopped"] is None
+    table_args = [a for a in args if a != "--json"]
+
+    # with compiles of 50 s (a fake clock) and --verify-seconds 60, the second is not started
+    from torsh_jax.planner import rank
+
+    clock = [0.0]
+
+    def slow_refused(prediction, *rest):
+        clock[0] += 50.0
+        return first_refused(prediction, *rest) | {"fits": False}
+
+    monkeypatch.setattr(rank.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(plan_cmd, "_verify", slow_refused)
+    seen.clear()
+    assert main([*table_args, "--verify", "3", "--verify-seconds", "60"]) == 0
+    out = capsys.readouterr().out
+    assert len(seen) == 1 and "pick: none; 1 compile took 50 s; another would pass 60 s" in out

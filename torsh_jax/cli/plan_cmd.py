@@ -18,6 +18,10 @@ __all__ = ["register"]
 #: Plans compiled down the ranking by default for a target whose compiler is installed.
 TARGET_VERIFY = 3
 
+#: Seconds of compiling down the ranking after which no compile is started (the first always runs):
+#: ``plan`` answers within 2 minutes on a slow host too.
+VERIFY_SECONDS = 90
+
 #: Said when a target's plans are predicted but not compiled, with the reason.
 UNVERIFIED = "memory predicted, not compiled: {}"
 
@@ -64,6 +68,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"compile down the ranking, at most N plans, until one fits [{TARGET_VERIFY} for a --target "
         "whose compiler is installed, else 0]",
     )
+    parser.add_argument(
+        "--verify-seconds",
+        type=count_type(1, 86_400, fix="pass --verify-seconds 90"),
+        default=VERIFY_SECONDS,
+        help="start no compile that would end past this many seconds of compiling; the first always "
+        f"runs [{VERIFY_SECONDS}]",
+    )
     parser.add_argument("--json", action="store_true", help="print the ranking as JSON")
     parser.add_argument("-o", "--output", default=None, help="write the best plan as TOML to this file")
     parser.set_defaults(func=run)
@@ -82,15 +93,21 @@ def run(args: argparse.Namespace) -> int:
     check = lambda p: _verify(p, shape, target, machine)
     budget, unverified = _verify_budget(args.verify, target)
     search = lambda n: search_verified(
-        shape, machine, global_batch=args.global_batch, budget=n, check=check, base=base
+        shape,
+        machine,
+        global_batch=args.global_batch,
+        budget=n,
+        check=check,
+        base=base,
+        seconds=args.verify_seconds,
     )
     try:
-        ranked, pick, machine = search(budget)
+        ranked, pick, machine, stopped = search(budget)
     except TargetError as error:
         if args.verify is not None:  # asked for: the error stands
             raise
         budget, unverified = 0, UNVERIFIED.format(error)
-        ranked, pick, machine = search(0)
+        ranked, pick, machine, stopped = search(0)
     shown = ranked[: max(args.top, ranked.index(pick) + 1 if pick in ranked else 0)]
     shown += [p for p in ranked[len(shown) :] if p.compiled]  # what the compiler refused, too
     written = args.output if args.output and pick is not None else None
@@ -118,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
         "candidates": len(ranked),
         "fitting": sum(p.fits for p in ranked),
         "verify": budget,
+        "verify_seconds": args.verify_seconds,
+        "verify_stopped": stopped,
         "unverified": unverified,
         "pick": pick.candidate.label if pick is not None else None,
         "plans": [p.to_dict() for p in shown],
@@ -198,6 +217,8 @@ def _table(report: dict) -> str:
         )
     if report["pick"]:
         lines.append(f"pick: {report['pick']}")
+    elif report.get("verify_stopped"):
+        lines.append(f"pick: none; {report['verify_stopped']} (pass --verify-seconds S)")
     elif report.get("verify"):
         lines.append(f"pick: none; no plan compiled and fit in {report['verify']} compiles (pass --verify N)")
     if report.get("unverified"):

@@ -16,8 +16,10 @@ Example:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import NamedTuple
 
 from torsh_jax.plan import ParallelPlan
 from torsh_jax.planner.cost import Prediction, optimizer_state_factor, predict
@@ -25,7 +27,7 @@ from torsh_jax.planner.machine import Machine
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Space, candidates
 
-__all__ = ["search", "search_verified", "verify", "rules_of_thumb"]
+__all__ = ["search", "search_verified", "Verified", "verify", "rules_of_thumb"]
 
 #: The seeds' guides: the strategy by model size and devices, and compression by link bandwidth.
 RULES = (
@@ -70,6 +72,24 @@ def search(
     return fitting + over
 
 
+class Verified(NamedTuple):
+    """What :func:`search_verified` found.
+
+    Attributes:
+        ranked: the final ranking (compiled figures, with the compile's ``seconds``, in
+            ``Prediction.compiled``).
+        pick: the first plan the compiler found to fit; without compiling, the first predicted to
+            fit; ``None`` when nothing does.
+        machine: the machine with the activation scale learned from the plans that did not fit.
+        stopped: why compiling stopped before a plan fit with compiles left, else ``None``.
+    """
+
+    ranked: list[Prediction]
+    pick: Prediction | None
+    machine: Machine
+    stopped: str | None = None
+
+
 def search_verified(
     shape: ModelShape,
     machine: Machine,
@@ -80,25 +100,30 @@ def search_verified(
     check: Callable[[Prediction], dict],
     base: ParallelPlan | None = None,
     space: Space | None = None,
-) -> tuple[list[Prediction], Prediction | None, Machine]:
+    seconds: float | None = None,
+) -> Verified:
     """:func:`search`, then compile down the ranking (``check``: :func:`verify` for the machine's
     devices; at most ``budget`` compiles) until a plan fits: the pick. A plan the compiler finds
     too large teaches the activation scale (its compiled bytes over the predicted activations),
-    and the rest is ranked again with it.
-
-    Returns:
-        The final ranking (compiled figures in ``Prediction.compiled``), the pick (without
-        compiling: the first predicted to fit; ``None`` when nothing fits), and the machine with
-        the activation scale learned.
+    and the rest is ranked again with it. ``seconds``: no compile is started that would end past
+    this much compiling, the last compile's time taken for the next one's (the first always runs).
     """
     compiled: dict[str, dict] = {}
-    pick_label = None
+    pick_label, stopped, spent, last = None, None, 0.0, 0.0
     for _ in range(budget):
         ranked = search(shape, machine, global_batch=global_batch, base=base, space=space)
         todo = next((p for p in ranked if p.fits and p.candidate.label not in compiled), None)
         if todo is None:
             break
-        compiled[todo.candidate.label] = result = check(todo)
+        if seconds is not None and compiled and spent + last > seconds:
+            n = len(compiled)
+            stopped = f"{n} compile{'s' * (n > 1)} took {spent:.0f} s; another would pass {seconds:g} s"
+            break
+        start = time.perf_counter()
+        result = check(todo)
+        last = time.perf_counter() - start
+        spent += last
+        compiled[todo.candidate.label] = {**result, "seconds": last}
         if result["fits"]:
             pick_label = todo.candidate.label
             break
@@ -107,8 +132,9 @@ def search_verified(
     ranked = search(shape, machine, global_batch=global_batch, base=base, space=space)
     ranked = [replace(p, compiled=compiled.get(p.candidate.label, {})) for p in ranked]
     if budget == 0:
-        return ranked, next((p for p in ranked if p.fits), None), machine
-    return ranked, next((p for p in ranked if p.candidate.label == pick_label), None), machine
+        return Verified(ranked, next((p for p in ranked if p.fits), None), machine)
+    pick = next((p for p in ranked if p.candidate.label == pick_label), None)
+    return Verified(ranked, pick, machine, stopped)
 
 
 def _activation_ratio(p: Prediction, compiled: dict) -> float:
