@@ -31,6 +31,8 @@ _EXPORTS: dict[str, str] = {
     "Prediction": "torsh_jax.planner.cost",
     "predict": "torsh_jax.planner.cost",
     "search": "torsh_jax.planner.rank",
+    "search_verified": "torsh_jax.planner.rank",
+    "Verified": "torsh_jax.planner.rank",
     "verify": "torsh_jax.planner.rank",
 }
 
@@ -41,6 +43,6 @@ __getattr__, __dir__ = lazy_exports("torsh_jax.planner", _EXPORTS, globals())
 if TYPE_CHECKING:  # pragma: no cover
     from torsh_jax.planner.cost import Prediction, predict
     from torsh_jax.planner.machine import Link, Machine
-    from torsh_jax.planner.rank import search, verify
+    from torsh_jax.planner.rank import Verified, search, search_verified, verify
     from torsh_jax.planner.shape import ModelShape, parse_model
     from torsh_jax.planner.space import Candidate, Space, candidates
