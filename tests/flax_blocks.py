@@ -290,3 +290,15 @@ class NnxGPT2(nnx.Module):
         for block in self.blocks:
             x = block(x)
         return self.wte.attend(self.ln_f(x))
+
+
+class NnxCausalLM(nnx.Module):
+    """A decoder kept one module down (``transformer``) beside a learned logit scale, as Hugging
+    Face nests its models: the decoder's blocks are at ``transformer/blocks`` (or ``/layers``)."""
+
+    def __init__(self, decoder: nnx.Module):
+        self.transformer = decoder
+        self.logit_scale = nnx.Param(jnp.ones(()))
+
+    def __call__(self, tokens):
+        return self.transformer(tokens) * self.logit_scale

@@ -1,6 +1,6 @@
 """flax nnx models as their authors write them (tests/flax_blocks.py): a scanned stack of blocks and
-an ``nnx.List`` of them, converted with one call (``from_nnx``) and trained under pipelines and
-ZeRO-3 equal to their single-device twins."""
+an ``nnx.List`` of them, at the top level or one module down, converted with one call
+(``from_nnx``) and trained under pipelines and ZeRO-3 equal to their single-device twins."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import require_devices
 from flax import nnx
-from flax_blocks import NnxGPT2, NnxLlama, next_token_loss
+from flax_blocks import NnxCausalLM, NnxGPT2, NnxLlama, next_token_loss
 from helpers import assert_matches_twin
 from test_models_linen import CFG, PLANS, _batch, layered_twin_report
 
@@ -22,8 +22,15 @@ from torsh_jax.runtime.layered import layered_loss
 BUILD = {
     "llama-scanned": lambda layers: NnxLlama(CFG.vocab, 16, 4, 2, layers, 24, rngs=nnx.Rngs(0)),
     "gpt2-list": lambda layers: NnxGPT2(CFG.vocab, 16, 2, layers, CFG.seq_len, rngs=nnx.Rngs(0)),
+    "llama-scanned-nested": lambda layers: NnxCausalLM(BUILD["llama-scanned"](layers)),
+    "gpt2-list-nested": lambda layers: NnxCausalLM(BUILD["gpt2-list"](layers)),
 }
-BLOCKS = {"llama-scanned": "layers", "gpt2-list": "blocks"}
+BLOCKS = {
+    "llama-scanned": "layers",
+    "gpt2-list": "blocks",
+    "llama-scanned-nested": "transformer/layers",
+    "gpt2-list-nested": "transformer/blocks",
+}
 
 
 @functools.cache
@@ -55,6 +62,12 @@ def test_each_part_reads_the_keys_it_uses():
     assert set(scanned.model.head_keys) == {"norm", "output"}
     _, listed = _converted("gpt2-list", 2)
     assert set(listed.model.embed_keys) == {"wte", "wpe"} and set(listed.model.head_keys) == {"wte", "ln_f"}
+    _, nested = _converted("gpt2-list-nested", 2)  # the decoder's children lifted beside the scale
+    assert set(nested.model.embed_keys) == {"transformer/wte", "transformer/wpe"}
+    assert set(nested.model.head_keys) == {"transformer/wte", "transformer/ln_f", "logit_scale"}
+    _, nested = _converted("llama-scanned-nested", 2)
+    assert nested.model.embed_keys == ("transformer/tok_embeddings",)
+    assert set(nested.model.head_keys) == {"transformer/norm", "transformer/output", "logit_scale"}
 
 
 @pytest.mark.parametrize("plan", ["1f1b", "interleaved", "fsdp_pp-zero2", "3d-auto"])
@@ -67,6 +80,13 @@ def test_a_scanned_nnx_model_trains_equal_to_its_twin(plan):
 def test_a_listed_nnx_model_with_a_tied_embedding_trains_equal_to_its_twin():
     require_devices(8)
     assert_matches_twin(_twin_report("gpt2-list", PLANS["1f1b"]), params=True)
+
+
+def test_blocks_one_module_down_train_equal_to_their_twin():
+    """The list at ``transformer/blocks``, its tied embedding at ``transformer/wte`` read by the
+    first stage and the last, the scale beside the decoder by the last."""
+    require_devices(8)
+    assert_matches_twin(_twin_report("gpt2-list-nested", PLANS["1f1b"]), params=True)
 
 
 def _computing_in_param_dtype(model):
@@ -98,6 +118,10 @@ def test_blocks_it_cannot_find_are_one_error_naming_them():
     with pytest.raises(ModelStructureError, match="no parameters under 'layers'") as err:
         from_nnx(model, _batch(2), loss=next_token_loss, blocks="layers")
     assert err.value.key == "layers"
+    nested = BUILD["gpt2-list-nested"](2)
+    with pytest.raises(ModelStructureError, match="no submodule 'decoder' at the top level") as err:
+        from_nnx(nested, _batch(2), loss=next_token_loss, blocks="decoder/blocks")
+    assert err.value.key == "decoder/blocks"
 
 
 def test_a_custom_gradient_in_a_scanned_block_is_refused_not_differentiated_otherwise():

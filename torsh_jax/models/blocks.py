@@ -71,9 +71,9 @@ class FlaxLayers:
 
     def to_layered(self, params: PyTree) -> dict:
         """The model's own parameters in the layered layout."""
-        if self.layout == "stacked":
-            return dict(params)
         params = lift(params, self.lifted)
+        if self.layout == "stacked":
+            return params
         source = params if self.layout == "children" else params[self.layers_key]
         others = {k: v for k, v in params.items() if k not in self.block_names and k != self.layers_key}
         return {**others, self.layers_key: stack_blocks(source, self.block_names, self.period)}
@@ -81,12 +81,12 @@ class FlaxLayers:
     def to_flax(self, params: PyTree) -> dict:
         """Layered parameters (a train state's, a checkpoint's) back in the model's own layout."""
         if self.layout == "stacked":
-            return dict(params)
+            return nest(params, self.lifted)
         others = {k: v for k, v in params.items() if k != self.layers_key}
         blocks = unstack_blocks(params[self.layers_key], self.block_names, self.period)
         if self.layout == "children":
             return nest({**others, **blocks}, self.lifted)
-        return {**others, self.layers_key: blocks}
+        return nest({**others, self.layers_key: blocks}, self.lifted)
 
 
 def block_names(params: PyTree, prefix: str) -> tuple[str, ...]:

@@ -11,6 +11,11 @@ model is called through ``nnx.merge`` on them. Its blocks (``blocks``: the attri
   the first block, the head the same with the first block returning the layers' output and the
   others passing it on, a layer one block merged with its slice.
 
+Blocks kept below the top level (``blocks="transformer/h"``: a decoder module inside a causal-LM
+module, as Hugging Face nests its models) are lifted (:mod:`~torsh_jax.models.nesting`): each
+module on the way is replaced by its children, so the embedding and head read keys such as
+``transformer/wte``, and the parameters convert back to the model's own nesting.
+
 Example:
     >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
@@ -38,6 +43,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +52,7 @@ import jax
 from torsh_jax.errors import ModelStructureError, NotSupportedYetError
 from torsh_jax.models.blocks import FlaxLayers, HiddenState, check_same_loss, period, zeros_like
 from torsh_jax.models.linen import _model_inputs
+from torsh_jax.models.nesting import lift, lifted_chain, nest
 from torsh_jax.models.scanned import from_scan, keys_read
 from torsh_jax.runtime.layered import LayeredModel
 
@@ -99,7 +106,7 @@ def from_nnx(
         model: the model, unchanged.
         example: a batch, to see how the model runs its blocks.
         loss: ``loss(model output, batch) -> scalar``.
-        blocks: the attribute holding the blocks.
+        blocks: the attribute holding the blocks (a path ``a/b`` below the top level).
         inputs: ``inputs(batch) -> the model's positional arguments`` (default ``(batch["inputs"],)``).
 
     Raises:
@@ -108,31 +115,55 @@ def from_nnx(
     """
     split = _split(model)
     graphdef, params_state, rest, pure = split
-    if blocks not in pure:
+    chain = _modules_above(pure, blocks)
+    lifted = lift(pure, chain)
+    if blocks not in lifted:
         raise ModelStructureError(
-            f"the model has no parameters under {blocks!r} (it has {', '.join(map(str, pure))})",
+            f"the model has no parameters under {blocks!r} (it has {', '.join(map(str, lifted))})",
             key=blocks,
-            fix="pass blocks= the attribute holding the model's blocks",
+            fix="pass blocks= the attribute holding the blocks ('transformer/h' below the top level)",
         )
 
     def pure_loss(p, batch):
         return loss(_merged(graphdef, params_state, rest, p)(*inputs(batch)), batch)
 
-    if not _is_list(pure[blocks]):
-        return from_scan(pure_loss, pure, example, layers=blocks)
-    return _from_list(model, split, example, blocks, loss, inputs, pure_loss)
+    if not _is_list(lifted[blocks]):
+        scanned = from_scan(lambda p, batch: pure_loss(nest(p, chain), batch), lifted, example, layers=blocks)
+        return dataclasses.replace(scanned, lifted=chain)
+    return _from_list(model, split, example, blocks, loss, inputs, pure_loss, chain)
+
+
+def _modules_above(pure: dict, blocks: str) -> tuple[str, ...]:
+    """The modules on the way to ``blocks`` (lifted so that the blocks are a top-level key).
+
+    Raises:
+        ModelStructureError: one of them is missing (names it and the keys there).
+    """
+    return tuple(path for path in lifted_chain(pure, blocks) if path != blocks)
+
+
+def _attribute(model, path: str):
+    """``model.a.b`` for the path ``a/b``."""
+    return functools.reduce(getattr, path.split("/"), model)
+
+
+def _set_attribute(model, path: str, value) -> None:
+    *parents, name = path.split("/")
+    setattr(_attribute(model, "/".join(parents)) if parents else model, name, value)
 
 
 def _is_list(tree) -> bool:
     return isinstance(tree, dict) and bool(tree) and all(isinstance(k, int) for k in tree)
 
 
-def _from_list(model, split: tuple, example, blocks, loss, inputs, pure_loss) -> FlaxLayers:
-    """``split``: the model's :func:`_split` (graph, parameters, other state, parameters as a dict)."""
+def _from_list(model, split: tuple, example, blocks, loss, inputs, pure_loss, chain) -> FlaxLayers:
+    """``split``: the model's :func:`_split` (graph, parameters, other state, parameters as a dict);
+    ``chain``: the modules lifted on the way to the blocks."""
     from flax import nnx
 
     graphdef, params_state, rest, pure = split
-    items = pure[blocks]
+    lifted = lift(pure, chain)
+    items = lifted[blocks]
     names = tuple(range(len(items)))
     if period(items, names) != 1:
         raise NotSupportedYetError(
@@ -141,14 +172,14 @@ def _from_list(model, split: tuple, example, blocks, loss, inputs, pure_loss) ->
             key=blocks,
             fix="make the blocks alike, or write the LayeredModel with one layer per period",
         )
-    block_graphdef, block_state, block_rest = nnx.split(getattr(model, blocks)[0], nnx.Param, ...)
-    others = [k for k in pure if k != blocks]
+    block_graphdef, block_state, block_rest = nnx.split(_attribute(model, blocks)[0], nnx.Param, ...)
+    others = [k for k in lifted if k != blocks]
 
     def run(p: dict, batch, stand_ins: list):
-        full = {k: p[k] if k in p else zeros_like(pure[k]) for k in others}
+        full = {k: p[k] if k in p else zeros_like(lifted[k]) for k in others}
         full[blocks] = {i: zeros_like(items[i]) for i in names}
-        merged = _merged(graphdef, params_state, rest, full)
-        setattr(merged, blocks, stand_ins)
+        merged = _merged(graphdef, params_state, rest, nest(full, chain))
+        _set_attribute(merged, blocks, stand_ins)
         return merged(*inputs(batch))
 
     def embed(p, batch):
@@ -168,9 +199,9 @@ def _from_list(model, split: tuple, example, blocks, loss, inputs, pure_loss) ->
     def layer(one, h):
         return _merged(block_graphdef, block_state, block_rest, one)(h)
 
-    keys = _list_keys(others, embed, head, pure, example)
+    keys = _list_keys(others, embed, head, lifted, example)
     model_ = LayeredModel(embed, layer, head, embed_keys=keys[0], head_keys=keys[1], layers_key=blocks)
-    layered = FlaxLayers(model_, None, names, 1, blocks, layout="list")
+    layered = FlaxLayers(model_, None, names, 1, blocks, layout="list", lifted=chain)
     layered = dataclasses.replace(layered, params=layered.to_layered(pure))
     check_same_loss(layered, pure_loss, pure, example, key=blocks)
     return layered

@@ -43,7 +43,6 @@ from jax.extend import core as jex
 from torsh_jax.errors import ModelStructureError, NotSupportedYetError
 from torsh_jax.models.blocks import FlaxLayers
 from torsh_jax.runtime.layered import LayeredModel
-from torsh_jax.runtime.specs import path_str
 from torsh_jax.tensor.axis import vary_over, varying_axes
 from torsh_jax.typing import PyTree
 
@@ -125,10 +124,16 @@ def needed_vars(outvars, eqns, given=()) -> set:
     return needed
 
 
+def _top_keys(params: dict) -> list:
+    """The top-level key of every leaf of ``params``, in leaf order (a lifted key such as
+    ``transformer/wte`` whole)."""
+    return [path[0].key for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+
+
 def keys_read(fn: Callable, params: dict) -> tuple[str, ...]:
     """The top-level keys of ``params`` whose values ``fn(params)`` depends on (by its jaxpr)."""
     jaxpr = jax.make_jaxpr(fn)(_abstract(params)).jaxpr
-    keys = [path_str(p).split("/")[0] for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    keys = _top_keys(params)
     needed = needed_vars(jaxpr.outvars, jaxpr.eqns)
     read = {k for k, v in zip(keys, jaxpr.invars) if v in needed}
     return tuple(k for k in params if k in read)
@@ -140,7 +145,7 @@ class _Cut:
     def __init__(self, loss: Callable, params: dict, batch: PyTree, layers: str):
         self.closed = jax.make_jaxpr(loss)(*_abstract((params, batch)))
         jaxpr = self.closed.jaxpr
-        self.keys = [path_str(p).split("/")[0] for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+        self.keys = _top_keys(params)
         self.param_vars = jaxpr.invars[: len(self.keys)]
         stacked = {v: i for i, v in enumerate(self.param_vars) if self.keys[i] == layers}
         self.index, self.scan = _find_scan(jaxpr, stacked, layers)
