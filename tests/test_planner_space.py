@@ -17,7 +17,7 @@ from conftest import require_devices
 from torsh_jax.analysis.theory import ring_wire_bytes
 from torsh_jax.pipeline.schedule import IDLE, build_pipeline_schedule
 from torsh_jax.pipeline.slots import slot_plan
-from torsh_jax.planner.cost import _bubble_fraction, _stashed_microbatches, codec_seconds, predict, theories
+from torsh_jax.planner.cost import _bubble_fraction, codec_seconds, predict, theories
 from torsh_jax.planner.machine import Link, Machine
 from torsh_jax.planner.shape import parse_model
 from torsh_jax.planner.space import Space, candidates
@@ -80,7 +80,12 @@ def test_each_schedule_stashes_what_its_table_holds_in_flight(tiny, found):
     for schedule in ("gpipe", "1f1b", "interleaved", "zb_h1"):
         chunks = " v=2" if schedule == "interleaved" else ""
         stash[schedule] = found[f"pp data=4 stage=2 {schedule}{chunks} m=4 acc=1"]
-    counts = {name: _stashed_microbatches(c) for name, c in stash.items()}
+    virtual = {name: c.plan.pipeline.virtual_stages for name, c in stash.items()}
+    tables = {
+        name: build_pipeline_schedule(name, stages=2, microbatches=4, virtual_stages=v)
+        for name, v in virtual.items()
+    }
+    counts = {name: int(table.in_flight.max()) for name, table in tables.items()}
     # GPipe all m; 1F1B and ZB-H1 min(m, p); interleaved its cap 2(p - 1) + (v - 1) p + 1 chunk inputs
     assert counts == {"gpipe": 4, "1f1b": 2, "interleaved": 5, "zb_h1": 2}
     memory = {name: predict(c, tiny, MACHINE).memory["activations"] for name, c in stash.items()}

@@ -351,18 +351,11 @@ def _rate_tokens(c: Candidate, shape: ModelShape) -> int:
     return _tokens_per_micro_step(c, shape) // c.sizes["tensor"]
 
 
-def _stashed_microbatches(c: Candidate) -> int:
-    """Stage inputs a pipeline stage holds at most: the schedule table's most activations in flight
-    (1F1B and ZB-H1: ``min(m, stages)`` on the first stage; interleaved: its in-flight cap, in
-    chunk inputs; GPipe: ``m``)."""
-    return _schedule_figures(c)[1]
-
-
 def _stash_rows(c: Candidate, chunk: int) -> int:
     """Hidden states per token a pipeline stage's stash holds: the runtime's slots
     (:func:`~torsh_jax.pipeline.slots.slot_plan`) for received activations and gradients, and
     ZB-H1's ``W`` slots of every chunk layer's input and output gradient."""
-    activations, gradients, weights = _schedule_figures(c)[2]
+    activations, gradients, weights = _schedule_figures(c)[1]
     return activations + gradients + 2 * chunk * weights
 
 
@@ -585,9 +578,9 @@ def _bubble_fraction(c: Candidate) -> float:
     return _schedule_figures(c)[0] if c.sizes["stage"] > 1 else 0.0
 
 
-def _schedule_figures(c: Candidate) -> tuple[float, int, tuple[int, int, int]]:
-    """(idle / busy slots, most stage inputs held, the runtime's activation, gradient and ``W``
-    stash slots) of the candidate's pipeline schedule."""
+def _schedule_figures(c: Candidate) -> tuple[float, tuple[int, int, int]]:
+    """(idle / busy slots, the runtime's activation, gradient and ``W`` stash slots) of the
+    candidate's pipeline schedule."""
     pipe = c.plan.pipeline
     return _table_figures(pipe.schedule, c.sizes["stage"], pipe.microbatches, pipe.virtual_stages)
 
@@ -595,14 +588,14 @@ def _schedule_figures(c: Candidate) -> tuple[float, int, tuple[int, int, int]]:
 @functools.lru_cache(maxsize=1024)
 def _table_figures(
     name: str, stages: int, microbatches: int, virtual_stages: int
-) -> tuple[float, int, tuple[int, int, int]]:
+) -> tuple[float, tuple[int, int, int]]:
     table = build_pipeline_schedule(
         name, stages=stages, microbatches=microbatches, virtual_stages=virtual_stages
     )
     idle = int((table.table[..., 0] == IDLE).sum())
     slots = slot_plan(table)
     stash = (slots.activation_slots, slots.gradient_slots, slots.weight_slots)
-    return idle / (table.table[..., 0].size - idle), int(table.in_flight.max()), stash
+    return idle / (table.table[..., 0].size - idle), stash
 
 
 def theories(c: Candidate, shape: ModelShape, *, compressed: bool = True) -> list[Theory]:
