@@ -148,8 +148,9 @@ def _attribute(model, path: str):
 
 
 def _set_attribute(model, path: str, value) -> None:
+    """``model.a.b = value`` for the path ``a/b``."""
     *parents, name = path.split("/")
-    setattr(_attribute(model, "/".join(parents)) if parents else model, name, value)
+    setattr(functools.reduce(getattr, parents, model), name, value)
 
 
 def _is_list(tree) -> bool:
