@@ -1,8 +1,14 @@
 """``torsh-jax calibrate``: measure this machine's compute rate and links for ``torsh-jax plan``.
 
+Started as the processes of a job (``torsh-jax launch``, Slurm, Ray: a script that calls
+``torsh_jax.cli.main.main(["calibrate", ...])``), it joins them (``torsh_jax.distributed.initialize``),
+measures each process's devices and the link across the processes (``dcn``), and process 0 writes
+the machine file and prints.
+
 Example:
     $ torsh-jax calibrate --devices 8 -o machine.json
     $ torsh-jax calibrate --devices 8 --model demo:d_model=256,layers=4,vocab=1024,seq_len=128 --json
+    $ torsh-jax launch -n 2 --devices-per-process 4 calibrate_job.py -o machine.json
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--devices",
         type=count_type(1, MAX_DEVICES, fix="pass --devices 8"),
-        default=8,
-        help="devices; simulated on CPU [8]",
+        default=None,
+        help="devices; simulated on CPU [8; under a launcher, every process's: set by the launcher]",
     )
     parser.add_argument(
         "--model", default=DEFAULT_MODEL, help=f"model the compute rate is measured on [{DEFAULT_MODEL}]"
@@ -42,13 +48,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from torsh_jax.demo.devices import select_devices
+    import jax
+
     from torsh_jax.planner.calibrate import calibrate
     from torsh_jax.planner.shape import parse_model
     from torsh_jax.units import format_bytes
 
     shape = parse_model(args.model)
-    machine = calibrate(select_devices(args.devices), shape, repeats=args.repeats)
+    machine = calibrate(_devices(args.devices), shape, repeats=args.repeats)
+    if jax.process_index() > 0:  # process 0 speaks for the job
+        return 0
     if args.output:
         Path(args.output).write_text(machine.to_json() + "\n")
     if args.json:
@@ -59,9 +68,44 @@ def run(args: argparse.Namespace) -> int:
     kinds = "".join(f", {kind} {beta / 1e9:.3f}" for kind, beta in link.bytes_per_s_by_kind.items())
     print(
         f"{machine.name}: {machine.flops_per_s / 1e9:.2f} GFLOP/s per device, link alpha "
-        f"{link.alpha_s * 1e6:.1f} us, beta {link.bytes_per_s / 1e9:.3f} GB/s{kinds}, step overhead "
+        f"{link.alpha_s * 1e6:.1f} us, beta {link.bytes_per_s / 1e9:.3f} GB/s{kinds}{_across(machine)}, "
+        f"step overhead "
         f"{machine.step_overhead_s * 1e3:.2f} ms, recompute x{machine.recompute_cost:.2f} per layer"
         f"{chunks}, {format_bytes(machine.memory_bytes)} per device"
         + (f"; wrote {args.output}" if args.output else "")
     )
     return 0
+
+
+def _devices(count: int | None) -> list:
+    """The devices to measure: the job's, when a launcher started this process (joined here); else
+    ``count`` of this process's (8 unless given)."""
+    from torsh_jax.distributed import initialize
+    from torsh_jax.distributed.env import detect_environment
+    from torsh_jax.errors import DistributedError
+
+    if not detect_environment().is_multi_process:
+        from torsh_jax.demo.devices import select_devices
+
+        return select_devices(8 if count is None else count)
+    if count is not None:
+        raise DistributedError(
+            "--devices is the launcher's under a launcher (every process's devices are measured)",
+            key="--devices",
+            fix="drop --devices; give launch --devices-per-process N",
+        )
+    import jax
+
+    initialize()
+    return jax.devices()
+
+
+def _across(machine) -> str:
+    """``, across 2 processes alpha .. us, beta .. GB/s`` for a machine of several processes."""
+    if machine.slices == 1:
+        return ""
+    dcn = machine.link("dcn")
+    return (
+        f", across {machine.slices} processes alpha {dcn.alpha_s * 1e6:.1f} us, beta "
+        f"{dcn.bytes_per_s / 1e9:.3f} GB/s"
+    )

@@ -171,6 +171,14 @@ def chunk_lengths(layers: int, /) -> list[int]:
     return [k for k in (2**i for i in range(1, layers.bit_length())) if layers % k == 0]
 
 
+def _ones(shape: tuple[int, ...], sharding):
+    """Float32 ones laid out by ``sharding``; each process makes its own devices' shards (a mesh
+    across processes too)."""
+    import jax
+
+    return jax.make_array_from_callback(shape, sharding, lambda index: np.ones(shape, np.float32)[index])
+
+
 def _collective_times(mesh, repeats: int) -> list[tuple[str, int, float]]:
     """(kind, bytes per device, seconds) of ``psum``, ``all_gather`` and ``psum_scatter`` at
     :data:`LINK_SIZES`, timed in the same rounds."""
@@ -186,9 +194,7 @@ def _collective_times(mesh, repeats: int) -> list[tuple[str, int, float]]:
         "reduce-scatter": lambda x: jnp.tile(jax.lax.psum_scatter(x, "devices", tiled=True), n),
     }
     sharded = NamedSharding(mesh, P("devices"))
-    inputs = {
-        nbytes: jax.device_put(jnp.ones((n * nbytes // 4,), jnp.float32), sharded) for nbytes in LINK_SIZES
-    }
+    inputs = {nbytes: _ones((n * nbytes // 4,), sharded) for nbytes in LINK_SIZES}
     programs = {}
     for kind, op in ops.items():
         fn = jax.jit(
@@ -430,47 +436,73 @@ def _recompute_costs_by_tokens(shape: ModelShape, seconds: dict[int, dict[int, f
     }
 
 
+def _process_link(devices, processes: int, repeats: int) -> Link:
+    """The ``dcn`` link: the collectives of :func:`_collective_times` over the processes (each
+    device with the devices of the same local position in the others), fitted as the ``ici``
+    link is; every process runs them."""
+    import jax
+    from jax.sharding import AxisType
+
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    mesh = jax.make_mesh(
+        (processes, len(devices) // processes),
+        ("devices", "local"),
+        axis_types=(AxisType.Explicit,) * 2,
+        devices=ordered,
+    )
+    return fit_alpha_beta(_collective_times(mesh, repeats), processes, overhead_s=_overhead(mesh, repeats))
+
+
 def _overhead(mesh, repeats: int) -> float:
     import jax
-    import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     fn = jax.jit(jax.shard_map(lambda x: x + 1, mesh=mesh, in_specs=P("devices"), out_specs=P("devices")))
-    x = jax.device_put(jnp.zeros((mesh.shape["devices"],), jnp.float32), NamedSharding(mesh, P("devices")))
+    x = _ones((mesh.shape["devices"],), NamedSharding(mesh, P("devices")))
     return _median_seconds(fn, x, repeats=repeats)
 
 
 def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | None = None) -> Machine:
-    """Measure ``devices`` (see the module docstring) and return the :class:`Machine` they are."""
+    """Measure ``devices`` (see the module docstring) and return the :class:`Machine` they are.
+
+    ``devices`` of several processes (a job ``torsh-jax launch``, Slurm or Ray started, joined by
+    :func:`torsh_jax.distributed.initialize`; every process calls this): each process measures its
+    own devices as above, the ``ici`` link among them, and all together the ``dcn`` link across
+    the processes (:func:`_process_link`); a process is a slice of the machine."""
     import jax
     from jax.sharding import AxisType
 
     from torsh_jax.runtime.fit import device_memory_limit
 
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    processes = len({d.process_index for d in devices})
     # a ``tensor`` axis of 1: the demo model's tensor blocks read its size
     mesh = jax.make_mesh(
-        (len(devices), 1), ("devices", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=devices
+        (len(local), 1), ("devices", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=local
     )
     overhead = _overhead(mesh, repeats)
     seconds = _pass_seconds(mesh, shape, repeats)
     costs = _recompute_costs_by_tokens(shape, seconds)
     at_rows = _ROWS * shape.seq_len
     rates = _rates_by_tokens(shape, seconds[0])
-    link = fit_alpha_beta(_collective_times(mesh, repeats), len(devices), overhead_s=overhead)
+    links = {"ici": fit_alpha_beta(_collective_times(mesh, repeats), len(local), overhead_s=overhead)}
+    if processes > 1:
+        links["dcn"] = _process_link(devices, processes, repeats)
     limit = device_memory_limit(mesh)
     platform = devices[0].platform
+    across = f" in {processes} processes" if processes > 1 else ""
     return Machine(
         name=name or f"{platform}-{len(devices)} (calibrated)",
         devices=len(devices),
-        slices=1,
+        slices=processes,
         flops_per_s=rates[at_rows],
         flops_per_s_by_tokens=rates,
         recompute_cost=costs[1][at_rows],
         chunk_recompute_costs={k: by_tokens[at_rows] for k, by_tokens in costs.items() if k > 1},
         recompute_costs_by_tokens=costs,
         memory_bytes=limit.bytes if limit else 0,
-        links={"ici": link},
+        links=links,
         overlaps=platform != "cpu",
         shared_cores=platform == "cpu",
         step_overhead_s=overhead,
@@ -479,7 +511,7 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         codec_s_per_element_by_method={
             m: _codec_seconds_per_element(mesh, repeats, 1 << 18, method=m) for m in CODEC_METHODS
         },
-        **compiled_memory(shape, devices[0]),
+        **compiled_memory(shape, local[0]),
         platform=platform,
-        source=f"torsh-jax calibrate on {len(devices)} {platform} devices with {shape.name}",
+        source=f"torsh-jax calibrate on {len(devices)} {platform} devices{across} with {shape.name}",
     )

@@ -1,0 +1,49 @@
+"""``torsh-jax calibrate`` started as the processes of a job (``torsh-jax launch``, 2 × 2 devices
+on 127.0.0.1 over gloo): each process's devices measured as one machine's, the link across the
+processes as ``dcn``; process 0 writes the file and ``plan`` reads it as 2 slices."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from test_multiprocess_train import REPO, child_environ
+
+from torsh_jax.cli.main import main
+from torsh_jax.planner.machine import Machine
+
+pytestmark = pytest.mark.slow
+
+#: the smallest demo model (calibrate compiles some 60 programs in each process)
+MODEL = "demo:d_model=32,layers=2,vocab=32,seq_len=8"
+TIMEOUT_S = 300
+
+
+def test_calibrate_over_launched_processes_measures_the_link_across_them(tmp_path, capsys):
+    out = tmp_path / "machine.json"
+    entry = str(REPO / "torsh_jax" / "__main__.py")  # python -m torsh_jax, as a script launch runs
+    launch = [sys.executable, "-m", "torsh_jax.cli.main", "launch", "-n", "2", "--devices-per-process", "2"]
+    calibrate = [entry, "calibrate", "--model", MODEL, "--repeats", "1", "-o", str(out)]
+    done = subprocess.run(
+        [*launch, "--timeout", str(TIMEOUT_S), *calibrate],
+        cwd=REPO,
+        env=child_environ(tmp_path / "xla"),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S + 30,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    spoke = [line for line in done.stdout.splitlines() if "GFLOP/s per device" in line]
+    assert len(spoke) == 1 and spoke[0].startswith("[rank 0]") and "across 2 processes" in spoke[0]
+    machine = Machine.load(out)
+    assert (machine.devices, machine.slices) == (4, 2)
+    assert machine.link("dcn") is not machine.link("ici") and machine.link("dcn").bytes_per_s > 0
+    assert machine.flops_per_s > 0 and "in 2 processes" in machine.source
+
+    args = ["plan", "--model", MODEL, "--machine", str(out), "--global-batch", "8", "--json", "--top", "100"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["machine"]["slices"] == 2
+    assert any(p["dcn"] for p in report["plans"])  # plans with an axis across the processes
