@@ -8,7 +8,8 @@ processes (``dcn``), and process 0 writes the machine file and prints.
 Example:
     $ torsh-jax calibrate --devices 8 -o machine.json
     $ torsh-jax calibrate --devices 8 --model demo:d_model=256,layers=4,vocab=1024,seq_len=128 --json
-    $ torsh-jax launch -n 2 --devices-per-process 4 "$(python -c 'import torsh_jax.__main__ as m; print(m.__file__)')" calibrate -o machine.json
+    $ MAIN=$(python -c 'import torsh_jax.__main__ as m; print(m.__file__)')
+    $ torsh-jax launch -n 2 --devices-per-process 4 "$MAIN" calibrate -o machine.json
 """
 
 from __future__ import annotations
