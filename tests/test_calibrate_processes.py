@@ -23,9 +23,8 @@ TIMEOUT_S = 300
 
 def test_calibrate_over_launched_processes_measures_the_link_across_them(tmp_path, capsys):
     out = tmp_path / "machine.json"
-    entry = str(REPO / "torsh_jax" / "__main__.py")  # python -m torsh_jax, as a script launch runs
     launch = [sys.executable, "-m", "torsh_jax.cli.main", "launch", "-n", "2", "--devices-per-process", "2"]
-    calibrate = [entry, "calibrate", "--model", MODEL, "--repeats", "1", "-o", str(out)]
+    calibrate = ["-m", "torsh_jax", "calibrate", "--model", MODEL, "--repeats", "1", "-o", str(out)]
     done = subprocess.run(
         [*launch, "--timeout", str(TIMEOUT_S), *calibrate],
         cwd=REPO,

@@ -379,6 +379,7 @@ def test_script_read_as_the_ray_address_is_a_one_line_error(capsys):
 DRY_RUN_REFUSALS = {
     "missing-script-local": (["-n", "2", "missing.py"], "missing.py: script not found"),
     "missing-script-ray": (["--ray", "auto", "-n", "2", "missing.py"], "missing.py: script not found"),
+    "missing-module": (["-n", "2", "-m", "no_such_module", "x"], "no_such_module: module not found"),
     "port-under-ray": (["--ray", "auto", "-n", "2", "--port", "4000", SCRIPT], "--port: is read only by"),
     "negative-grace-period": (["-n", "2", "--grace-period", "-1", SCRIPT], "grace_period: must be >= 0"),
     "nan-exit-grace": (["-n", "2", "--exit-grace", "nan", SCRIPT], "exit_grace: must be > 0"),
@@ -391,6 +392,17 @@ def test_dry_run_refuses_what_the_real_run_refuses(capsys, argv, error):
     code, out, err = dry_run(capsys, argv)
     assert code == 2 and out == "" and err.count("\n") == 1
     assert err.startswith(f"torsh-jax launch: error: {error}") and "Fix:" in err
+
+
+def test_a_module_runs_as_python_m_on_every_backend(capsys):
+    """``-m torsh_jax calibrate``: each process runs ``python -m torsh_jax calibrate`` (Ray's actors
+    too: a module is not a path to make absolute)."""
+    from torsh_jax.distributed.ray_launch import _argv
+
+    code, out, _ = dry_run(capsys, ["-n", "2", "--json", "-m", "torsh_jax", "calibrate", "-o", "m.json"])
+    assert code == 0 and json.loads(out)["command"][1:] == ["-m", "torsh_jax", "calibrate", "-o", "m.json"]
+    assert _argv(["-m", "torsh_jax", "calibrate"]) == ["-m", "torsh_jax", "calibrate"]
+    assert _argv([SCRIPT, "--steps", "2"])[0] == os.path.abspath(SCRIPT)
 
 
 def test_child_environment_brackets_an_ipv6_coordinator():

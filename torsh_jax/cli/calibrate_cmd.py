@@ -1,15 +1,13 @@
 """``torsh-jax calibrate``: measure this machine's compute rate and links for ``torsh-jax plan``.
 
-Started as the processes of a job (``torsh-jax launch``, Slurm, Ray: the script is
-``torsh_jax/__main__.py``, ``python -m torsh_jax``), it joins them
-(``torsh_jax.distributed.initialize``), measures each process's devices and the link across the
-processes (``dcn``), and process 0 writes the machine file and prints.
+Started as the processes of a job (``torsh-jax launch -m torsh_jax calibrate``, under Slurm or
+Ray too), it joins them (``torsh_jax.distributed.initialize``), measures each process's devices
+and the link across the processes (``dcn``), and process 0 writes the machine file and prints.
 
 Example:
     $ torsh-jax calibrate --devices 8 -o machine.json
     $ torsh-jax calibrate --devices 8 --model demo:d_model=256,layers=4,vocab=1024,seq_len=128 --json
-    $ MAIN=$(python -c 'import torsh_jax.__main__ as m; print(m.__file__)')
-    $ torsh-jax launch -n 2 --devices-per-process 4 "$MAIN" calibrate -o machine.json
+    $ torsh-jax launch -n 2 --devices-per-process 4 -m torsh_jax calibrate -o machine.json
 """
 
 from __future__ import annotations

@@ -100,7 +100,14 @@ def register(subparsers) -> None:
         "GLOG_minloglevel=2 unless set, and gloo's per-connection lines dropped)",
     )
     _add_backend_arguments(parser)
-    parser.add_argument("script", help="Python script to run")
+    parser.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="run SCRIPT as a module, python -m SCRIPT (like python's and torchrun's -m): "
+        "-m torsh_jax calibrate",
+    )
+    parser.add_argument("script", help="Python script to run (with -m: the module)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     parser.set_defaults(func=run)
 
@@ -198,19 +205,27 @@ def _check_supervision(args: argparse.Namespace) -> None:
     from torsh_jax.distributed.launcher import check_launch_arguments
 
     options = {k: v for k, v in _supervision(args).items() if k != "verbose_collectives"}
-    check_launch_arguments([args.script, *args.script_args], port=args.port, **options)
+    check_launch_arguments(_command(args), port=args.port, **options)
+
+
+def _command(args: argparse.Namespace) -> list[str]:
+    """What each process runs after ``python``: the script and its arguments, or ``-m MODULE ...``."""
+    from torsh_jax.distributed.launcher import MODULE_FLAG
+
+    script = [args.script, *args.script_args]
+    return [MODULE_FLAG, *script] if args.module else script
 
 
 def _run_local(args: argparse.Namespace) -> int:
     from torsh_jax.distributed.launcher import launch
 
-    return launch([args.script, *args.script_args], port=args.port, **_supervision(args))
+    return launch(_command(args), port=args.port, **_supervision(args))
 
 
 def _run_ray(args: argparse.Namespace) -> int:
     from torsh_jax.distributed.ray_launch import ray_launch
 
-    script = [args.script, *args.script_args]
+    script = _command(args)
     return ray_launch(script, address=args.ray, gpus_per_process=args.gpus_per_process, **_supervision(args))
 
 
@@ -235,7 +250,7 @@ def _submit_slurm(args: argparse.Namespace) -> int:
 
     from torsh_jax.distributed.slurm import sbatch_script, submit_sbatch
 
-    text = sbatch_script([args.script, *args.script_args], job=_slurm_job(args))
+    text = sbatch_script(_command(args), job=_slurm_job(args))
     job_id = submit_sbatch(text, directory=Path.cwd())
     print(f"submitted Slurm job {job_id}", flush=True)
     return 0
@@ -248,7 +263,7 @@ def _dry_run(args: argparse.Namespace) -> int:
     from torsh_jax.cli.output import print_json
     from torsh_jax.distributed import preview
 
-    script = [args.script, *args.script_args]
+    script = _command(args)
     if args.slurm:
         found = preview.preview_slurm(script, job=_slurm_job(args), environ=os.environ)
     else:

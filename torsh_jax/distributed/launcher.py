@@ -65,6 +65,8 @@ __all__ = [
 #: process is still running ``exit_grace_s`` after another one exited 0.
 EXIT_TIMEOUT = 124
 #: Seconds the other processes get to exit once one exited 0.
+#: The first element of ``script_and_args`` that runs the next as a module (``python -m``).
+MODULE_FLAG = "-m"
 DEFAULT_EXIT_GRACE_S = 60.0
 #: Child variables that quiet XLA/TSL (absl) and glog C++ logs to errors (unless already set).
 QUIET_LOG_LEVELS = {"TF_CPP_MIN_LOG_LEVEL": "2", "GLOG_minloglevel": "2"}
@@ -285,6 +287,22 @@ def _check_restarts(max_restarts: int, min_processes: int | None, num_processes:
         )
 
 
+def _check_module(named: Sequence[str]) -> None:
+    """``python -m`` can find the module ``named[0]`` (its parent packages are imported to look)."""
+    import importlib.util
+
+    try:
+        found = bool(named) and importlib.util.find_spec(named[0]) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise DistributedError(
+            "module not found" if named else "no module given",
+            key=named[0] if named else "-m",
+            fix="pass -m and an importable module, e.g. -m torsh_jax calibrate",
+        )
+
+
 def _check_arguments(
     script_and_args: Sequence[str],
     num_processes: int,
@@ -294,9 +312,12 @@ def _check_arguments(
 ) -> None:
     if not script_and_args:
         raise DistributedError("no script given", key="script", fix="torsh-jax launch -n 2 train.py")
-    script = Path(script_and_args[0])
-    if not script.is_file():
-        raise DistributedError("script not found", key=str(script), fix="pass the path of a Python file")
+    if script_and_args[0] == MODULE_FLAG:
+        _check_module(script_and_args[1:2])
+    elif not Path(script_and_args[0]).is_file():
+        raise DistributedError(
+            "script not found", key=script_and_args[0], fix="pass the path of a Python file (or -m MODULE)"
+        )
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise DistributedError(
             f"must be >= 1, got {num_processes!r}",

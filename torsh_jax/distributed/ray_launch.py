@@ -32,6 +32,7 @@ from typing import Any, TextIO
 from torsh_jax.distributed.launcher import (
     DEFAULT_EXIT_GRACE_S,
     EXIT_TIMEOUT,
+    MODULE_FLAG,
     QUIET_LOG_LEVELS,
     RESTART_VAR,
     Attempt,
@@ -136,7 +137,7 @@ def ray_launch(
     started_here = _connect(ray, address)
     job = _RayJob(
         ray=ray,
-        argv=[os.path.abspath(script_and_args[0]), *script_and_args[1:]],
+        argv=_argv(script_and_args),
         devices=devices_per_process,
         gpus=gpus_per_process,
         extra_env=dict(environ or {}),
@@ -430,3 +431,11 @@ def _install_signal_handlers(handler) -> dict[int, Any]:
 def _restore_signal_handlers(previous: dict[int, Any]) -> None:
     for signum, handler in previous.items():
         signal.signal(signum, handler)
+
+
+def _argv(script_and_args: Sequence[str]) -> list[str]:
+    """What each actor runs after ``python``: the script by its absolute path (the actors' working
+    directory may differ), or ``-m MODULE`` as given."""
+    if script_and_args[0] == MODULE_FLAG:
+        return list(script_and_args)
+    return [os.path.abspath(script_and_args[0]), *script_and_args[1:]]
