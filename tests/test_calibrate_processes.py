@@ -46,3 +46,14 @@ def test_calibrate_over_launched_processes_measures_the_link_across_them(tmp_pat
     report = json.loads(capsys.readouterr().out)
     assert report["machine"]["slices"] == 2
     assert any(p["dcn"] for p in report["plans"])  # plans with an axis across the processes
+
+
+def test_processes_with_different_device_counts_are_one_error():
+    from types import SimpleNamespace
+
+    from torsh_jax.errors import MeshError
+    from torsh_jax.planner.calibrate import devices_per_process
+
+    uneven = [SimpleNamespace(process_index=p) for p in (0, 0, 1)]
+    with pytest.raises(MeshError, match=r"different device counts \(process 0: 2, process 1: 1\)"):
+        devices_per_process(uneven)

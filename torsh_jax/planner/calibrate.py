@@ -436,6 +436,32 @@ def _recompute_costs_by_tokens(shape: ModelShape, seconds: dict[int, dict[int, f
     }
 
 
+def devices_per_process(devices, /) -> int:
+    """The devices each process of ``devices`` has (the same for all: one slice each).
+
+    Example:
+        >>> from types import SimpleNamespace as D
+        >>> devices_per_process([D(process_index=p) for p in (0, 0, 1, 1)])
+        2
+
+    Raises:
+        MeshError: the processes have different counts.
+    """
+    from collections import Counter
+
+    from torsh_jax.errors import MeshError
+
+    counts = Counter(d.process_index for d in devices)
+    if len(set(counts.values())) > 1:
+        found = ", ".join(f"process {p}: {n}" for p, n in sorted(counts.items()))
+        raise MeshError(
+            f"the processes have different device counts ({found}); each is measured as one slice",
+            key="devices",
+            fix="give every process as many devices (launch --devices-per-process N)",
+        )
+    return next(iter(counts.values()))
+
+
 def _process_link(devices, processes: int, repeats: int) -> Link:
     """The ``dcn`` link: the collectives of :func:`_collective_times` over the processes (each
     device with the devices of the same local position in the others), fitted as the ``ici``
@@ -445,7 +471,7 @@ def _process_link(devices, processes: int, repeats: int) -> Link:
 
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
     mesh = jax.make_mesh(
-        (processes, len(devices) // processes),
+        (processes, devices_per_process(devices)),
         ("devices", "local"),
         axis_types=(AxisType.Explicit,) * 2,
         devices=ordered,
@@ -476,7 +502,7 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
     from torsh_jax.runtime.fit import device_memory_limit
 
     local = [d for d in devices if d.process_index == jax.process_index()]
-    processes = len({d.process_index for d in devices})
+    processes = len(devices) // devices_per_process(devices)  # refuses uneven processes first
     # a ``tensor`` axis of 1: the demo model's tensor blocks read its size
     mesh = jax.make_mesh(
         (len(local), 1), ("devices", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=local
