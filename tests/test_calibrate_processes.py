@@ -40,6 +40,18 @@ def test_calibrate_over_launched_processes_measures_the_link_across_them(tmp_pat
     assert (machine.devices, machine.slices) == (4, 2)
     assert machine.link("dcn") is not machine.link("ici") and machine.link("dcn").bytes_per_s > 0
     assert machine.flops_per_s > 0 and "in 2 processes" in machine.source
+    # process 0's own devices, measured as one process's are
+    assert machine.link("ici").bytes_per_s > 0 and machine.update_bytes_per_s > 0
+    assert machine.recompute_cost > 0  # a recomputing step's time over a plain one's
+    assert set(machine.chunk_recompute_costs) == {2}  # the same with 2 layers recomputed as one chunk
+    assert set(machine.chunk_gradient_bytes) == {1, 2}  # a stage's backward compiled for chunks of 1, 2
+    assert all(per_token > 0 for _, per_token in machine.chunk_gradient_bytes.values())
+    assert machine.remat_gradient_bytes[1] > 0 and machine.compiled_for.startswith("d_model=32,layers=2")
+    assert set(machine.flops_per_s_by_tokens) == {8, 16, 32}  # the rate at 1, 2 and 4 examples of 8
+    by_tokens = machine.recompute_costs_by_tokens  # the recompute ratios at the same sizes, each chunk
+    assert {k: set(costs) for k, costs in by_tokens.items()} == {1: {8, 16, 32}, 2: {8, 16, 32}}
+    assert (by_tokens[1][32], by_tokens[2][32]) == (machine.recompute_cost, machine.chunk_recompute_costs[2])
+    assert (machine.overlaps, machine.shared_cores) == (False, True)  # simulated CPU devices
 
     args = ["plan", "--model", MODEL, "--machine", str(out), "--global-batch", "8", "--json", "--top", "100"]
     assert main(args) == 0

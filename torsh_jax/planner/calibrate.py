@@ -33,8 +33,8 @@ timed in the same rounds (one call of each in turn), so a drift of the host's sp
 on one of them alone. Nothing here is a constant.
 
 ``calibrate(jax.devices(), parse_model("demo:150m"))`` runs all of them (50 small
-programs to compile, 12 of them compile-only; tests/test_planner.py runs it through
-``torsh-jax calibrate``).
+programs to compile, 12 of them compile-only; tests/test_calibrate_processes.py runs it through
+``torsh-jax launch -m torsh_jax calibrate``).
 
 Example:
     >>> [size // 1024 for size in LINK_SIZES]  # KiB per device of the timed collectives
