@@ -65,9 +65,9 @@ __all__ = [
 #: process is still running ``exit_grace_s`` after another one exited 0.
 EXIT_TIMEOUT = 124
 #: Seconds the other processes get to exit once one exited 0.
+DEFAULT_EXIT_GRACE_S = 60.0
 #: The first element of ``script_and_args`` that runs the next as a module (``python -m``).
 MODULE_FLAG = "-m"
-DEFAULT_EXIT_GRACE_S = 60.0
 #: Child variables that quiet XLA/TSL (absl) and glog C++ logs to errors (unless already set).
 QUIET_LOG_LEVELS = {"TF_CPP_MIN_LOG_LEVEL": "2", "GLOG_minloglevel": "2"}
 #: gloo prints one such line per process when its collectives connect, whatever the log level.
