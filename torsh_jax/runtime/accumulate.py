@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from torsh_jax.runtime.traced import traced_once
 from torsh_jax.tensor.axis import vary_over
 from torsh_jax.typing import PyTree
 
@@ -110,14 +111,16 @@ def accumulate(
     if steps == 1:
         return one(batch)
 
-    def body(carry, micro):
-        return jax.tree.map(jnp.add, carry, one(micro)), None
-
     micro = split_micro_batches(batch, steps)
+    # ``one`` (the model's whole micro-step) traced once for both the loop's zeros and its body
+    one_traced, shapes = traced_once(one, jax.tree.map(lambda x: x[0], micro))
+
+    def body(carry, micro):
+        return jax.tree.map(jnp.add, carry, one_traced(micro)), None
+
     # every micro-step in the loop, from zeros: a first step outside it would keep its activations
     # apart from the loop body's (two micro-steps' activations at the peak, seen on XLA:CPU and TPU)
-    zeros = jax.tree.map(_zeros_of, jax.eval_shape(one, jax.tree.map(lambda x: x[0], micro)))
-    (grads, loss_sum, extras), _ = jax.lax.scan(body, zeros, micro)
+    (grads, loss_sum, extras), _ = jax.lax.scan(body, jax.tree.map(_zeros_of, shapes), micro)
     if reduce == "mean":
         grads = jax.tree.map(lambda g: g / jnp.asarray(steps, accum_dtype), grads)
     return grads, loss_sum / steps, extras

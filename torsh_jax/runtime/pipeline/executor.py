@@ -160,7 +160,7 @@ def _segment(carry, segment: Segment, run_tick: Callable):
             )
         return carry, None
 
-    carry = settled(lambda c: block(c, jnp.int32(0))[0], carry)
+    block, carry = settled(block, carry, jnp.int32(0))
     return jax.lax.scan(block, carry, jnp.arange(repeats, dtype=jnp.int32))[0]
 
 

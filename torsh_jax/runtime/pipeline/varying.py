@@ -15,9 +15,11 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 
+from torsh_jax.runtime.traced import traced_once
 from torsh_jax.tensor.axis import vary_over, varying_axes
 from torsh_jax.typing import PyTree
 
@@ -44,15 +46,17 @@ def _union(trees: list) -> PyTree:
     return jax.tree.map(lambda *s: frozenset().union(*s), *trees, is_leaf=lambda a: isinstance(a, frozenset))
 
 
-def settled(fn: Callable, carry):
-    """``carry`` typed as varying over every axis ``fn(carry)`` makes it vary over (a scan's carry
-    must keep its type)."""
+def settled(fn: Callable, carry, *rest) -> tuple[Callable, PyTree]:
+    """``(fn, carry)``: ``carry`` typed as varying over every axis ``fn(carry, *rest)``'s first output
+    makes it vary over (a scan's carry must keep its type), and ``fn`` replaying its trace for that
+    carry (the model's Python runs again only while the type moves)."""
     for _ in range(4):
-        want = _union([_kinds(carry), vmas(jax.eval_shape(fn, carry))])
+        run, shapes = traced_once(fn, carry, *rest)
+        want = _union([_kinds(carry), vmas(shapes[0])])
         if want == _kinds(carry):
-            break
+            return run, carry
         carry = cast_vma(carry, want)
-    return carry
+    return fn, carry
 
 
 def typed_switch(index, branches: list[Callable], carry, ints, types: dict):
@@ -67,15 +71,17 @@ def typed_switch(index, branches: list[Callable], carry, ints, types: dict):
             break
         carry = cast_vma(carry, carry_target)
     target = (carry_target, *target[1:])
-    return jax.lax.switch(index, [_typed(b, target, types) for b in branches], carry, ints)
+    return jax.lax.switch(index, [_typed(b, carry, ints, target, types) for b in branches], carry, ints)
 
 
-def _typed(branch: Callable, target: PyTree, types: dict) -> Callable:
-    """``branch`` with its outputs cast to ``target``'s varying axes; one function per branch and
-    target, so ``lax.switch`` reuses its trace in later ticks."""
-    key = ("typed", branch, _frozen(target))
+def _typed(branch: Callable, carry, ints, target: PyTree, types: dict) -> Callable:
+    """``branch``'s traced program for these inputs with its outputs cast to ``target``'s varying
+    axes; one function per branch, input types and target, so ``lax.switch`` reuses its trace in
+    later ticks."""
+    traced = _traced(branch, carry, ints, types)
+    key = ("typed", _input_key(branch, carry, ints), _frozen(target))
     if key not in types:
-        types[key] = lambda carry, ints: cast_vma(branch(carry, ints), target)
+        types[key] = lambda carry, ints: cast_vma(traced.run(carry, ints), target)
     return types[key]
 
 
@@ -85,11 +91,29 @@ def _frozen(tree: PyTree) -> tuple:
 
 
 def _output_vmas(branch: Callable, carry, ints, types: dict) -> PyTree:
-    """Varying axes of ``branch(carry, ints)``'s outputs, traced once per branch and input types."""
-    key = (branch, *(_avals(tree) for tree in (carry, ints)))
+    """Varying axes of ``branch(carry, ints)``'s outputs."""
+    return _traced(branch, carry, ints, types).vmas
+
+
+class _Traced(NamedTuple):
+    """A branch traced for one set of input types: ``run(carry, ints)`` replays its program (the
+    model's Python is not run again), ``vmas`` its outputs' varying axes."""
+
+    run: Callable
+    vmas: PyTree
+
+
+def _traced(branch: Callable, carry, ints, types: dict) -> _Traced:
+    """``branch`` traced once per input types, for both its output types and ``lax.switch``."""
+    key = _input_key(branch, carry, ints)
     if key not in types:
-        types[key] = vmas(jax.eval_shape(branch, carry, ints))
+        run, shapes = traced_once(branch, carry, ints)
+        types[key] = _Traced(run, vmas(shapes))
     return types[key]
+
+
+def _input_key(branch: Callable, carry, ints) -> tuple:
+    return (branch, *(_avals(tree) for tree in (carry, ints)))
 
 
 def _avals(tree: PyTree) -> tuple:
