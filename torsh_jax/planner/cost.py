@@ -197,7 +197,9 @@ def predict(
     passes = _compute_seconds(candidate, shape, machine)
     compute = passes + codec + update
     bubble = 0.0 if machine.shared_cores else passes * _bubble_fraction(candidate)
-    comm = _comm_seconds(candidate, shape, machine)
+    plain = theories(candidate, shape, compressed=False)
+    sent = _as_sent(plain, candidate, shape)
+    comm = _comm_seconds(candidate, sent, machine)
     return Prediction(
         candidate,
         _memory(candidate, shape, opt_factor, machine),
@@ -209,7 +211,7 @@ def predict(
         overhead_s=machine.step_overhead_s,
         codec_s=codec,
         update_s=update,
-        break_even_bytes_per_s=break_even_bytes_per_s(candidate, shape, machine),
+        break_even_bytes_per_s=_break_even(plain, sent, codec),
     )
 
 
@@ -615,8 +617,6 @@ def theories(c: Candidate, shape: ModelShape, *, compressed: bool = True) -> lis
         layer_fraction=fraction,
         layers=local_layers,
     )
-    if compressed:
-        data = replace(data, collectives=tuple(_compressed(data.collectives, c, shape)))
     out = [data]
     cb = DTYPE_BYTES[plan.precision.compute_dtype]
     micro_tokens = _tokens_per_micro_step(c, shape)
@@ -645,7 +645,16 @@ def theories(c: Candidate, shape: ModelShape, *, compressed: bool = True) -> lis
                 virtual_stages=plan.pipeline.virtual_stages,
             )
         )
-    return out
+    return _as_sent(out, c, shape) if compressed else out
+
+
+def _as_sent(plain: list[Theory], c: Candidate, shape: ModelShape) -> list[Theory]:
+    """``plain`` (:func:`theories` uncompressed) with the data-parallel theory's gradient reductions
+    over a compressed axis in their compressed form."""
+    if not _gradient_compression(c.plan):
+        return plain
+    data, *rest = plain
+    return [replace(data, collectives=tuple(_compressed(data.collectives, c, shape))), *rest]
 
 
 def _replicated_bytes(c: Candidate, shape: ModelShape) -> int:
@@ -698,17 +707,23 @@ def codec_seconds(c: Candidate, shape: ModelShape, machine: Machine) -> float:
 def break_even_bytes_per_s(c: Candidate, shape: ModelShape, machine: Machine) -> float | None:
     """The link bandwidth below which the candidate's gradient compression pays: bytes it saves
     per step over its encode and decode time (``None`` without compression)."""
-    if not _gradient_compression(c.plan):
+    plain = theories(c, shape, compressed=False)
+    return _break_even(plain, _as_sent(plain, c, shape), codec_seconds(c, shape, machine))
+
+
+def _break_even(plain: list[Theory], sent: list[Theory], codec_s: float) -> float | None:
+    """Bytes per second that ``sent`` saves over ``plain`` per second of encoding and decoding
+    (``None`` where nothing is compressed)."""
+    if sent is plain:
         return None
-    codec = codec_seconds(c, shape, machine)
-    plain = [col for t in theories(c, shape, compressed=False) for col in t.collectives]
-    saved = sum(x.wire_bytes for x in plain) - sum(x.wire_bytes for x in _compressed(plain, c, shape))
-    return saved / codec if codec > 0 else float("inf")
+    wire = lambda theories: sum(x.wire_bytes for t in theories for x in t.collectives)
+    return (wire(plain) - wire(sent)) / codec_s if codec_s > 0 else float("inf")
 
 
-def _comm_seconds(c: Candidate, shape: ModelShape, machine: Machine) -> dict[str, float]:
+def _comm_seconds(c: Candidate, sent: list[Theory], machine: Machine) -> dict[str, float]:
+    """Seconds per axis of the collectives ``sent`` (:func:`theories`) on the machine's links."""
     seconds: dict[str, float] = {}
-    for theory in theories(c, shape):
+    for theory in sent:
         for col in theory.collectives:
             if col.group_size <= 1 and col.kind != "collective-permute":
                 continue

@@ -101,7 +101,7 @@ def gradient_sync(plan: ParallelPlan, roles: Roles, kernels: Mapping[str, str]) 
     routes = gradient_routes(roles, kernels)
     factors = gradient_factors(plan, data_parallel_size=roles.batch_size)
     if roles.gather == "on_use":
-        deferred = {a: r for a, r in routes.items() if a != roles.shard_axis}
+        deferred = _deferred(routes, roles)
         return SyncSpec(
             axes=tuple(deferred),
             routes=deferred,
@@ -121,6 +121,12 @@ def gradient_sync(plan: ParallelPlan, roles: Roles, kernels: Mapping[str, str]) 
     )
 
 
+def _deferred(routes: Mapping[str, AxisRoute], roles: Roles) -> dict[str, AxisRoute]:
+    """ZeRO-3's routes over its replica axes (compressed): synchronised once per step by
+    :func:`gradient_sync`, not in the backward pass."""
+    return {a: r for a, r in routes.items() if a != roles.shard_axis}
+
+
 def backward_sync(plan: ParallelPlan, roles: Roles, kernels: Mapping[str, str]) -> SyncSpec:
     """ZeRO-3's per-leaf synchronisation inside the gather's backward pass (no feedback).
 
@@ -128,7 +134,7 @@ def backward_sync(plan: ParallelPlan, roles: Roles, kernels: Mapping[str, str]) 
     over the replica axes that are not deferred to :func:`gradient_sync`.
     """
     routes = gradient_routes(roles, kernels)
-    deferred = gradient_sync(plan, roles, kernels).axes
+    deferred = _deferred(routes, roles)
     pre, post = gradient_factors(plan, data_parallel_size=roles.batch_size)
     shard = roles.shard_axis
     return SyncSpec(
