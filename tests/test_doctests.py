@@ -10,6 +10,7 @@ import doctest
 import importlib
 import pkgutil
 import shlex
+import tempfile
 
 import pytest
 
@@ -31,7 +32,8 @@ def _shell_examples(doc: str) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("name", _modules())
-def test_docstring_examples(name):
+def test_docstring_examples(name, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the examples' directories go with it
     module = importlib.import_module(name)
     shell = _shell_examples(module.__doc__ or "")
     for argv in shell:
