@@ -513,11 +513,14 @@ def test_predicted_memory_is_the_compiled_peak_within_5_percent():
     import jax
 
     from torsh_jax.plan import AxisCompression, CompressorSpec
-    from torsh_jax.planner.calibrate import compiled_memory
+    from torsh_jax.planner.calibrate import _gradient_temp_bytes, _memory_programs, compiled_memory
 
     require_devices(8)
     shape, devices = parse_model(SMALL), jax.devices()[:8]
+    _gradient_temp_bytes.cache_clear()
     machine = dataclasses.replace(CPU8, **compiled_memory(shape, devices[0], lengths=(1, 2, 4)))
+    # each program it reads compiled once, all of them at once before any is read
+    assert _gradient_temp_bytes.cache_info().misses == len(_memory_programs(shape, (1, 2, 4)))
     by_label = {c.label: c for c in candidates(shape, devices=8, global_batch=32)}
     int8 = (AxisCompression(axis="data", gradients=CompressorSpec(method="int8")),)
     chosen = [by_label[label] for label in MEMORY_PLANS]

@@ -34,7 +34,8 @@ on one of them alone. Nothing here is a constant.
 
 ``calibrate(jax.devices(), parse_model("demo:150m"))`` runs all of them (50 small
 programs to compile, 12 of them compile-only; tests/test_calibrate_processes.py runs it through
-``torsh-jax launch -m torsh_jax calibrate``).
+``torsh-jax launch -m torsh_jax calibrate``). The programs of one measurement compile on the host's
+cores at once (:func:`in_parallel`), before any is timed.
 
 Example:
     >>> [size // 1024 for size in LINK_SIZES]  # KiB per device of the timed collectives
@@ -43,8 +44,10 @@ Example:
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache, partial
 
 import numpy as np
@@ -59,6 +62,7 @@ __all__ = [
     "chunk_gradient_bytes",
     "remat_gradient_bytes",
     "compiled_memory",
+    "in_parallel",
     "LINK_SIZES",
 ]
 
@@ -66,6 +70,8 @@ __all__ = [
 LINK_SIZES = tuple(4096 * 4**k for k in range(6))  # 4 KiB .. 4 MiB
 #: Examples per device in the compute measurement.
 _ROWS = 4
+#: Examples per device of the two programs a line of compiled temporaries goes through (:func:`_temp_line`).
+_LINE_ROWS = (_ROWS // 2, _ROWS)
 #: Examples per device the compute rate is also measured at (micro-steps smaller than ``_ROWS``).
 _RATE_ROWS = (1, 2)
 
@@ -89,8 +95,10 @@ def _seconds_in_rounds(programs: dict, rounds: int, /) -> dict:
     """
     import jax
 
+    compiled = in_parallel({key: partial(_compiled, fn, args) for key, (fn, args) in programs.items()})
+    programs = {key: (compiled[key], args) for key, (_, args) in programs.items()}
     for fn, args in programs.values():
-        jax.block_until_ready(fn(*args))  # compile and warm up
+        jax.block_until_ready(fn(*args))  # warm up
     times: dict = {key: [] for key in programs}
     for _ in range(rounds):
         for key, (fn, args) in programs.items():
@@ -98,6 +106,25 @@ def _seconds_in_rounds(programs: dict, rounds: int, /) -> dict:
             jax.block_until_ready(fn(*args))
             times[key].append(time.perf_counter() - start)
     return {key: statistics.median(found) for key, found in times.items()}
+
+
+def in_parallel(jobs: dict) -> dict:
+    """``{key: job()}``, the jobs run on the host's cores at once (XLA compiles outside the GIL).
+
+    Example:
+        >>> in_parallel({n: partial(pow, n, 2) for n in range(4)})
+        {0: 0, 1: 1, 2: 4, 3: 9}
+    """
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {key: pool.submit(job) for key, job in jobs.items()}
+        return {key: future.result() for key, future in futures.items()}
+
+
+def _compiled(fn, args: tuple):
+    """``fn`` compiled for ``args`` (a jitted function), else ``fn`` itself."""
+    lower = getattr(fn, "lower", None)
+    return fn if lower is None else lower(*args).compile()
 
 
 def _gradient_program(mesh, shape: ModelShape, *, recompute: str = "none", chunk: int = 1):
@@ -312,8 +339,8 @@ def activation_scales(shape: ModelShape, device, /) -> tuple[float, float]:
     ``S``: its saved input, ``W``: the working set), ``W = recomputed(2) - plain(2) + 2 F - 2 S``."""
     from torsh_jax.planner.cost import full_layer_bytes_per_token
 
-    plain = [_gradient_temp_bytes(shape, n, device) for n in (2, 4)]
-    recomputed = [_gradient_temp_bytes(shape, n, device, remat=True) for n in (2, 4)]
+    plain = [_gradient_temp_bytes(shape, n, False, _ROWS, device) for n in (2, 4)]
+    recomputed = [_gradient_temp_bytes(shape, n, True, _ROWS, device) for n in (2, 4)]
     full, saved = (plain[1] - plain[0]) / 2, (recomputed[1] - recomputed[0]) / 2
     working = recomputed[0] - plain[0] + 2 * full - 2 * saved
     bits32 = 2  # float32 activations: twice the formula's 16-bit bytes
@@ -338,7 +365,11 @@ def compiled_memory(shape: ModelShape, device, /, lengths: tuple[int, ...] | Non
         >>> sorted(machine.chunk_gradient_bytes)  # doctest: +SKIP
         [1, 2]
     """
-    activations, recomputed = activation_scales(shape, device)
+    lengths = lengths or _stage_chunk_lengths(shape)
+    in_parallel(
+        {key: partial(_gradient_temp_bytes, shape, *key, device) for key in _memory_programs(shape, lengths)}
+    )
+    activations, recomputed = activation_scales(shape, device)  # the programs are compiled: cached
     return {
         "activation_scale": activations,
         "recompute_scale": recomputed,
@@ -346,6 +377,15 @@ def compiled_memory(shape: ModelShape, device, /, lengths: tuple[int, ...] | Non
         "remat_gradient_bytes": remat_gradient_bytes(shape, device),
         "compiled_for": shape.signature,
     }
+
+
+def _memory_programs(shape: ModelShape, lengths: tuple[int, ...]) -> set[tuple[int, bool, int]]:
+    """``(layers, remat, rows)`` of every program :func:`compiled_memory` reads: those of
+    :func:`activation_scales` and the lines of :func:`chunk_gradient_bytes` and
+    :func:`remat_gradient_bytes` (:func:`_temp_line`)."""
+    scales = {(n, remat, _ROWS) for n in (2, 4) for remat in (False, True)}
+    lines = {(k, False) for k in lengths} | {(shape.layers, True)}
+    return scales | {(layers, remat, rows) for layers, remat in lines for rows in _LINE_ROWS}
 
 
 def chunk_gradient_bytes(
@@ -356,7 +396,13 @@ def chunk_gradient_bytes(
     ``_ROWS / 2`` and ``_ROWS`` examples. A pipeline stage's backward is this program on one
     micro-batch: it recomputes its chunk of ``k`` layers from the stashed input, with the
     embedding and head."""
-    return {k: _temp_line(shape, k, device) for k in lengths or (1, *chunk_lengths(shape.layers))}
+    return {k: _temp_line(shape, k, device) for k in lengths or _stage_chunk_lengths(shape)}
+
+
+def _stage_chunk_lengths(shape: ModelShape) -> tuple[int, ...]:
+    """Layers of a pipeline stage's chunk :func:`chunk_gradient_bytes` compiles unless told: 1 and
+    :func:`chunk_lengths`."""
+    return (1, *chunk_lengths(shape.layers))
 
 
 def remat_gradient_bytes(shape: ModelShape, device, /) -> tuple[float, float]:
@@ -368,16 +414,14 @@ def remat_gradient_bytes(shape: ModelShape, device, /) -> tuple[float, float]:
 def _temp_line(shape: ModelShape, layers: int, device, *, remat: bool = False) -> tuple[float, float]:
     """``(fixed, per token)`` of the gradient's temporaries through ``_ROWS / 2`` and ``_ROWS``
     examples."""
-    rows = (_ROWS // 2, _ROWS)
-    fewer, more = (_gradient_temp_bytes(shape, layers, device, remat=remat, rows=r) for r in rows)
+    rows = _LINE_ROWS
+    fewer, more = (_gradient_temp_bytes(shape, layers, remat, r, device) for r in rows)
     per_token = (more - fewer) / ((rows[1] - rows[0]) * shape.seq_len)
     return fewer - per_token * rows[0] * shape.seq_len, per_token
 
 
 @lru_cache(maxsize=64)
-def _gradient_temp_bytes(
-    shape: ModelShape, layers: int, device, *, remat: bool = False, rows: int = _ROWS
-) -> int:
+def _gradient_temp_bytes(shape: ModelShape, layers: int, remat: bool, rows: int, device) -> int:
     """The compiler's temporaries of the model's gradient with ``layers`` layers on ``rows``
     examples on ``device`` (cached: :func:`activation_scales`, :func:`chunk_gradient_bytes` and
     :func:`remat_gradient_bytes` read some of the same programs)."""
