@@ -229,3 +229,41 @@ def test_plan_json_has_the_new_keys_and_a_remat_pick_says_the_model_must_recompu
               "fitting": 1, "pick": "ddp data=8 remat acc=1", "plans": [], "rules_of_thumb": [],
               "output": "plan.toml", "output_remat": True}  # fmt: skip
     assert _table(report).splitlines()[-2:] == ["wrote plan.toml", REMAT_NOTE]
+
+
+def _executed(jaxpr, primitive: str) -> int:
+    """Times ``primitive`` runs in ``jaxpr``: inside a ``scan``, once per iteration."""
+    from jax.extend.core import ClosedJaxpr, Jaxpr
+
+    runs = 0
+    for eqn in jaxpr.eqns:
+        inner = [p.jaxpr if isinstance(p, ClosedJaxpr) else p for p in eqn.params.values()]
+        inner = [j for j in inner if isinstance(j, Jaxpr)]
+        times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        runs += (eqn.primitive.name == primitive) + times * sum(_executed(j, primitive) for j in inner)
+    return runs
+
+
+@pytest.mark.parametrize(
+    "label",
+    [
+        "pp data=2 stage=4 1f1b m=4 acc=2",
+        "pp fsdp=4 stage=2 interleaved v=2 m=4 zero1 acc=1",
+        "pp data=2 stage=4 zb_h1 m=8 acc=1",
+    ],  # fmt: skip
+)
+def test_a_pipeline_pays_the_links_latency_once_per_ppermute_its_step_runs(tiny, label):
+    """The α steps of the ``stage`` axis are the ``ppermute`` s the traced step runs (its scanned
+    ticks counted once per iteration, in every accumulation pass), and the ring all-reduce of the
+    embedding's and head's gradients over the ``p`` stages once: ``2 (p - 1)``."""
+
+    from torsh_jax.demo.run import abstract_train_step
+
+    devices = require_devices(8)
+    [c] = [c for c in candidates(tiny, devices=8, global_batch=32) if c.label == label]
+    train, batch = abstract_train_step(c.plan, tiny.demo_config(), devices)
+    traced = train.jitted.trace(train.abstract_state(), train.shard_batch(batch))
+    runs = _executed(traced.jaxpr.jaxpr, "ppermute")
+    slow = replace(MACHINE, links={"ici": Link(alpha_s=1.0, bytes_per_s=float("inf"))})
+    shared = 2 * (c.sizes["stage"] - 1)
+    assert runs > 0 and predict(c, tiny, slow).comm_s["stage"] == pytest.approx(runs + shared)

@@ -44,10 +44,12 @@ the model's gradient recomputing every layer as the machine compiled it
 * communication per axis: the plan theory's collectives (:mod:`torsh_jax.analysis.theory`: the
   same bytes ``inspect`` compares with the compiled program), each ``steps × α + wire bytes / β``
   on the axis's link (DCN when the axis crosses slices), ring steps ``2 (n - 1)`` for an
-  all-reduce, ``n - 1`` for a gather or scatter, 1 for a permute. A compressed gradient reduction
-  is the runtime's compressed collective of the buffers it compresses: the model's parameters laid
-  out in the runtime's buckets (:mod:`~torsh_jax.planner.buffers`), so int8's block padding,
-  top-k's chunks and PowerSGD's matrix view of each bucket are counted as compiled;
+  all-reduce, ``n - 1`` for a gather or scatter, and for a pipeline one per ``ppermute`` its
+  schedule table runs (a tick's sends forward, its sends backward) in each accumulation pass. A
+  compressed gradient reduction is the runtime's compressed collective of the buffers it
+  compresses: the model's parameters laid out in the runtime's buckets
+  (:mod:`~torsh_jax.planner.buffers`), so int8's block padding, top-k's chunks and PowerSGD's
+  matrix view of each bucket are counted as compiled;
 * exposed: where the machine overlaps (accelerators), the share of each axis's time in
   :data:`OVERLAP` hides behind compute, at most the compute itself; the rest is exposed.
 
@@ -68,6 +70,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from torsh_jax.analysis.theory import (
     DTYPE_BYTES,
@@ -357,7 +360,7 @@ def _stash_rows(c: Candidate, chunk: int) -> int:
     """Hidden states per token a pipeline stage's stash holds: the runtime's slots
     (:func:`~torsh_jax.pipeline.slots.slot_plan`) for received activations and gradients, and
     ZB-H1's ``W`` slots of every chunk layer's input and output gradient."""
-    activations, gradients, weights = _schedule_figures(c)[1]
+    activations, gradients, weights = _schedule_figures(c).stash
     return activations + gradients + 2 * chunk * weights
 
 
@@ -577,27 +580,34 @@ def _bubble_fraction(c: Candidate) -> float:
     and backward with ZB-H1's ``W`` slots, so busy slots are the compute in equal units). 1F1B:
     ``(p - 1) / m``; ZB-H1: ``(p - 1) / 3 m``; interleaved: ``(p - 1) / v m`` (``m`` a multiple of
     ``p``)."""
-    return _schedule_figures(c)[0] if c.sizes["stage"] > 1 else 0.0
+    return _schedule_figures(c).idle_fraction if c.sizes["stage"] > 1 else 0.0
 
 
-def _schedule_figures(c: Candidate) -> tuple[float, tuple[int, int, int]]:
-    """(idle / busy slots, the runtime's activation, gradient and ``W`` stash slots) of the
-    candidate's pipeline schedule."""
+class _ScheduleFigures(NamedTuple):
+    """What the cost model reads of a pipeline's schedule table: idle over busy slots, the runtime's
+    activation, gradient and ``W`` stash slots, and the ``ppermute`` collectives one pass runs
+    (each tick that sends forward runs one, each that sends backward another)."""
+
+    idle_fraction: float
+    stash: tuple[int, int, int]
+    permutes: int
+
+
+def _schedule_figures(c: Candidate) -> _ScheduleFigures:
     pipe = c.plan.pipeline
     return _table_figures(pipe.schedule, c.sizes["stage"], pipe.microbatches, pipe.virtual_stages)
 
 
 @functools.lru_cache(maxsize=1024)
-def _table_figures(
-    name: str, stages: int, microbatches: int, virtual_stages: int
-) -> tuple[float, tuple[int, int, int]]:
+def _table_figures(name: str, stages: int, microbatches: int, virtual_stages: int) -> _ScheduleFigures:
     table = build_pipeline_schedule(
         name, stages=stages, microbatches=microbatches, virtual_stages=virtual_stages
     )
     idle = int((table.table[..., 0] == IDLE).sum())
     slots = slot_plan(table)
     stash = (slots.activation_slots, slots.gradient_slots, slots.weight_slots)
-    return idle / (table.table[..., 0].size - idle), stash
+    permutes = int(slots.sends_forward.any(axis=1).sum() + slots.sends_backward.any(axis=1).sum())
+    return _ScheduleFigures(idle / (table.table[..., 0].size - idle), stash, permutes)
 
 
 def theories(c: Candidate, shape: ModelShape, *, compressed: bool = True) -> list[Theory]:
@@ -728,10 +738,19 @@ def _comm_seconds(c: Candidate, sent: list[Theory], machine: Machine) -> dict[st
             if col.group_size <= 1 and col.kind != "collective-permute":
                 continue
             link = machine.link(link_kind(col.axes, c.dcn))
-            steps = _STEPS.get(col.kind, lambda n: n - 1)(col.group_size) * col.count
+            steps = _steps(col, c)
             axis = "+".join(col.axes)
             seconds[axis] = seconds.get(axis, 0.0) + link.seconds(col.wire_bytes, steps, col.kind)
     return seconds
+
+
+def _steps(col: TheoryCollective, c: Candidate) -> int:
+    """Latency steps of ``col`` (each pays the link's α): its ring steps, ``count`` times; a
+    pipeline's activations and their gradients, one per ``ppermute`` its schedule runs, in every
+    accumulation pass."""
+    if col.kind == "collective-permute" and col.axes == ("stage",):
+        return _schedule_figures(c).permutes * c.plan.batch.accumulation_steps
+    return _STEPS.get(col.kind, lambda n: n - 1)(col.group_size) * col.count
 
 
 def _exposed(comm: dict[str, float], compute: float, machine: Machine) -> float:
