@@ -109,16 +109,34 @@ def _seconds_in_rounds(programs: dict, rounds: int, /) -> dict:
 
 
 def in_parallel(jobs: dict) -> dict:
-    """``{key: job()}``, the jobs run on the host's cores at once (XLA compiles outside the GIL).
+    """``{key: job()}``, the jobs run at once on this process's share of the host's cores
+    (:func:`_cpu_share`; XLA compiles outside the GIL).
 
     Example:
         >>> in_parallel({n: partial(pow, n, 2) for n in range(4)})
         {0: 0, 1: 1, 2: 4, 3: 9}
     """
-    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    workers = max(1, min(len(jobs), _cpu_share()))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = {key: pool.submit(job) for key, job in jobs.items()}
         return {key: future.result() for key, future in futures.items()}
+
+
+def _cpu_share(environ=None) -> int:
+    """The cores this process may run on (its affinity), shared with the job's other processes on
+    its host (``local_world_size`` of :func:`~torsh_jax.distributed.env.detect_environment` read
+    from ``environ``, default ``os.environ``: a launcher's processes on one machine, one per GPU
+    under torchrun or Slurm); at least 1.
+
+    Example:
+        >>> _cpu_share() >= 1
+        True
+    """
+    from torsh_jax.distributed.env import detect_environment
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    env = detect_environment(environ)
+    return max(1, cores // (env.local_world_size if env.is_multi_process else 1))
 
 
 def _compiled(fn, args: tuple):

@@ -78,9 +78,10 @@ def _typed(branch: Callable, carry, ints, target: PyTree, types: dict) -> Callab
     """``branch``'s traced program for these inputs with its outputs cast to ``target``'s varying
     axes; one function per branch, input types and target, so ``lax.switch`` reuses its trace in
     later ticks."""
-    traced = _traced(branch, carry, ints, types)
-    key = ("typed", _input_key(branch, carry, ints), _frozen(target))
+    inputs = _input_key(branch, carry, ints)
+    key = ("typed", inputs, _frozen(target))
     if key not in types:
+        traced = _traced(branch, carry, ints, types, inputs)
         types[key] = lambda carry, ints: cast_vma(traced.run(carry, ints), target)
     return types[key]
 
@@ -103,9 +104,10 @@ class _Traced(NamedTuple):
     vmas: PyTree
 
 
-def _traced(branch: Callable, carry, ints, types: dict) -> _Traced:
-    """``branch`` traced once per input types, for both its output types and ``lax.switch``."""
-    key = _input_key(branch, carry, ints)
+def _traced(branch: Callable, carry, ints, types: dict, key: tuple | None = None) -> _Traced:
+    """``branch`` traced once per input types (``key``: :func:`_input_key`, when known), for both
+    its output types and ``lax.switch``."""
+    key = key or _input_key(branch, carry, ints)
     if key not in types:
         run, shapes = traced_once(branch, carry, ints)
         types[key] = _Traced(run, vmas(shapes))
