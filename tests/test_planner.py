@@ -202,6 +202,48 @@ def test_plan_cli_without_a_machine_is_one_line(capsys):
     assert len(err) == 1 and "--target" in err[0]
 
 
+def _plan_json(capsys, *args) -> dict:
+    assert main(["plan", "--model", TINY, "--global-batch", "64", "--json", "--top", "1000", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_for_another_count_of_a_machine_files_devices_and_under_a_memory_limit(tmp_path, capsys):
+    """``--devices``: part of one slice, or whole slices joined by the file's dcn link (refused, one
+    line, without one); ``--memory-limit``: every plan is held to it, and the tighter it is the
+    fewer fit."""
+    from dataclasses import replace
+
+    one_slice, two_slices = tmp_path / "one.json", tmp_path / "two.json"
+    one_slice.write_text(CPU8.to_json())
+    links = {"ici": CPU8.links["ici"], "dcn": Link(50e-6, 1e8)}
+    two_slices.write_text(replace(CPU8, devices=16, slices=2, links=links).to_json())
+
+    half = _plan_json(capsys, "--machine", str(one_slice), "--devices", "4")
+    assert (half["machine"]["devices"], half["machine"]["slices"]) == (4, 1)
+    assert all(math.prod(p["sizes"].values()) == 4 and not p["dcn"] for p in half["plans"])
+    more = _plan_json(capsys, "--machine", str(two_slices), "--devices", "32")
+    assert (more["machine"]["devices"], more["machine"]["slices"]) == (32, 4)
+    assert any(p["dcn"] for p in more["plans"]) and "at 32 devices" in more["machine"]["name"]
+    for bad, says in ((["--machine", str(one_slice), "--devices", "16"], "no dcn link"),
+                      (["--machine", str(two_slices), "--devices", "12"], "not whole slices of 8"),
+                      (["--target", "v5e-8", "--devices", "8"], "names its devices")):  # fmt: skip
+        assert main(["plan", "--model", TINY, "--global-batch", "64", *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--devices" in err[0] and says in err[0] and "Fix:" in err[0], err
+
+    free = _plan_json(capsys, "--machine", str(one_slice))
+    totals = sorted(p["memory"]["total"] for p in free["plans"])
+    limit = totals[len(totals) // 2]
+    held = _plan_json(capsys, "--machine", str(one_slice), "--memory-limit", str(limit))
+    assert held["machine"]["memory_bytes"] == limit and all(p["memory_limit"] == limit for p in held["plans"])
+    assert all(p["fits"] == (p["memory"]["total"] <= limit) for p in held["plans"])
+    assert 0 < held["fitting"] < free["fitting"]
+    with pytest.raises(SystemExit) as refused:
+        main(["plan", "--model", TINY, "--global-batch", "64", "--target", "v5e-8", "--memory-limit", "lots"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert refused.value.code == 2 and len(err) == 1 and "positive byte count" in err[0], err
+
+
 def test_calibrate_writes_this_processs_machine_and_plan_reads_it(tmp_path, capsys, monkeypatch):
     """The command's plumbing on one process (the measurement itself: tests/test_calibrate_processes.py,
     whose process 0 measures its devices as one process does): 8 devices unless told, one line

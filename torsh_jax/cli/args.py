@@ -49,6 +49,22 @@ def count_type(low: int, high: int, *, fix: str) -> Callable[[str], int]:
     return parse
 
 
+def bytes_type(*, fix: str) -> Callable[[str], int]:
+    """An argparse ``type`` accepting a positive byte count (:func:`~torsh_jax.units.parse_bytes`:
+    ``14GiB``, ``16e9``)."""
+
+    def parse(text: str) -> int:
+        from torsh_jax.units import parse_bytes
+
+        try:
+            return parse_bytes(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{err}. Fix: {fix}") from None
+
+    parse.__name__ = "size"  # argparse names the type in its messages
+    return parse
+
+
 class OneLineParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line, ``PROG: error: WHAT. Fix: HOW``, exit code 2.
 

@@ -4,6 +4,7 @@ Example:
     $ torsh-jax plan --model demo:1b --target v5e-256 --global-batch 512
     $ torsh-jax plan --model demo:150m --target v5e-16 --global-batch 128 --verify 1 --json -o plan.toml
     $ torsh-jax plan --model demo:d_model=128,layers=4 --machine machine.json --global-batch 64
+    $ torsh-jax plan --model demo:1b --machine node.json --devices 64 --memory-limit 70GiB --global-batch 512
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from torsh_jax.cli.args import count_type
+from torsh_jax.cli.args import MAX_DEVICES, bytes_type, count_type
 
 __all__ = ["register"]
 
@@ -54,6 +55,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--machine", default=None, help="a machine file (JSON, docs/planner.md) instead of --target"
+    )
+    parser.add_argument(
+        "--devices",
+        type=count_type(1, MAX_DEVICES, fix="pass --devices 64"),
+        default=None,
+        help="devices to plan for, of --machine's kind: part of one of its slices (nodes) or whole "
+        "slices joined by its dcn link [the machine's]",
+    )
+    parser.add_argument(
+        "--memory-limit",
+        type=bytes_type(fix="pass --memory-limit 14GiB"),
+        default=None,
+        help="bytes one device may use, e.g. 14GiB to keep headroom (plans above it do not fit) "
+        "[the machine's or target's]",
     )
     parser.add_argument(
         "--base", default=None, help="plan preset or file whose precision and optimizer the candidates keep"
@@ -151,7 +166,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _machine(args: argparse.Namespace):
-    """The machine file, or the target's published figures."""
+    """The machine file (at ``--devices``), or the target's published figures; either with
+    ``--memory-limit`` per device."""
+    from dataclasses import replace
+
     from torsh_jax.errors import TargetError
     from torsh_jax.planner.machine import Machine
     from torsh_jax.targets import parse_target
@@ -160,12 +178,24 @@ def _machine(args: argparse.Namespace):
         raise TargetError(
             "give the machine once",
             key="--target",
-            fix="pass --target v5e-256 (published figures) or --machine machine.json",
+            fix="pass --target v5e-256 (published figures) or --machine machine.json [--devices N]",
+        )
+    if args.target is not None and args.devices is not None:
+        raise TargetError(
+            f"--target {args.target} names its devices",
+            key="--devices",
+            fix="drop --devices, or name the count in --target (v5e-64)",
         )
     if args.machine is not None:
-        return Machine.load(args.machine), None
-    target = parse_target(args.target, slices=args.slices)
-    return Machine.from_target(args.target, slices=args.slices), target
+        machine, target = Machine.load(args.machine), None
+        machine = machine if args.devices is None else machine.with_devices(args.devices)
+    else:
+        target = parse_target(args.target, slices=args.slices)
+        machine = Machine.from_target(args.target, slices=args.slices)
+    if args.memory_limit is not None:
+        source = f"{machine.source}; memory per device from --memory-limit"
+        machine = replace(machine, memory_bytes=args.memory_limit, source=source)
+    return machine, target
 
 
 def _verify_budget(verify: int | None, target) -> tuple[int, str | None]:

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from torsh_jax.errors import PlanError
+from torsh_jax.errors import MeshError, PlanError
 
 __all__ = ["Link", "Machine", "ASSUMED", "CODEC_VS_INT8"]
 
@@ -202,6 +202,36 @@ class Machine:
             (True, False)
         """
         return bool(self.compiled_for) and self.compiled_for == signature
+
+    def with_devices(self, devices: int, /) -> Machine:
+        """This machine's kind of device and links at ``devices`` devices: whole slices (nodes) of
+        its slice's size joined by its ``dcn`` link, or part of one slice.
+
+        Example:
+            >>> links = {"ici": Link(1e-6, 1e11), "dcn": Link(1e-5, 1e10)}
+            >>> nodes = Machine("h100-16", 16, 2, 4e14, 2**36, links).with_devices(64)
+            >>> nodes.name, nodes.devices, nodes.slices
+            ('h100-16 at 64 devices', 64, 8)
+
+        Raises:
+            MeshError: more devices than a slice holds but not whole slices, or no ``dcn`` link
+                measured to join them.
+        """
+        per_slice = self.devices // self.slices
+        if devices == self.devices:
+            return self
+        slices = -(-devices // per_slice)
+        if slices > 1 and devices % per_slice:
+            what = f"{devices} devices are not whole slices of {per_slice} ({self.name})"
+            fix = f"pass --devices {per_slice} or fewer, or a multiple of {per_slice}"
+            raise MeshError(what, key="--devices", fix=fix)
+        if slices > 1 and "dcn" not in self.links:
+            what = f"{devices} devices are {slices} slices of {per_slice}; {self.name} has no dcn link"
+            fix = "calibrate over processes (torsh-jax launch -n 2 -m torsh_jax calibrate -o machine.json)"
+            raise MeshError(what, key="--devices", fix=f"{fix}, or pass --devices {per_slice} or fewer")
+        links = self.links if slices > 1 else {"ici": self.links["ici"]}
+        name = f"{self.name} at {devices} devices"
+        return replace(self, name=name, devices=devices, slices=slices, links=links)
 
     def link(self, kind: str) -> Link:
         """The ``ici`` or ``dcn`` link (``dcn`` falls back to ``ici`` on one slice)."""

@@ -164,7 +164,8 @@ def verify(prediction: Prediction, shape: ModelShape, devices, /, *, target=None
         from torsh_jax.targets import compile_for_target
 
         report = compile_for_target(train, batch, target=target)
-        peak, temp, fits = report.memory["peak"], report.memory.get("temp"), report.fits
+        peak, temp = report.memory["peak"], report.memory.get("temp")
+        fits = report.fits and peak <= prediction.memory_limit  # a limit below the chip's, too
     else:
         from torsh_jax.analysis.memory import memory_report
 

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -66,7 +65,7 @@ from torsh_jax.runtime.mesh import mesh_shape_str
 from torsh_jax.runtime.precision import cast_tree
 from torsh_jax.tensor.axis import has_tensor_blocks
 from torsh_jax.typing import PyTree
-from torsh_jax.units import format_bytes
+from torsh_jax.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from jax.sharding import Mesh
@@ -101,8 +100,6 @@ __all__ = [
 #: Environment variable overriding the per-device memory limit (bytes, or e.g. ``512MiB``).
 LIMIT_VAR = "TORSH_JAX_DEVICE_MEMORY"
 
-_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
 
 @dataclass(frozen=True)
 class MemoryLimit:
@@ -129,16 +126,10 @@ class StepMemory:
 
 
 def _parse_bytes(text: str) -> int:
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match and _UNITS.get(match.group(2).upper())
-    value = int(float(match.group(1)) * unit) if unit else 0
-    if value < 1:
-        raise PlanError(
-            f"must be a positive byte count, got {text!r}",
-            key=LIMIT_VAR,
-            fix="set it to e.g. 2147483648 or 2GiB",
-        )
-    return value
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise PlanError(str(err), key=LIMIT_VAR, fix="set it to e.g. 2147483648 or 2GiB") from None
 
 
 def _host_memory_bytes() -> int | None:
