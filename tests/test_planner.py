@@ -148,6 +148,42 @@ def test_verify_puts_the_compilers_memory_next_to_the_prediction(tiny):
     assert compiled["memory_error"] == pytest.approx(best.memory["total"] / compiled["peak"] - 1)
 
 
+def test_verify_compiles_your_own_model_when_given_its_step_builder():
+    """A model that is not the demo model (tests/helpers.py's MLP), planned from its parameters:
+    ``verify`` with :func:`model_step_builder` compiles that model (its peak is the hand-built
+    step's, not the same shape's demo model's), with each layer recomputed for a remat candidate."""
+    import jax
+    from helpers import mlp_model, mlp_params
+
+    from torsh_jax.demo.model import LMConfig, synthetic_tokens
+    from torsh_jax.optim.optimizers import build_optimizer
+    from torsh_jax.planner import model_step_builder
+    from torsh_jax.runtime.mesh import build_mesh
+    from torsh_jax.runtime.step import make_train_step
+
+    devices = require_devices(8)
+    cfg = LMConfig(vocab=256, d_model=64, heads=1, head_dim=64, mlp=256, layers=4, seq_len=32)
+    params = jax.eval_shape(lambda: mlp_params(cfg, jax.random.key(0)))
+    shape = ModelShape.from_params(params, d_model=64, seq_len=32, vocab=256, heads=1, mlp=256)
+    example = synthetic_tokens(cfg, batch_size=1, seed=0)
+    build = model_step_builder(mlp_model(cfg), params, example)
+    by_label = {c.label: c for c in candidates(shape, devices=8, global_batch=32)}
+    for label in ("zero3 fsdp=8 acc=1", "zero2 fsdp=8 remat acc=1"):
+        candidate = by_label[label]
+        prediction = predict(candidate, shape, CPU8, opt_factor=optimizer_state_factor(candidate.plan))
+        mine, demo = verify(prediction, shape, devices, build=build), verify(prediction, shape, devices)
+        model = mlp_model(cfg)._replace(remat=candidate.remat)
+        plan = candidate.plan
+        train = make_train_step(
+            model, build_optimizer(plan.optimizer), plan, build_mesh(plan, devices), params
+        )
+        batch = synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=0)
+        analysis = train.lower(train.abstract_state(), batch).compile().memory_analysis()
+        assert mine["temp"] == analysis.temp_size_in_bytes != demo["temp"], (label, mine, demo)
+        assert mine["memory_error"] == pytest.approx(prediction.memory["total"] / mine["peak"] - 1)
+    assert candidate.remat  # the second recomputes its layers
+
+
 def test_a_machine_file_round_trips_and_a_bad_one_is_one_error(tmp_path):
     from dataclasses import replace
 

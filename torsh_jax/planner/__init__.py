@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "search_verified": "torsh_jax.planner.rank",
     "Verified": "torsh_jax.planner.rank",
     "verify": "torsh_jax.planner.rank",
+    "model_step_builder": "torsh_jax.planner.steps",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -46,3 +47,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from torsh_jax.planner.rank import Verified, search, search_verified, verify
     from torsh_jax.planner.shape import ModelShape, parse_model
     from torsh_jax.planner.space import Candidate, Space, candidates
+    from torsh_jax.planner.steps import model_step_builder

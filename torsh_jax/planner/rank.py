@@ -26,6 +26,7 @@ from torsh_jax.planner.cost import Prediction, optimizer_state_factor, predict
 from torsh_jax.planner.machine import Machine
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Space, candidates
+from torsh_jax.planner.steps import StepBuilder, demo_step_builder
 
 __all__ = ["search", "search_verified", "Verified", "verify", "rules_of_thumb"]
 
@@ -150,16 +151,18 @@ def _activation_ratio(p: Prediction, compiled: dict) -> float:
     return max(needed / predicted if predicted else 1.1, 1.1)
 
 
-def verify(prediction: Prediction, shape: ModelShape, devices, /, *, target=None) -> dict:
-    """Compile the predicted plan for the demo model of ``shape`` (recomputing each layer where the
-    candidate has remat) over ``devices`` (a target's, with ``target``) and return the compiler's
-    memory: ``peak``, ``temp``, ``fits`` and ``memory_error`` (predicted / compiled peak - 1)."""
-    from torsh_jax.demo.run import abstract_train_step
-
+def verify(
+    prediction: Prediction, shape: ModelShape, devices, /, *, target=None, build: StepBuilder | None = None
+) -> dict:
+    """Compile the predicted plan over ``devices`` (a target's, with ``target``), recomputing each
+    layer where the candidate has remat, and return the compiler's memory: ``peak``, ``temp``,
+    ``fits`` and ``memory_error`` (predicted / compiled peak - 1). The step is ``build``'s
+    (:func:`~torsh_jax.planner.steps.model_step_builder`: your model), else the demo model of
+    ``shape``'s."""
     candidate = prediction.candidate
-    cfg = shape.demo_config()
+    build = build or demo_step_builder(shape)
     # the candidate's DCN sizes are its slices (TPU) or nodes (GPU: the devices' processes)
-    train, batch = abstract_train_step(candidate.plan, cfg, devices, remat=candidate.remat)
+    train, batch = build(candidate.plan, devices, remat=candidate.remat)
     if target is not None:
         from torsh_jax.targets import compile_for_target
 
