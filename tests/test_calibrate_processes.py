@@ -39,6 +39,7 @@ def test_calibrate_over_launched_processes_measures_the_link_across_them(tmp_pat
     machine = Machine.load(out)
     assert (machine.devices, machine.slices) == (4, 2)
     assert machine.link("dcn") is not machine.link("ici") and machine.link("dcn").bytes_per_s > 0
+    assert (machine.link("ici").medium, machine.link("dcn").medium) == ("shared memory", "loopback")
     assert machine.flops_per_s > 0 and "in 2 processes" in machine.source
     # process 0's own devices, measured as one process's are
     assert machine.link("ici").bytes_per_s > 0 and machine.update_bytes_per_s > 0

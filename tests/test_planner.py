@@ -184,6 +184,29 @@ def test_verify_compiles_your_own_model_when_given_its_step_builder():
     assert candidate.remat  # the second recomputes its layers
 
 
+def test_an_all_reduce_across_gpu_nodes_is_the_faster_of_ncclS_ring_and_tree():
+    """Links name their medium; NCCL across GPU nodes may run an all-reduce as a tree, everything
+    else as rings. Over 8 nodes a plan's ``data`` all-reduces across them cost less as trees (the
+    link's ``2 ceil(log2 n)`` steps against ``2 (n - 1)``), and no axis costs more."""
+    from dataclasses import replace
+
+    gpus = Machine.from_target("h100-64")
+    assert (gpus.link("ici").medium, gpus.link("ici").algorithms) == ("NVLink", ("ring",))
+    assert (gpus.link("dcn").medium, gpus.link("dcn").algorithms) == ("InfiniBand", ("ring", "tree"))
+    tpus = Machine.from_target("v5e-16", slices=4)
+    assert [(tpus.link(k).medium, tpus.link(k).algorithms) for k in ("ici", "dcn")] == [
+        ("ICI", ("ring",)),
+        ("DCN", ("ring",)),
+    ]
+    rings = replace(gpus, links={**gpus.links, "dcn": replace(gpus.link("dcn"), algorithms=("ring",))})
+    shape = parse_model(TINY)
+    trees = {p.candidate.label: p.comm_s for p in search(shape, gpus, global_batch=512)}
+    ringed = {p.candidate.label: p.comm_s for p in search(shape, rings, global_batch=512)}
+    across = [label for label in trees if trees[label].get("data", 0) < ringed[label].get("data", 0)]
+    assert across and all(trees[k]["data"] < ringed[k]["data"] for k in across)
+    assert all(trees[k][a] <= ringed[k][a] for k in trees for a in trees[k])
+
+
 def test_a_machine_file_round_trips_and_a_bad_one_is_one_error(tmp_path):
     from dataclasses import replace
 
@@ -260,6 +283,7 @@ def test_plan_for_another_count_of_a_machine_files_devices_and_under_a_memory_li
     more = _plan_json(capsys, "--machine", str(two_slices), "--devices", "32")
     assert (more["machine"]["devices"], more["machine"]["slices"]) == (32, 4)
     assert any(p["dcn"] for p in more["plans"]) and "at 32 devices" in more["machine"]["name"]
+    assert set(more["machine"]["links"]) == {"ici", "dcn"} and set(half["machine"]["links"]) == {"ici"}
     for bad, says in ((["--machine", str(one_slice), "--devices", "16"], "no dcn link"),
                       (["--machine", str(two_slices), "--devices", "12"], "not whole slices of 8"),
                       (["--target", "v5e-8", "--devices", "8"], "names its devices")):  # fmt: skip

@@ -142,6 +142,15 @@ def run(args: argparse.Namespace) -> int:
             "slices": machine.slices,
             "flops_per_s": machine.flops_per_s,
             "memory_bytes": machine.memory_bytes,
+            "links": {
+                kind: {
+                    "medium": link.medium,
+                    "alpha_s": link.alpha_s,
+                    "bytes_per_s": link.bytes_per_s,
+                    "algorithms": list(link.algorithms),
+                }
+                for kind, link in machine.links.items()
+            },  # fmt: skip
             # the machine's compiled gradients are of this model: pipelines and ZeRO-3 cost them
             "compiled_gradients": machine.compiled_gradients_of(shape.signature),
             "source": machine.source,

@@ -48,6 +48,7 @@ import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from functools import lru_cache, partial
 
 import numpy as np
@@ -551,6 +552,18 @@ def _overhead(mesh, repeats: int) -> float:
     return _median_seconds(fn, x, repeats=repeats)
 
 
+def _medium(platform: str, *, across: bool) -> str:
+    """What carries a measured link: among one process's devices, or across the job's processes
+    (one host's: ``loopback``, as ``torsh-jax launch`` starts them; several hosts' network)."""
+    if not across:
+        return {"cpu": "shared memory", "gpu": "NVLink", "tpu": "ICI"}.get(platform, platform)
+    from torsh_jax.distributed.env import detect_environment
+
+    if detect_environment().num_nodes == 1:
+        return "loopback"
+    return {"gpu": "InfiniBand", "tpu": "DCN"}.get(platform, "network")
+
+
 def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | None = None) -> Machine:
     """Measure ``devices`` (see the module docstring) and return the :class:`Machine` they are.
 
@@ -574,11 +587,14 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
     costs = _recompute_costs_by_tokens(shape, seconds)
     at_rows = _ROWS * shape.seq_len
     rates = _rates_by_tokens(shape, seconds[0])
-    links = {"ici": fit_alpha_beta(_collective_times(mesh, repeats), len(local), overhead_s=overhead)}
-    if processes > 1:
-        links["dcn"] = _process_link(devices, processes, repeats)
-    limit = device_memory_limit(mesh)
     platform = devices[0].platform
+    inside = fit_alpha_beta(_collective_times(mesh, repeats), len(local), overhead_s=overhead)
+    links = {"ici": replace(inside, medium=_medium(platform, across=False))}
+    if processes > 1:
+        links["dcn"] = replace(
+            _process_link(devices, processes, repeats), medium=_medium(platform, across=True)
+        )
+    limit = device_memory_limit(mesh)
     across = f" in {processes} processes" if processes > 1 else ""
     return Machine(
         name=name or f"{platform}-{len(devices)} (calibrated)",

@@ -44,7 +44,9 @@ the model's gradient recomputing every layer as the machine compiled it
 * communication per axis: the plan theory's collectives (:mod:`torsh_jax.analysis.theory`: the
   same bytes ``inspect`` compares with the compiled program), each ``steps × α + wire bytes / β``
   on the axis's link (DCN when the axis crosses slices), ring steps ``2 (n - 1)`` for an
-  all-reduce, ``n - 1`` for a gather or scatter, and for a pipeline one per ``ppermute`` its
+  all-reduce (or a tree's ``2 ceil(log2 n)`` with the ring's bytes times ``n / (n - 1)``, where the
+  link's library runs trees and that is faster: NCCL across GPU nodes), ``n - 1`` for a gather or
+  scatter, and for a pipeline one per ``ppermute`` its
   schedule table runs (a tick's sends forward, its sends backward) in each accumulation pass. A
   compressed gradient reduction is the runtime's compressed collective of the buffers it
   compresses: the model's parameters laid out in the runtime's buckets
@@ -100,8 +102,9 @@ __all__ = ["Prediction", "predict", "OVERLAP", "optimizer_state_factor"]
 #: reductions 0.75-0.96; the stage axis's permutes 0.91; Megatron's activation all-reduces are each
 #: needed by the next matmul (0); a data axis's gradient all-reduce runs once after the backward pass (0).
 OVERLAP = {"fsdp": 0.75, "stage": 0.9, "tensor": 0.0, "data": 0.0}
-#: Ring steps per collective kind over ``n`` devices.
-_STEPS = {"all-reduce": lambda n: 2 * (n - 1), "collective-permute": lambda n: 1}
+#: Ring steps per collective kind over ``n`` devices, where not ``n - 1`` (an all-reduce:
+#: :meth:`~torsh_jax.planner.machine.Link.all_reduce_seconds`).
+_STEPS = {"collective-permute": lambda n: 1}
 
 
 @dataclass(frozen=True)
@@ -731,21 +734,26 @@ def _break_even(plain: list[Theory], sent: list[Theory], codec_s: float) -> floa
 
 
 def _comm_seconds(c: Candidate, sent: list[Theory], machine: Machine) -> dict[str, float]:
-    """Seconds per axis of the collectives ``sent`` (:func:`theories`) on the machine's links."""
+    """Seconds per axis of the collectives ``sent`` (:func:`theories`) on the machine's links: an
+    all-reduce by the faster algorithm its link runs (``Link.all_reduce_seconds``), the rest as
+    rings."""
     seconds: dict[str, float] = {}
     for theory in sent:
         for col in theory.collectives:
             if col.group_size <= 1 and col.kind != "collective-permute":
                 continue
             link = machine.link(link_kind(col.axes, c.dcn))
-            steps = _steps(col, c)
+            if col.kind == "all-reduce":
+                spent = link.all_reduce_seconds(col.wire_bytes, col.group_size, col.count)
+            else:
+                spent = link.seconds(col.wire_bytes, _steps(col, c), col.kind)
             axis = "+".join(col.axes)
-            seconds[axis] = seconds.get(axis, 0.0) + link.seconds(col.wire_bytes, steps, col.kind)
+            seconds[axis] = seconds.get(axis, 0.0) + spent
     return seconds
 
 
 def _steps(col: TheoryCollective, c: Candidate) -> int:
-    """Latency steps of ``col`` (each pays the link's α): its ring steps, ``count`` times; a
+    """Latency steps of ``col`` as a ring (each pays the link's α): ``n - 1``, ``count`` times; a
     pipeline's activations and their gradients, one per ``ppermute`` its schedule runs, in every
     accumulation pass."""
     if col.kind == "collective-permute" and col.axes == ("stage",):

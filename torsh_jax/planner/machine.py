@@ -23,7 +23,7 @@ from pathlib import Path
 
 from torsh_jax.errors import MeshError, PlanError
 
-__all__ = ["Link", "Machine", "ASSUMED", "CODEC_VS_INT8"]
+__all__ = ["ALGORITHMS", "Link", "Machine", "ASSUMED", "CODEC_VS_INT8"]
 
 #: What a target's published figures leave out, assumed until ``calibrate`` measures it.
 ASSUMED = {
@@ -40,6 +40,14 @@ ASSUMED = {
 CODEC_VS_INT8 = {"topk": 9.0, "powersgd": 1.0}
 
 
+#: All-reduce algorithms a link's collective library may run (it picks the faster). Over ``n``
+#: devices, ``ring`` takes ``2 (n - 1)`` steps each sending ``1/n`` of the bytes; ``tree`` reduces up
+#: and broadcasts down a binary tree, ``2 ceil(log2 n)`` steps each sending all of them (NCCL's
+#: double binary tree keeps both directions busy, so a device sends twice the bytes, as a ring does to
+#: within ``(n - 1) / n``). The other collectives run as rings.
+ALGORITHMS = ("ring", "tree")
+
+
 @dataclass(frozen=True)
 class Link:
     """One link kind's α-β figures.
@@ -51,6 +59,11 @@ class Link:
             ``reduce-scatter``), where measured apart; other kinds use :attr:`bytes_per_s`. On
             simulated CPU devices the kinds differ by several times: a ``psum`` sums in shared
             memory, an ``all_gather`` writes every device's whole output.
+        medium: what carries it: ``ICI``, ``DCN``, ``NVLink``, ``InfiniBand``, ``shared memory``
+            (simulated devices of one process), ``loopback`` (processes of one host).
+        algorithms: the all-reduce algorithms its collective library may run (:data:`ALGORITHMS`):
+            NCCL's ring and tree across GPU nodes; rings elsewhere (TPU ICI and DCN, NVLink in a
+            node, and what ``calibrate`` fits its ring steps to).
 
     Example:
         >>> link = Link(0.0, 1e9, {"all-reduce": 4e9})
@@ -61,10 +74,30 @@ class Link:
     alpha_s: float
     bytes_per_s: float
     bytes_per_s_by_kind: dict[str, float] = field(default_factory=dict)
+    medium: str = ""
+    algorithms: tuple[str, ...] = ("ring",)
 
     def seconds(self, wire_bytes: float, steps: int, kind: str | None = None) -> float:
         """Time of a collective of ``kind`` that sends ``wire_bytes`` per device in ``steps`` ring steps."""
         return steps * self.alpha_s + wire_bytes / self.bytes_per_s_by_kind.get(kind, self.bytes_per_s)
+
+    def all_reduce_seconds(self, wire_bytes: float, devices: int, count: int = 1) -> float:
+        """``count`` all-reduces over ``devices`` that send ``wire_bytes`` per device in all as rings,
+        by the faster of the link's :attr:`algorithms`.
+
+        Example (64 GPUs across nodes: a tree's 12 steps against a ring's 126, which sends 63/64 of
+        the tree's bytes; on this link the tree is faster below about 4.5 GB sent per device):
+            >>> ib, ring = Link(25e-6, 25e9, algorithms=("ring", "tree")), Link(25e-6, 25e9)
+            >>> [round(link.all_reduce_seconds(1e6, 64) * 1e3, 3) for link in (ib, ring)]  # ms
+            [0.341, 3.19]
+            >>> [round(link.all_reduce_seconds(1e9, 64), 3) for link in (ib, ring)]  # s
+            [0.041, 0.043]
+        """
+        ring = self.seconds(wire_bytes, 2 * (devices - 1) * count, "all-reduce")
+        if "tree" not in self.algorithms or devices < 3:
+            return ring
+        steps = 2 * math.ceil(math.log2(devices)) * count
+        return min(ring, self.seconds(wire_bytes * devices / (devices - 1), steps, "all-reduce"))
 
 
 def nearest_in_ratio(value: float, known, /) -> int:
@@ -244,8 +277,11 @@ class Machine:
 
         target = parse_target(name, slices=slices)
         chip = target.chip
-        ici = Link(ASSUMED["ici_alpha_s"], (chip.ici_bytes_per_s or chip.hbm_bytes_per_s) / 2)
-        dcn = Link(ASSUMED["dcn_alpha_s"], chip.dcn_bytes_per_s or ici.bytes_per_s)
+        gpu = target.platform == "gpu"
+        ici_bytes_per_s = (chip.ici_bytes_per_s or chip.hbm_bytes_per_s) / 2
+        ici = Link(ASSUMED["ici_alpha_s"], ici_bytes_per_s, medium="NVLink" if gpu else "ICI")
+        across = {"medium": "InfiniBand", "algorithms": ALGORITHMS} if gpu else {"medium": "DCN"}
+        dcn = Link(ASSUMED["dcn_alpha_s"], chip.dcn_bytes_per_s or ici.bytes_per_s, **across)
         gpu_nodes = target.platform == "gpu" and target.devices > 8
         return cls(
             name=target.name if slices == 1 else f"{target.name} x {slices}",
@@ -269,7 +305,7 @@ class Machine:
         """A machine file (``torsh-jax calibrate -o machine.json``)."""
         try:
             data = json.loads(text)
-            links = {kind: Link(**link) for kind, link in data.pop("links").items()}
+            links = {kind: _link(link) for kind, link in data.pop("links").items()}
             chunks = data.pop("chunk_recompute_costs", {})  # JSON keys are strings
             data["chunk_recompute_costs"] = {int(k): float(v) for k, v in chunks.items()}
             rates = data.pop("flops_per_s_by_tokens", {})
@@ -298,3 +334,8 @@ class Machine:
                 f"no such machine file {path}", key="machine", fix="run torsh-jax calibrate -o " + str(path)
             )
         return cls.from_json(path.read_text(), source=str(path))
+
+
+def _link(fields: dict) -> Link:
+    """A link of a machine file (JSON lists its algorithms as a list)."""
+    return Link(**{**fields, "algorithms": tuple(fields.get("algorithms", ("ring",)))})
