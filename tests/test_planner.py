@@ -270,6 +270,11 @@ def test_plan_cli_prints_the_ranking_and_writes_the_best_plan(tmp_path, capsys):
     assert report["pick"] == best["label"] and report["activation_scale"] == 1.0
     if missing_compiler("v5e-8") is None:  # a target's compiler installed: the pick compiled, and fits
         assert report["verify"] == TARGET_VERIFY and best["compiled"]["fits"] and not report["unverified"]
+        # its exposed communication re-read with each axis's overlap in the compiled schedule
+        compiled = best["compiled"]
+        assert compiled["overlap"] and all(0 <= f <= 1 for f in compiled["overlap"].values())
+        assert 0 <= compiled["exposed_s"] <= sum(best["comm_s"].values())
+        assert compiled["step_s"] == pytest.approx(best["step_s"] - best["exposed_s"] + compiled["exposed_s"])
     else:
         assert report["verify"] == 0 and "not compiled" in report["unverified"] and not best["compiled"]
     written = load_plan(str(out))

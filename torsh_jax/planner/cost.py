@@ -95,7 +95,7 @@ from torsh_jax.planner.machine import Machine, nearest_in_ratio
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Candidate
 
-__all__ = ["Prediction", "predict", "OVERLAP", "optimizer_state_factor"]
+__all__ = ["Prediction", "predict", "OVERLAP", "optimizer_state_factor", "scheduled_step"]
 
 #: Share of an axis's collective time that can hide behind compute on an accelerator, measured on
 #: v5e-16 with libtpu 0.0.42.1 (docs/targets.md, benchmarks/README.md): ZeRO-3's in-loop gathers and
@@ -761,9 +761,28 @@ def _steps(col: TheoryCollective, c: Candidate) -> int:
     return _STEPS.get(col.kind, lambda n: n - 1)(col.group_size) * col.count
 
 
-def _exposed(comm: dict[str, float], compute: float, machine: Machine) -> float:
+def _exposed(comm: dict[str, float], compute: float, machine: Machine, overlap: dict | None = None) -> float:
+    """Communication not hidden behind compute: each axis's share :data:`OVERLAP` (or ``overlap``'s
+    fraction for the axes, where given), at most the compute itself."""
     if not machine.overlaps:
         return sum(comm.values())
-    hideable = sum(t * max(OVERLAP.get(a, 0.0) for a in axis.split("+")) for axis, t in comm.items())
-    hidden = min(hideable, compute)
+    overlap = overlap or {}
+    share = lambda axis: overlap.get(axis, max(OVERLAP.get(a, 0.0) for a in axis.split("+")))
+    hidden = min(sum(t * share(axis) for axis, t in comm.items()), compute)
     return sum(comm.values()) - hidden
+
+
+def scheduled_step(prediction: Prediction, machine: Machine, overlap: dict[str, float]) -> dict[str, float]:
+    """``exposed_s`` and ``step_s`` of ``prediction`` with each axis's overlapped share read from its
+    compiled schedule (``overlap``: fraction of the axes' collective bytes with compute between
+    their start and done, :func:`~torsh_jax.analysis.overlap.collective_overlap`; axes it does not
+    name keep :data:`OVERLAP`).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> p = SimpleNamespace(comm_s={"fsdp": 1.0, "data": 1.0}, compute_s=5.0, exposed_s=1.25, step_s=6.25)
+        >>> scheduled_step(p, SimpleNamespace(overlaps=True), {"fsdp": 0.5})
+        {'exposed_s': 1.5, 'step_s': 6.5}
+    """
+    exposed = _exposed(prediction.comm_s, prediction.compute_s, machine, overlap)
+    return {"exposed_s": exposed, "step_s": prediction.step_s - prediction.exposed_s + exposed}

@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from torsh_jax.plan import ParallelPlan
-from torsh_jax.planner.cost import Prediction, optimizer_state_factor, predict
+from torsh_jax.planner.cost import Prediction, optimizer_state_factor, predict, scheduled_step
 from torsh_jax.planner.machine import Machine
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Space, candidates
@@ -108,6 +108,9 @@ def search_verified(
     too large teaches the activation scale (its compiled bytes over the predicted activations),
     and the rest is ranked again with it. ``seconds``: no compile is started that would end past
     this much compiling, the last compile's time taken for the next one's (the first always runs).
+    A compile that reads the schedule's overlap (a target's) adds the plan's ``exposed_s`` and
+    ``step_s`` with it (:func:`~torsh_jax.planner.cost.scheduled_step`) to its compiled figures;
+    the ranking stays the prediction's.
     """
     compiled: dict[str, dict] = {}
     pick_label, stopped, spent, last = None, None, 0.0, 0.0
@@ -124,7 +127,8 @@ def search_verified(
         result = check(todo)
         last = time.perf_counter() - start
         spent += last
-        compiled[todo.candidate.label] = {**result, "seconds": last}
+        scheduled = scheduled_step(todo, machine, result["overlap"]) if result.get("overlap") else {}
+        compiled[todo.candidate.label] = {**result, "seconds": last, **scheduled}
         if result["fits"]:
             pick_label = todo.candidate.label
             break
@@ -156,7 +160,9 @@ def verify(
 ) -> dict:
     """Compile the predicted plan over ``devices`` (a target's, with ``target``), recomputing each
     layer where the candidate has remat, and return the compiler's memory: ``peak``, ``temp``,
-    ``fits`` and ``memory_error`` (predicted / compiled peak - 1). The step is ``build``'s
+    ``fits`` and ``memory_error`` (predicted / compiled peak - 1); for a target also ``overlap``, the
+    overlapped fraction of each axis set's collective bytes in the compiled schedule (``None`` on
+    CPU devices, whose collectives are synchronous). The step is ``build``'s
     (:func:`~torsh_jax.planner.steps.model_step_builder`: your model), else the demo model of
     ``shape``'s."""
     candidate = prediction.candidate
@@ -169,14 +175,24 @@ def verify(
         report = compile_for_target(train, batch, target=target)
         peak, temp = report.memory["peak"], report.memory.get("temp")
         fits = report.fits and peak <= prediction.memory_limit  # a limit below the chip's, too
+        overlap = _overlap_by_axes(report.overlap)
     else:
         from torsh_jax.analysis.memory import memory_report
 
         memory = memory_report(train.lower(train.abstract_state(), batch).compile())
         peak, temp = memory.peak_estimate_bytes, memory.temp_bytes
-        fits = peak <= prediction.memory_limit
+        fits, overlap = peak <= prediction.memory_limit, None
     error = prediction.memory["total"] / peak - 1 if peak else None
-    return {"peak": peak, "temp": temp, "fits": fits, "memory_error": error}
+    return {"peak": peak, "temp": temp, "fits": fits, "memory_error": error, "overlap": overlap}
+
+
+def _overlap_by_axes(report: dict | None) -> dict[str, float] | None:
+    """The overlapped fraction of each mesh-axis set's collective bytes in a target's compiled
+    schedule (axes the analysis could not name left out)."""
+    if not report:
+        return None
+    found = {axes: row["fraction"] for axes, row in report.get("by_axes", {}).items()}
+    return {axes: f for axes, f in found.items() if f is not None and axes not in ("?", "-")} or None
 
 
 def _rule(shape: ModelShape, machine: Machine) -> tuple[str, str]:
