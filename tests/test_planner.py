@@ -21,7 +21,7 @@ from torsh_jax.errors import PlanError
 from torsh_jax.plan import load_plan
 from torsh_jax.planner.cost import optimizer_state_factor, predict, theories
 from torsh_jax.planner.machine import Link, Machine
-from torsh_jax.planner.rank import search, verify
+from torsh_jax.planner.rank import search, search_verified, verify
 from torsh_jax.planner.shape import ModelShape, demo_config, parse_model
 from torsh_jax.planner.space import candidates
 from torsh_jax.targets import missing_compiler
@@ -226,6 +226,26 @@ def test_the_planners_flops_are_the_compiled_gradients_cost_analysis(d_model):
     shape = ModelShape.from_params(params, d_model=d_model, seq_len=128, vocab=1024, heads=2, mlp=4 * d_model)
     counted = shape.train_flops_per_token(recompute=False) * 4 * 128
     assert 1.0 <= compiled.cost_analysis()["flops"] / counted <= 1.02
+
+
+def test_a_plan_the_compiler_refused_stays_in_the_ranking_with_its_figures():
+    """A refusal teaches a larger activation scale, after which the refused plan's family keeps
+    more accumulation steps; the plan compiled is still listed, with what the compiler said."""
+    shape, machine = ModelShape.demo("150m"), Machine.from_target("v5e-8")
+    top = search(shape, machine, global_batch=256)[0]
+
+    def refuse(p):
+        return {"peak": None, "temp": int(p.memory_limit * 1.3), "fits": False, "memory_error": None}
+
+    ranked, pick, learned, _ = search_verified(shape, machine, global_batch=256, budget=1, check=refuse)
+    family = [p for p in ranked if p.candidate.family == top.candidate.family]
+    assert pick is None and learned.activation_scale > 1
+    assert (
+        len(family) == 2
+        and family[0].candidate.plan.batch.accumulation_steps > top.candidate.plan.batch.accumulation_steps
+    )
+    [refused] = [p for p in ranked if p.compiled]
+    assert refused.candidate.label == top.candidate.label and refused.compiled["fits"] is False
 
 
 def test_a_machine_file_round_trips_and_a_bad_one_is_one_error(tmp_path):

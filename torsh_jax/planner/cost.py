@@ -212,7 +212,7 @@ def predict(
         compute,
         bubble,
         comm,
-        _exposed(comm, compute, machine),
+        _exposed(comm, compute, machine, _overlap_shares(candidate)),
         machine.memory_bytes,
         overhead_s=machine.step_overhead_s,
         codec_s=codec,
@@ -761,28 +761,40 @@ def _steps(col: TheoryCollective, c: Candidate) -> int:
     return _STEPS.get(col.kind, lambda n: n - 1)(col.group_size) * col.count
 
 
-def _exposed(comm: dict[str, float], compute: float, machine: Machine, overlap: dict | None = None) -> float:
-    """Communication not hidden behind compute: each axis's share :data:`OVERLAP` (or ``overlap``'s
-    fraction for the axes, where given), at most the compute itself."""
+def _exposed(comm: dict[str, float], compute: float, machine: Machine, shares: dict[str, float]) -> float:
+    """Communication not hidden behind compute: each axis set's share (``shares`` by the set, else
+    the largest of its axes'), at most the compute itself."""
     if not machine.overlaps:
         return sum(comm.values())
-    overlap = overlap or {}
-    share = lambda axis: overlap.get(axis, max(OVERLAP.get(a, 0.0) for a in axis.split("+")))
+    share = lambda axis: shares.get(axis, max(shares.get(a, 0.0) for a in axis.split("+")))
     hidden = min(sum(t * share(axis) for axis, t in comm.items()), compute)
     return sum(comm.values()) - hidden
+
+
+def _overlap_shares(c: Candidate) -> dict[str, float]:
+    """:data:`OVERLAP` for the candidate: ``fsdp``'s share only where ZeRO-3 gathers each layer on
+    use, whose gathers and reductions run inside the layer loop beside its compute; ZeRO-1 and -2
+    reduce and gather around the step's compute, as does a pipeline stage gathered once (v5e-256,
+    the 1 B model: none of ZeRO-1's and ZeRO-2's ``fsdp`` bytes overlapped in the compiled
+    schedules)."""
+    on_use = compose(c.plan, c.sizes).gather == "on_use"
+    return {**OVERLAP, "fsdp": OVERLAP["fsdp"] if on_use else 0.0}
 
 
 def scheduled_step(prediction: Prediction, machine: Machine, overlap: dict[str, float]) -> dict[str, float]:
     """``exposed_s`` and ``step_s`` of ``prediction`` with each axis's overlapped share read from its
     compiled schedule (``overlap``: fraction of the axes' collective bytes with compute between
     their start and done, :func:`~torsh_jax.analysis.overlap.collective_overlap`; axes it does not
-    name keep :data:`OVERLAP`).
+    name keep the candidate's :data:`OVERLAP`).
 
-    Example:
-        >>> from types import SimpleNamespace
-        >>> p = SimpleNamespace(comm_s={"fsdp": 1.0, "data": 1.0}, compute_s=5.0, exposed_s=1.25, step_s=6.25)
-        >>> scheduled_step(p, SimpleNamespace(overlaps=True), {"fsdp": 0.5})
-        {'exposed_s': 1.5, 'step_s': 6.5}
+    Example (a schedule that overlaps nothing exposes all of the communication):
+        >>> from torsh_jax.planner import Machine, ModelShape, search
+        >>> tpus = Machine.from_target("v5e-8")
+        >>> best = search(ModelShape.demo("tiny"), tpus, global_batch=64)[0]
+        >>> figures = scheduled_step(best, tpus, {axis: 0.0 for axis in best.comm_s})
+        >>> figures["exposed_s"] == sum(best.comm_s.values()) >= best.exposed_s
+        True
     """
-    exposed = _exposed(prediction.comm_s, prediction.compute_s, machine, overlap)
+    shares = {**_overlap_shares(prediction.candidate), **overlap}
+    exposed = _exposed(prediction.comm_s, prediction.compute_s, machine, shares)
     return {"exposed_s": exposed, "step_s": prediction.step_s - prediction.exposed_s + exposed}

@@ -113,6 +113,7 @@ def search_verified(
     the ranking stays the prediction's.
     """
     compiled: dict[str, dict] = {}
+    tried: dict[str, Prediction] = {}
     pick_label, stopped, spent, last = None, None, 0.0, 0.0
     for _ in range(budget):
         ranked = search(shape, machine, global_batch=global_batch, base=base, space=space)
@@ -129,17 +130,32 @@ def search_verified(
         spent += last
         scheduled = scheduled_step(todo, machine, result["overlap"]) if result.get("overlap") else {}
         compiled[todo.candidate.label] = {**result, "seconds": last, **scheduled}
+        tried[todo.candidate.label] = todo
         if result["fits"]:
             pick_label = todo.candidate.label
             break
         scale = machine.activation_scale * _activation_ratio(todo, result)
         machine = replace(machine, activation_scale=scale)
     ranked = search(shape, machine, global_batch=global_batch, base=base, space=space)
+    ranked += _dropped(tried, ranked, shape, machine, base)
     ranked = [replace(p, compiled=compiled.get(p.candidate.label, {})) for p in ranked]
     if budget == 0:
         return Verified(ranked, next((p for p in ranked if p.fits), None), machine)
     pick = next((p for p in ranked if p.candidate.label == pick_label), None)
     return Verified(ranked, pick, machine, stopped)
+
+
+def _dropped(tried: dict[str, Prediction], ranked: list[Prediction], shape: ModelShape, machine: Machine,
+             base: ParallelPlan | None) -> list[Prediction]:  # fmt: skip
+    """The compiled plans the last ranking left out, predicted again on ``machine``, by memory: a
+    family keeps its fewest accumulation steps predicted to fit, and after a refusal that can be
+    more steps than the plan compiled."""
+    listed = {p.candidate.label for p in ranked}
+    factor = optimizer_state_factor(base or ParallelPlan())
+    again = [
+        predict(p.candidate, shape, machine, opt_factor=factor) for k, p in tried.items() if k not in listed
+    ]
+    return sorted(again, key=lambda p: p.memory["total"])
 
 
 def _activation_ratio(p: Prediction, compiled: dict) -> float:
