@@ -712,6 +712,7 @@ def test_plan_shows_the_compiled_plans_that_did_not_fit_beside_the_pick(monkeypa
             "temp": peak,
             "fits": len(seen) > 1,
             "memory_error": -0.5 if len(seen) == 1 else 0,
+            "overlap": {axis: 0.0 for axis in prediction.comm_s},  # the schedule overlaps nothing
         }
 
     monkeypatch.setattr(plan_cmd, "_verify", first_refused)
@@ -723,6 +724,12 @@ def test_plan_shows_the_compiled_plans_that_did_not_fit_beside_the_pick(monkeypa
     assert report["activation_scale"] > 1  # learned from the refusal
     assert report["verify_seconds"] == 90 and report["verify_stopped"] is None
     table_args = [a for a in args if a != "--json"]
+    pick = next(p for p in report["plans"] if p["label"] == report["pick"])
+    assert pick["compiled"]["exposed_s"] == pytest.approx(sum(pick["comm_s"].values()))
+    seen.clear()
+    assert main([*table_args, "--verify", "3"]) == 0
+    [row] = [line for line in capsys.readouterr().out.splitlines() if line.startswith(seen[1] + " ")]
+    assert row.endswith(f"; step {pick['compiled']['step_s'] * 1e3:.1f} ms")  # the step its schedule gives
 
     # with compiles of 50 s (a fake clock) and --verify-seconds 60, the second is not started
     from torsh_jax.planner import rank
