@@ -35,7 +35,7 @@ from torsh_jax.runtime.fit import batch_like, check_step_fits
 from torsh_jax.runtime.inspect import headline, inspect_step
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.pipeline import layer_chunks
-from torsh_jax.runtime.step import make_train_step
+from torsh_jax.runtime.step import abstract_step, make_train_step
 from torsh_jax.tensor.axis import tensor_axis
 
 __all__ = ["DemoConfig", "run_demo", "abstract_train_step"]
@@ -120,11 +120,10 @@ def abstract_train_step(
     """The demo model's train step under ``plan`` over ``devices`` (a target's compile-only devices
     too), built from parameter shapes (nothing is allocated), and a global batch of token shapes;
     ``remat``: each layer recomputed in the backward pass."""
-    mesh = build_mesh(plan, devices, num_slices=num_slices)
     shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     model = layered_model(cfg, remat=remat, tp=tensor_axis(plan))
-    train = make_train_step(model, build_optimizer(plan.optimizer), plan, mesh, shapes)
-    return train, batch_like(synthetic_tokens(cfg, batch_size=1, seed=0), train.global_batch_size)
+    example = synthetic_tokens(cfg, batch_size=1, seed=0)
+    return abstract_step(model, shapes, example, plan, devices, num_slices=num_slices)
 
 
 def _layers(config: DemoConfig, mesh_shape: dict) -> int:

@@ -282,7 +282,7 @@ class Machine:
         ici = Link(ASSUMED["ici_alpha_s"], ici_bytes_per_s, medium="NVLink" if gpu else "ICI")
         across = {"medium": "InfiniBand", "algorithms": ALGORITHMS} if gpu else {"medium": "DCN"}
         dcn = Link(ASSUMED["dcn_alpha_s"], chip.dcn_bytes_per_s or ici.bytes_per_s, **across)
-        gpu_nodes = target.platform == "gpu" and target.devices > 8
+        gpu_nodes = gpu and target.devices > 8
         return cls(
             name=target.name if slices == 1 else f"{target.name} x {slices}",
             devices=target.devices,
@@ -337,5 +337,8 @@ class Machine:
 
 
 def _link(fields: dict) -> Link:
-    """A link of a machine file (JSON lists its algorithms as a list)."""
-    return Link(**{**fields, "algorithms": tuple(fields.get("algorithms", ("ring",)))})
+    """A link of a machine file (JSON lists its algorithms as a list; a file written before them
+    has none: :class:`Link`'s default)."""
+    if "algorithms" in fields:
+        fields = {**fields, "algorithms": tuple(fields["algorithms"])}
+    return Link(**fields)

@@ -54,21 +54,15 @@ def demo_step_builder(shape: ModelShape, /) -> StepBuilder:
 
 def model_step_builder(model: LayeredModel, params: PyTree, example: PyTree, /) -> StepBuilder:
     """``model`` with ``params`` (arrays or their shapes) on batches shaped like ``example`` (any
-    leading dim): the step :func:`~torsh_jax.runtime.step.make_train_step` builds for it; ``remat``
-    recomputes each layer (``model.remat``)."""
+    leading dim): :func:`~torsh_jax.runtime.step.abstract_step`; ``remat`` recomputes each layer
+    (``model.remat``)."""
 
     def build(plan: ParallelPlan, devices: Sequence, /, *, remat: bool):
         import jax
 
-        from torsh_jax.optim.optimizers import build_optimizer
-        from torsh_jax.runtime.fit import batch_like
-        from torsh_jax.runtime.mesh import build_mesh
-        from torsh_jax.runtime.step import make_train_step
+        from torsh_jax.runtime.step import abstract_step
 
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-        layered = model._replace(remat=model.remat or remat)
-        mesh = build_mesh(plan, devices)
-        train = make_train_step(layered, build_optimizer(plan.optimizer), plan, mesh, shapes)
-        return train, batch_like(example, train.global_batch_size)
+        return abstract_step(model._replace(remat=model.remat or remat), shapes, example, plan, devices)
 
     return build

@@ -50,7 +50,7 @@ from torsh_jax.runtime.update import scaler_for
 from torsh_jax.tensor.axis import has_tensor_blocks
 from torsh_jax.typing import PyTree
 
-__all__ = ["TrainStep", "make_train_step"]
+__all__ = ["TrainStep", "abstract_step", "make_train_step"]
 
 
 def _validate_batch(batch: PyTree, *, global_batch: int, plan: ParallelPlan, mesh: Mesh) -> None:
@@ -281,3 +281,33 @@ def _init_state(
         )
 
     return init
+
+
+def abstract_step(
+    model: LayeredModel, shapes: PyTree, example: PyTree, plan: ParallelPlan, devices, /, *,
+    num_slices: int | None = None,
+) -> tuple[TrainStep, PyTree]:  # fmt: skip
+    """``model``'s train step under ``plan`` over ``devices`` (a target's compile-only devices too),
+    built from parameter ``shapes`` with the optimizer the plan names (nothing is allocated), and a
+    global batch of shapes like ``example`` (any leading dim): what a compile-only check compiles.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from torsh_jax import load_plan
+        >>> model = LayeredModel(embed=lambda p, b: p["embed"][b["tokens"]],
+        ...                      layer=lambda w, h: jnp.tanh(h @ w["w"]),
+        ...                      head=lambda p, h, b: jnp.mean(h @ p["head"]))
+        >>> shapes = jax.eval_shape(lambda: {"embed": jnp.zeros((64, 16)), "head": jnp.zeros((16, 4)),
+        ...                                  "layers": {"w": jnp.zeros((2, 16, 16))}})
+        >>> example = {"tokens": jnp.zeros((1, 8), jnp.int32)}
+        >>> train, batch = abstract_step(model, shapes, example, load_plan("ddp"), jax.devices()[:1])
+        >>> batch["tokens"].shape
+        (8, 8)
+    """
+    from torsh_jax.optim import build_optimizer
+    from torsh_jax.runtime.fit import batch_like
+    from torsh_jax.runtime.mesh import build_mesh
+
+    mesh = build_mesh(plan, devices, num_slices=num_slices)
+    train = make_train_step(model, build_optimizer(plan.optimizer), plan, mesh, shapes)
+    return train, batch_like(example, train.global_batch_size)
