@@ -50,7 +50,30 @@ def test_the_demo_shape_counts_the_demo_models_parameters_exactly():
     assert shape.head_params == 1024 * 32_000 + 1024  # the head's projection and final norm
 
 
-@pytest.mark.parametrize("text", ["gpt2", "demo:huge", "demo:d_model=64,depth=2"])
+def test_a_description_with_its_own_heads_and_mlp_width_is_that_model_and_its_activations():
+    """``heads`` and ``mlp`` in a description make the demo model of that shape (what verify
+    compiles), and the activation formula counts its MLP's intermediates at that width."""
+    import jax
+
+    from torsh_jax.demo.model import init_params, param_count
+    from torsh_jax.planner.cost import full_layer_bytes_per_token
+
+    narrow = parse_model("demo:d_model=256,layers=2,vocab=512,seq_len=64,heads=8,mlp=688")
+    cfg = narrow.demo_config()
+    assert (cfg.heads, cfg.head_dim, cfg.mlp) == (8, 32, 688)
+    assert narrow.param_count == param_count(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
+    wide = parse_model("demo:d_model=256,layers=2,vocab=512,seq_len=64,heads=8")  # mlp 4 d_model
+    assert wide.mlp == 1024 and wide.heads == 8
+    # the MLP's two intermediates, 2 bytes each per token at 16 bits: 4 bytes per unit of width
+    for t, sp in ((1, False), (2, False), (2, True)):
+        gap = full_layer_bytes_per_token(wide, t, sp) - full_layer_bytes_per_token(narrow, t, sp)
+        assert gap == pytest.approx(4 * (1024 - 688) / t)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["gpt2", "demo:huge", "demo:d_model=64,depth=2", "demo:d_model=64,heads=3", "demo:d_model=64,mlp=0"],
+)
 def test_a_model_it_cannot_read_is_one_error_naming_the_key(text):
     with pytest.raises(PlanError, match="model"):
         parse_model(text)

@@ -38,7 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--model",
         default="demo:150m",
-        help="demo:150m, demo:1b, ... or demo:d_model=N,layers=N[,vocab=N,seq_len=N] [demo:150m]",
+        help="demo:150m, demo:1b, ... or demo:d_model=N,layers=N[,vocab=N,seq_len=N,heads=N,mlp=N]"
+        " [demo:150m]",
     )
     parser.add_argument(
         "--global-batch",

@@ -368,13 +368,23 @@ def _stash_rows(c: Candidate, chunk: int) -> int:
 
 
 def full_layer_bytes_per_token(shape: ModelShape, tensor: int = 1, sequence_parallel: bool = False) -> float:
-    """Korthikanti et al.'s activation bytes of one layer per token, at 16 bits."""
+    """Korthikanti et al.'s activation bytes of one layer per token, at 16 bits, at the shape's MLP
+    width: ``10 d`` whole over ``tensor`` (the norms' inputs, the blocks' inputs, the dropout
+    masks), ``8 d + 4 mlp`` split (queries, keys, values, the projection's input, the MLP's two
+    intermediates), ``5 heads · seq_len`` of attention scores split; with the paper's ``mlp = 4 d``,
+    ``34 d + 5 a s`` and ``(10 + 24 / t) d + 5 a s / t``. Sequence parallelism splits all of it.
+
+    Example:
+        >>> from torsh_jax.planner.shape import ModelShape
+        >>> shape = ModelShape(0, 0, 1, 0, d_model=1024, seq_len=1024, vocab=8, heads=16, mlp=4096)
+        >>> full_layer_bytes_per_token(shape) == 34 * 1024 + 5 * 16 * 1024
+        True
+    """
     d, heads, s, t = shape.d_model, shape.heads, shape.seq_len, tensor
-    if t == 1:
-        return 34 * d + 5 * heads * s
+    whole, split = 10 * d, 8 * d + 4 * shape.mlp + 5 * heads * s
     if sequence_parallel:
-        return (34 * d + 5 * heads * s) / t
-    return (10 + 24 / t) * d + 5 * heads * s / t
+        return (whole + split) / t
+    return whole + split / t
 
 
 def _logit_bytes_per_token(shape: ModelShape, tensor: int = 1) -> float:

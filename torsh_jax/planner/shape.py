@@ -95,8 +95,8 @@ class ModelShape:
     def demo_config(self, *, layers: int | None = None):
         """The demo model's :class:`~torsh_jax.demo.model.LMConfig` of this shape (``layers``: another
         depth, for probes)."""
-        return demo_config("custom", d_model=self.d_model, layers=layers or self.layers, vocab=self.vocab,
-                           seq_len=self.seq_len)  # fmt: skip
+        widths = {"vocab": self.vocab, "seq_len": self.seq_len, "heads": self.heads, "mlp": self.mlp}
+        return demo_config("custom", d_model=self.d_model, layers=layers or self.layers, **widths)
 
     @classmethod
     def from_params(
@@ -133,7 +133,12 @@ class ModelShape:
 
 def demo_config(size: str, **overrides: int):
     """The demo model's :class:`~torsh_jax.demo.model.LMConfig` at a named size (``150m``, ``1b``)
-    or ``custom`` with ``d_model`` and ``layers`` given; heads of 64, MLP 4 × d_model."""
+    or ``custom`` with ``d_model`` and ``layers`` given; unless ``heads`` and ``mlp`` are given,
+    heads of 64 and an MLP 4 × d_model wide.
+
+    Raises:
+        PlanError: an unknown size, or heads that do not divide d_model.
+    """
     from torsh_jax.demo.model import LMConfig
 
     if size not in DEMO_SIZES and size != "custom":
@@ -144,15 +149,30 @@ def demo_config(size: str, **overrides: int):
         )
     d_model, layers = DEMO_SIZES.get(size, (overrides.get("d_model", 1024), overrides.get("layers", 8)))
     d_model, layers = overrides.pop("d_model", d_model), overrides.pop("layers", layers)
-    heads = max(1, d_model // 64)
+    heads = overrides.pop("heads", max(1, d_model // 64))
+    mlp = overrides.pop("mlp", 4 * d_model)
+    if heads < 1 or d_model % heads:
+        raise PlanError(
+            f"{heads} heads do not divide d_model={d_model}",
+            key="model",
+            fix=f"give heads that divide {d_model} (e.g. {max(1, d_model // 64)}, heads of 64)",
+        )
     fields = {"vocab": DEMO_VOCAB, "seq_len": DEMO_SEQ_LEN, **overrides}
-    return LMConfig(
-        d_model=d_model, heads=heads, head_dim=d_model // heads, mlp=4 * d_model, layers=layers, **fields
-    )
+    return LMConfig(d_model=d_model, heads=heads, head_dim=d_model // heads, mlp=mlp, layers=layers, **fields)
+
+
+#: Fields a model description may give (``demo:d_model=4096,layers=32,mlp=11008``).
+DESCRIPTION_FIELDS = ("d_model", "layers", "vocab", "seq_len", "heads", "mlp")
 
 
 def parse_model(text: str, /) -> ModelShape:
-    """``demo:1b``, ``demo:150m`` or ``demo:d_model=2048,layers=16[,vocab=..,seq_len=..]``.
+    """``demo:1b``, ``demo:150m`` or ``demo:d_model=2048,layers=16[,vocab=..,seq_len=..,heads=..,mlp=..]``:
+    the demo model at that shape.
+
+    Example:
+        >>> shape = parse_model("demo:d_model=512,layers=2,heads=4,mlp=1376")
+        >>> shape.heads, shape.mlp, shape.layer_params == 4 * 512 * 512 + 2 * 512 * 1376 + 2 * 512
+        (4, 1376, True)
 
     Raises:
         PlanError: another form, or an unknown size or field.
@@ -170,11 +190,11 @@ def parse_model(text: str, /) -> ModelShape:
     fields = {}
     for item in spec.split(","):
         key, _, value = item.partition("=")
-        if key not in ("d_model", "layers", "vocab", "seq_len") or not value.isdigit():
+        if key not in DESCRIPTION_FIELDS or not value.isdigit() or int(value) < 1:
             raise PlanError(
                 f"cannot read {item!r} in {text!r}",
                 key="model",
-                fix="fields are d_model, layers, vocab, seq_len with whole numbers",
+                fix=f"fields are {', '.join(DESCRIPTION_FIELDS)} with whole numbers above 0",
             )
         fields[key] = int(value)
     return replace(ModelShape.demo("custom", **fields), name=text.strip())
