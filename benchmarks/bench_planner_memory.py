@@ -8,18 +8,27 @@ compiled step, through :func:`torsh_jax.planner.rank.verify` (what ``plan --veri
 machine's memory fields come from :func:`torsh_jax.planner.calibrate.compiled_memory` (compiled,
 nothing timed), so the run needs no quiet machine.
 
+``--tpu SET`` compiles a set of plans for a TPU target instead (:data:`TPU_SETS`: the demo model at
+150 M on v5e-16, 350 M on v5e-32, 1 B and 7 B on v5e-256; needs ``libtpu``, ``pip install
+"torsh-jax[tpu-aot]"``; about half a minute a plan on 2 cores): the TPU compiler's peak against
+the prediction from the target's figures (:mod:`torsh_jax.planner.tpu_memory`), what ``plan
+--target`` ranks by before it compiles. A plan the compiler refuses for memory is printed with no
+``compiled`` peak and left out of the summaries.
+
 Prints one ``planner_memory`` row per candidate (``plan``, ``kind``, ``predicted``, ``compiled``,
 ``error``) and one ``planner_memory_summary`` row per kind of plan and overall: ``plans``,
 ``within_5pct``, ``max_abs_error``, ``mean_abs_error``.
 
 Usage:
     python benchmarks/bench_planner_memory.py [--model small|medium] [--match TEXT] [--every N] [--quick]
+    python benchmarks/bench_planner_memory.py --tpu 150m|350m|1b|7b [--match TEXT]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 
 import common
@@ -28,6 +37,32 @@ from bench_planner import MODELS as TIMED_MODELS
 
 #: The models of bench_planner.py, its quick one too.
 MODELS = {**TIMED_MODELS, **QUICK_MODELS}
+#: Plans compiled for a TPU target (``--tpu``): model, target, global batch, candidate labels.
+TPU_SETS = {
+    "150m": ("demo:150m", "v5e-16", 128, (
+        "ddp data=16 acc=4", "zero1 fsdp=16 acc=2", "zero1 fsdp=16 acc=4", "zero2 fsdp=16 acc=2",
+        "zero2 fsdp=16 acc=4", "zero1 fsdp=16 remat acc=1", "zero1 fsdp=16 remat acc=2",
+        "zero1 fsdp=16 remat acc=4", "zero2 fsdp=16 remat acc=2", "ddp data=16 remat acc=1",
+        "zero3 fsdp=16 acc=1", "zero3 fsdp=16 acc=2", "zero3 fsdp=16 acc=4", "zero1 fsdp=8 tensor=2 acc=2",
+        "zero2 fsdp=8 tensor=2 acc=4", "zero3 fsdp=8 tensor=2 acc=2",
+    )),
+    "350m": ("demo:350m", "v5e-32", 128, (
+        "zero1 fsdp=32 acc=2", "zero2 fsdp=32 acc=2", "zero3 fsdp=32 acc=1", "zero3 fsdp=32 acc=2",
+        "zero1 fsdp=32 remat acc=1", "zero1 fsdp=16 tensor=2 acc=2", "zero2 fsdp=16 tensor=2 acc=2",
+        "ddp data=32 acc=4",
+    )),
+    "1b": ("demo:1b", "v5e-256", 512, (
+        "zero1 data=4 fsdp=32 tensor=2 acc=2", "zero1 data=4 fsdp=32 tensor=2 acc=4",
+        "zero1 data=4 fsdp=32 tensor=2 sp acc=4", "zero1 fsdp=128 tensor=2 acc=4",
+        "zero2 data=4 fsdp=32 tensor=2 acc=4", "zero2 fsdp=256 acc=2", "zero2 data=2 fsdp=128 acc=2",
+        "zero2 fsdp=128 tensor=2 sp acc=2", "zero1 data=4 fsdp=32 tensor=2 remat acc=1",
+        "zero1 data=4 fsdp=64 remat acc=1", "ddp data=128 tensor=2 remat acc=1", "zero3 fsdp=256 acc=1",
+        "zero3 fsdp=256 acc=2", "zero3 data=2 fsdp=128 acc=1", "zero3 fsdp=128 tensor=2 acc=1",
+    )),
+    "7b": ("demo:7b", "v5e-256", 512, (
+        "zero3 fsdp=256 acc=1", "zero3 fsdp=128 tensor=2 acc=1", "zero1 fsdp=128 tensor=2 acc=4",
+    )),
+}  # fmt: skip
 
 
 def parse_args() -> argparse.Namespace:
@@ -36,6 +71,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--match", default="", help="only candidates whose label holds this text")
     parser.add_argument("--every", type=int, default=1, help="every N-th candidate (a sample)")
     parser.add_argument("--quick", action="store_true", help="the tiny model, every 40th candidate")
+    parser.add_argument(
+        "--tpu", choices=sorted(TPU_SETS), help="compile this set of plans for its TPU target"
+    )
     return parser.parse_args()
 
 
@@ -66,8 +104,48 @@ def summary(rows: list[dict], kind: str) -> dict:
     }
 
 
+def tpu_rows(name: str, match: str) -> list[dict]:
+    """Each plan of ``TPU_SETS[name]`` compiled for its target against its prediction."""
+    from torsh_jax.planner.cost import optimizer_state_factor, predict
+    from torsh_jax.planner.machine import Machine
+    from torsh_jax.planner.rank import verify
+    from torsh_jax.planner.shape import parse_model
+    from torsh_jax.planner.space import candidates
+    from torsh_jax.targets import parse_target, target_devices
+
+    model, target_name, global_batch, labels = TPU_SETS[name]
+    shape, machine, target = parse_model(model), Machine.from_target(target_name), parse_target(target_name)
+    by_label = {c.label: c for c in candidates(shape, devices=machine.devices, global_batch=global_batch)}
+    devices, rows = target_devices(target), []
+    for label in (label for label in labels if match in label):
+        candidate = by_label[label]
+        predicted = predict(candidate, shape, machine, opt_factor=optimizer_state_factor(candidate.plan))
+        compiled = verify(predicted, shape, devices, target=target)
+        row = {
+            "name": "planner_memory",
+            "model": model,
+            "target": target_name,
+            "plan": label,
+            "kind": kind_of(candidate),
+            "predicted": predicted.memory["total"],
+            "compiled": compiled["peak"],
+            "error": compiled["memory_error"],
+        }
+        common.emit(row)
+        if compiled["peak"] is not None:  # refused for memory: no peak to compare
+            rows.append(row)
+    return rows
+
+
 def main() -> int:
     args = parse_args()
+    if args.tpu:  # torsh_jax.targets sets libtpu's environment; the host's devices stay CPUs
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        rows = tpu_rows(args.tpu, args.match)
+        for kind in sorted({r["kind"] for r in rows}):
+            common.emit(summary([r for r in rows if r["kind"] == kind], kind))
+        common.emit(summary(rows, "all"))
+        return 0
     common.setup_devices(8)
     import jax
 

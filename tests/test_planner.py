@@ -251,6 +251,45 @@ def test_the_planners_flops_are_the_compiled_gradients_cost_analysis(d_model):
     assert 1.0 <= compiled.cost_analysis()["flops"] / counted <= 1.02
 
 
+def test_a_tpu_targets_plans_without_a_pipeline_are_costed_as_the_tpu_compiler_holds_them():
+    """On a TPU target the plans without a pipeline take the TPU compiler's buffers: the logits
+    once, no stored gradients, the parameter-sized buffers its steps hold; a pipeline and a CPU
+    machine keep the formulas; the learned activation scale still scales the activations."""
+    from dataclasses import replace
+
+    from torsh_jax.planner.tpu_memory import PARAMETER_BUFFERS, tpu_step_memory
+
+    shape, tpu = ModelShape.demo("150m"), Machine.from_target("v5e-16")
+    by_label = {c.label: c for c in candidates(shape, devices=16, global_batch=128)}
+    zero1, zero2 = by_label["zero1 fsdp=16 acc=4"], by_label["zero2 fsdp=16 acc=4"]
+    parts = tpu_step_memory(zero1, shape, opt_factor=2.0)
+    memory = predict(zero1, shape, tpu).memory
+    assert memory == {**parts, "feedback": 0, "total": sum(parts.values())}
+    assert parts["logits"] == 4 * shape.vocab * zero1.plan.batch.micro_batch_size * shape.seq_len
+    local = shape.param_count * 4
+    assert parts["state"] == pytest.approx(local * (1 + 2 / 16))  # the parameters, Adam's shard
+    ratio = predict(zero2, shape, tpu).memory["gradients"] / memory["gradients"]
+    assert ratio == pytest.approx(PARAMETER_BUFFERS["per_micro_step", False, True] / 4.12)
+    on_cpu = replace(tpu, platform="cpu")
+    assert predict(zero1, shape, on_cpu).memory["logits"] == 2 * parts["logits"]  # and their gradient
+    [pipeline] = [c for c in by_label.values() if c.sizes["stage"] > 1][:1]
+    assert predict(pipeline, shape, tpu).memory == predict(pipeline, shape, on_cpu).memory
+    learned = predict(zero1, shape, replace(tpu, activation_scale=1.5)).memory
+    assert learned["activations"] == pytest.approx(1.5 * memory["activations"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_tpu_targets_pick_is_predicted_within_5_percent_of_its_compiled_peak(capsys):
+    """A model size the TPU figures were not read from (350 M; read from 150 M and 1 B): plan's
+    pick on v5e-32, compiled by libtpu."""
+    if missing_compiler("v5e-32") is not None:
+        pytest.skip(missing_compiler("v5e-32"))
+    args = ["plan", "--model", "demo:350m", "--target", "v5e-32", "--global-batch", "128", "--verify", "1"]
+    assert main([*args, "--json", "--top", "1"]) == 0
+    [best] = json.loads(capsys.readouterr().out)["plans"]
+    assert best["compiled"]["fits"] and abs(best["compiled"]["memory_error"]) <= 0.05, best["compiled"]
+
+
 def test_a_plan_the_compiler_refused_stays_in_the_ranking_with_its_figures():
     """A refusal teaches a larger activation scale, after which the refused plan's family keeps
     more accumulation steps; the plan compiled is still listed, with what the compiler said."""

@@ -26,6 +26,8 @@ its layers' bytes per token at the formula's share, :func:`_tensor_share`, the r
 logits), else the chunk's layers by the formula. Where each layer is recomputed without a pipeline,
 the model's gradient recomputing every layer as the machine compiled it
 (:attr:`Machine.remat_gradient_bytes`, likewise over ``tensor``: :func:`_compiled_remat_bytes`).
+A TPU target's plan without a pipeline is costed as the TPU compiler holds its buffers instead
+(:mod:`~torsh_jax.planner.tpu_memory`: read from libtpu's buffer reports).
 
 **Step time** = the machine's per-step overhead + compute + pipeline bubble + exposed communication:
 
@@ -94,6 +96,7 @@ from torsh_jax.planner.buffers import compressed_buffers, tensor_replicated_elem
 from torsh_jax.planner.machine import Machine, nearest_in_ratio
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Candidate
+from torsh_jax.planner.tpu_memory import tpu_step_memory
 
 __all__ = ["Prediction", "predict", "OVERLAP", "optimizer_state_factor", "scheduled_step"]
 
@@ -229,6 +232,11 @@ def _local_params(c: Candidate, shape: ModelShape) -> tuple[int, int]:
 
 
 def _memory(c: Candidate, shape: ModelShape, opt_factor: float, machine: Machine) -> dict[str, int]:
+    if _as_tpu_compiles(c, shape, machine):
+        scale = machine.activation_scale
+        parts = tpu_step_memory(c, shape, opt_factor=opt_factor, activation_scale=scale)
+        parts["feedback"] = _feedback_bytes(c, _local_param_bytes(c, shape))
+        return {**parts, "total": sum(parts.values())}
     plan = c.plan
     layers, shared = _local_params(c, shape)
     count = layers + shared
@@ -263,6 +271,17 @@ def _memory(c: Candidate, shape: ModelShape, opt_factor: float, machine: Machine
         "feedback": _feedback_bytes(c, count * pb),
     }
     return {**parts, "total": sum(parts.values())}
+
+
+def _as_tpu_compiles(c: Candidate, shape: ModelShape, machine: Machine) -> bool:
+    """A TPU's plan without a pipeline, with no compiled gradients of the model: the TPU compiler's
+    buffers (:mod:`~torsh_jax.planner.tpu_memory`). A pipeline's stage keeps the formulas."""
+    return machine.platform == "tpu" and c.sizes["stage"] == 1 and not _of_compiled_model(c, shape, machine)
+
+
+def _local_param_bytes(c: Candidate, shape: ModelShape) -> int:
+    layers, shared = _local_params(c, shape)
+    return (layers + shared) * DTYPE_BYTES[c.plan.precision.param_dtype]
 
 
 def _interleaved_copies(c: Candidate, layers: int, pb: int, cb: int) -> tuple[int, int]:
