@@ -11,7 +11,7 @@ nothing timed), so the run needs no quiet machine.
 ``--tpu SET`` compiles a set of plans for a TPU target instead (:data:`TPU_SETS`: the demo model at
 150 M on v5e-16, 350 M on v5e-32, 1 B and 7 B on v5e-256; needs ``libtpu``, ``pip install
 "torsh-jax[tpu-aot]"``; about half a minute a plan on 2 cores): the TPU compiler's peak against
-the prediction from the target's figures (:mod:`torsh_jax.planner.tpu_memory`), what ``plan
+the prediction from the target's figures (:mod:`torsh_jax.planner.compilers`), what ``plan
 --target`` ranks by before it compiles. A plan the compiler refuses for memory is printed with no
 ``compiled`` peak and left out of the summaries.
 

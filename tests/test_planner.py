@@ -257,19 +257,20 @@ def test_a_tpu_targets_plans_without_a_pipeline_are_costed_as_the_tpu_compiler_h
     machine keep the formulas; the learned activation scale still scales the activations."""
     from dataclasses import replace
 
-    from torsh_jax.planner.tpu_memory import PARAMETER_BUFFERS, tpu_step_memory
+    from torsh_jax.planner.compilers import TPU, step_memory
 
     shape, tpu = ModelShape.demo("150m"), Machine.from_target("v5e-16")
     by_label = {c.label: c for c in candidates(shape, devices=16, global_batch=128)}
     zero1, zero2 = by_label["zero1 fsdp=16 acc=4"], by_label["zero2 fsdp=16 acc=4"]
-    parts = tpu_step_memory(zero1, shape, opt_factor=2.0)
+    parts = step_memory(zero1, shape, TPU, opt_factor=2.0)
     memory = predict(zero1, shape, tpu).memory
     assert memory == {**parts, "feedback": 0, "total": sum(parts.values())}
     assert parts["logits"] == 4 * shape.vocab * zero1.plan.batch.micro_batch_size * shape.seq_len
     local = shape.param_count * 4
     assert parts["state"] == pytest.approx(local * (1 + 2 / 16))  # the parameters, Adam's shard
     ratio = predict(zero2, shape, tpu).memory["gradients"] / memory["gradients"]
-    assert ratio == pytest.approx(PARAMETER_BUFFERS["per_micro_step", False, True] / 4.12)
+    buffers = TPU.parameter_buffers
+    assert ratio == pytest.approx(buffers["per_micro_step", False, True] / buffers["per_step", False, True])
     on_cpu = replace(tpu, platform="cpu")
     assert predict(zero1, shape, on_cpu).memory["logits"] == 2 * parts["logits"]  # and their gradient
     [pipeline] = [c for c in by_label.values() if c.sizes["stage"] > 1][:1]

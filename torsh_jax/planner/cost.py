@@ -26,8 +26,9 @@ its layers' bytes per token at the formula's share, :func:`_tensor_share`, the r
 logits), else the chunk's layers by the formula. Where each layer is recomputed without a pipeline,
 the model's gradient recomputing every layer as the machine compiled it
 (:attr:`Machine.remat_gradient_bytes`, likewise over ``tensor``: :func:`_compiled_remat_bytes`).
-A TPU target's plan without a pipeline is costed as the TPU compiler holds its buffers instead
-(:mod:`~torsh_jax.planner.tpu_memory`: read from libtpu's buffer reports).
+An accelerator target's plan without a pipeline is costed as its compiler holds the buffers instead
+where that compiler has a profile (:mod:`~torsh_jax.planner.compilers`: the TPU's, read from its
+buffer reports).
 
 **Step time** = the machine's per-step overhead + compute + pipeline bubble + exposed communication:
 
@@ -93,10 +94,10 @@ from torsh_jax.plan.compressors import METHODS
 from torsh_jax.plan.factor import link_kind
 from torsh_jax.plan.roles import compose
 from torsh_jax.planner.buffers import compressed_buffers, tensor_replicated_elements
+from torsh_jax.planner.compilers import PROFILES, step_memory
 from torsh_jax.planner.machine import Machine, nearest_in_ratio
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Candidate
-from torsh_jax.planner.tpu_memory import tpu_step_memory
 
 __all__ = ["Prediction", "predict", "OVERLAP", "optimizer_state_factor", "scheduled_step"]
 
@@ -232,9 +233,8 @@ def _local_params(c: Candidate, shape: ModelShape) -> tuple[int, int]:
 
 
 def _memory(c: Candidate, shape: ModelShape, opt_factor: float, machine: Machine) -> dict[str, int]:
-    if _as_tpu_compiles(c, shape, machine):
-        scale = machine.activation_scale
-        parts = tpu_step_memory(c, shape, opt_factor=opt_factor, activation_scale=scale)
+    parts = _as_compiled(c, shape, opt_factor, machine)
+    if parts is not None:
         parts["feedback"] = _feedback_bytes(c, _local_param_bytes(c, shape))
         return {**parts, "total": sum(parts.values())}
     plan = c.plan
@@ -273,10 +273,14 @@ def _memory(c: Candidate, shape: ModelShape, opt_factor: float, machine: Machine
     return {**parts, "total": sum(parts.values())}
 
 
-def _as_tpu_compiles(c: Candidate, shape: ModelShape, machine: Machine) -> bool:
-    """A TPU's plan without a pipeline, with no compiled gradients of the model: the TPU compiler's
-    buffers (:mod:`~torsh_jax.planner.tpu_memory`). A pipeline's stage keeps the formulas."""
-    return machine.platform == "tpu" and c.sizes["stage"] == 1 and not _of_compiled_model(c, shape, machine)
+def _as_compiled(c: Candidate, shape: ModelShape, opt_factor: float, machine: Machine) -> dict | None:
+    """The parts of the peak as the machine's accelerator compiler holds them
+    (:func:`~torsh_jax.planner.compilers.step_memory`), where it has a profile with figures for the
+    plan and the machine has no compiled gradients of the model; else ``None``: the formulas."""
+    profile = PROFILES.get(machine.platform)
+    if profile is None or _of_compiled_model(c, shape, machine):
+        return None
+    return step_memory(c, shape, profile, opt_factor=opt_factor, activation_scale=machine.activation_scale)
 
 
 def _local_param_bytes(c: Candidate, shape: ModelShape) -> int:

@@ -1,0 +1,178 @@
+"""Per-device memory of a step as an accelerator's compiler holds it, for plans without a pipeline.
+
+The rest of the cost model (:mod:`torsh_jax.planner.cost`) is measured on XLA:CPU's programs. The
+TPU compiler keeps other buffers. Read from its buffer reports (``--xla_dump_to``:
+``*-memory-usage-report.txt``) of the demo transformer's steps in float32, a step holds:
+
+* its **arguments**: the parameters (ZeRO-3: a ``1/fsdp`` shard) and the optimizer state (ZeRO-1
+  and up: a shard); no stored gradients;
+* **residuals** per layer and token, stacked over the layers (:attr:`CompilerProfile.attention`,
+  ``mlp`` and the ``d`` terms: bytes per unit of ``heads · seq_len / t``, ``mlp / t`` and
+  ``d_model``). XLA:TPU keeps the attention probabilities in float32 and the bfloat16 copy its
+  matrix unit reads (``6 a s / t``), five float32 MLP intermediates and a bfloat16 one
+  (``22 m / t``) and ``30 d``;
+* where each layer is recomputed (remat, ZeRO-3 gathering on use), each layer's float32 input
+  instead (``4 d``, split by sequence parallelism) and one recomputed layer's working set
+  (:attr:`CompilerProfile.recompute`);
+* the **logits** once, in float32 (``4 V / t`` per token): the CPU programs keep their gradient
+  beside them;
+* float32 buffers the size of the device's parameters, ``P``, as many as
+  :attr:`CompilerProfile.parameter_buffers` says for how the step makes its gradient (the
+  micro-step's gradient, the step's sum, the reduction's buffers; on a TPU the weights' bfloat16
+  copies too);
+* gathering each layer on use (ZeRO-3), the head's float32 weights.
+
+A pipeline keeps the formulas. Activations scale with the compute dtype from float32 and with the
+machine's ``activation_scale`` (which ``plan --verify`` learns from a refusal). How close the
+profile comes to the compiled peaks: :data:`TPU`, ``benchmarks/bench_planner_memory.py --tpu SET``.
+A GPU profile read the same way from XLA:GPU's H100 programs was not kept: on the two model sizes
+it was not read from, 4 of 7 plans came within 5 %, against 6 of 7 with the formulas
+(docs/planner.md).
+
+Example:
+    >>> from torsh_jax.planner.shape import ModelShape
+    >>> from torsh_jax.planner.space import candidates
+    >>> shape = ModelShape.demo("150m")
+    >>> [plan] = [c for c in candidates(shape, devices=16, global_batch=128)
+    ...           if c.label == "zero1 fsdp=16 acc=4"]
+    >>> parts = step_memory(plan, shape, TPU, opt_factor=2.0)  # compiled for v5e-16: 6.61 GiB
+    >>> round(sum(parts.values()) / 2**30, 2)
+    6.86
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torsh_jax.analysis.theory import DTYPE_BYTES
+from torsh_jax.plan.roles import compose
+from torsh_jax.planner.shape import ModelShape
+from torsh_jax.planner.space import Candidate
+
+__all__ = ["CompilerProfile", "TPU", "PROFILES", "step_memory", "residual_bytes"]
+
+
+@dataclass(frozen=True)
+class CompilerProfile:
+    """What one compiler's train steps hold (module docstring), in float32 bytes per token.
+
+    Attributes:
+        name: the compiler and version the figures were read from.
+        attention: residual bytes per layer and unit of ``heads · seq_len / tensor``.
+        mlp: per unit of ``mlp / tensor``.
+        d_alone: per unit of ``d_model`` without ``tensor``.
+        d_split: ``(whole, split)``: with ``tensor = t``, ``whole · d + split · d / t``.
+        d_sequence_parallel: the same with sequence parallelism.
+        recompute: ``(attention, mlp, d)`` of one recomputed layer's working set.
+        parameter_buffers: float32 buffers of the device's parameters' size beside the state, by
+            ``(reduce, recomputed, accumulating)``: ``reduce`` ``per_step`` (DDP, ZeRO-1: the whole
+            gradient reduced once) or ``per_micro_step`` (ZeRO-2: each micro-step's
+            reduce-scattered).
+    """
+
+    name: str
+    attention: float
+    mlp: float
+    d_alone: float
+    d_split: tuple[float, float]
+    d_sequence_parallel: tuple[float, float]
+    recompute: tuple[float, float, float]
+    parameter_buffers: dict[tuple[str, bool, bool], float] = field(default_factory=dict)
+
+
+#: libtpu 0.0.42.1: the demo model at 150 M on v5e-16 and 1 B on v5e-256 (read from), 350 M on
+#: v5e-32 and 7 B on v5e-256 (not): 33 of 46 compiled plans within 5 % (11 with the CPU
+#: formulas), the mean absolute error 5 % (26 %); DDP and ZeRO-1 14 of 14, ZeRO-2 8 of 10,
+#: recomputing 7 of 10, ZeRO-3 4 of 12 (up to 29 % under from 350 M up). Parameter buffers, the
+#: median over the compiled plans of each kind with the range: DDP and ZeRO-1 accumulating 4.12
+#: (3.73-4.24, 9 plans); recomputing 1.69 (1.12-1.84, 5), accumulating 2.69 (2.66-2.71, 2); ZeRO-2
+#: accumulating 2.57 (2.31-4.09, 7: 2.31-2.57 on the 1 B model, 2.97-4.09 on the 150 M),
+#: recomputing 1.68 (1); not accumulating without remat one fewer than accumulating, the step's sum
+#: (then compiled: DDP and ZeRO-1 at 150 M, 2.64 and 2.81; ZeRO-2 2.81).
+TPU = CompilerProfile(
+    name="libtpu 0.0.42.1",
+    attention=6,
+    mlp=22,
+    d_alone=30,
+    d_split=(28, 8),
+    d_sequence_parallel=(0, 30),
+    recompute=(12, 6, 18),
+    parameter_buffers={
+        ("per_step", False, True): 4.12,
+        ("per_step", False, False): 3.12,
+        ("per_step", True, False): 1.69,
+        ("per_step", True, True): 2.69,
+        ("per_micro_step", False, True): 2.57,
+        ("per_micro_step", False, False): 2.57,
+        ("per_micro_step", True, False): 1.68,
+        ("per_micro_step", True, True): 1.68,
+    },
+)
+
+#: Profiles by :attr:`~torsh_jax.planner.machine.Machine.platform`.
+PROFILES = {"tpu": TPU}
+
+
+def residual_bytes(
+    profile: CompilerProfile, shape: ModelShape, tensor: int = 1, sequence_parallel: bool = False
+) -> float:
+    """Float32 bytes per token one layer keeps for its backward pass under ``profile``.
+
+    Example:
+        >>> shape = ModelShape(0, 0, 1, 0, d_model=1024, seq_len=1024, vocab=8, heads=16, mlp=4096)
+        >>> residual_bytes(TPU, shape) == 6 * 16 * 1024 + 22 * 4096 + 30 * 1024
+        True
+    """
+    d, t = shape.d_model, tensor
+    if t == 1:
+        per_d = profile.d_alone
+    else:
+        whole, split = profile.d_sequence_parallel if sequence_parallel else profile.d_split
+        per_d = whole + split / t
+    return profile.attention * shape.heads * shape.seq_len / t + profile.mlp * shape.mlp / t + per_d * d
+
+
+def step_memory(
+    c: Candidate,
+    shape: ModelShape,
+    profile: CompilerProfile,
+    *,
+    opt_factor: float,
+    activation_scale: float = 1.0,
+) -> dict[str, int] | None:
+    """The parts of a device's peak (``state``, ``gradients``, ``gathered``, ``activations``,
+    ``logits``; not the caller's ``feedback`` and ``total``) for candidate ``c`` under
+    ``profile``; ``None`` for a pipeline (the formulas)."""
+    if c.sizes["stage"] > 1:
+        return None
+    plan, t, fsdp = c.plan, c.sizes["tensor"], c.sizes["fsdp"]
+    roles = compose(plan, c.sizes)
+    on_use = roles.gather == "on_use"  # ZeRO-3: every layer recomputed
+    reduce = "per_step" if roles.reduce == "per_step" else "per_micro_step"
+    count = (shape.layers * shape.layer_params + shape.embed_params + shape.head_params) / t
+    pb, cb = DTYPE_BYTES[plan.precision.param_dtype], DTYPE_BYTES[plan.precision.compute_dtype]
+    per_token = _activation_bytes_per_token(c, shape, profile, recomputed=c.remat or on_use)
+    tokens, accumulating = plan.batch.micro_batch_size * shape.seq_len, plan.batch.accumulation_steps > 1
+    parts = {
+        "state": count * pb / (fsdp if plan.zero.stage == 3 else 1)
+        + count * opt_factor * 4 / (fsdp if plan.zero.stage >= 1 else 1),
+        "gradients": 0.0 if on_use else profile.parameter_buffers[reduce, c.remat, accumulating] * count * 4,
+        "gathered": shape.head_params / t * 4 if on_use else 0.0,
+        "activations": per_token * cb / 4 * activation_scale * tokens,  # read in float32
+        "logits": 4 * shape.vocab / t * tokens,
+    }
+    return {k: int(v) for k, v in parts.items()}
+
+
+def _activation_bytes_per_token(
+    c: Candidate, shape: ModelShape, profile: CompilerProfile, *, recomputed: bool
+) -> float:
+    """Float32 bytes per token of every layer's residuals, or, recomputed, of every layer's input
+    and one layer's working set."""
+    t = c.sizes["tensor"]
+    sp = t > 1 and c.plan.tensor.sequence_parallel
+    if not recomputed:
+        return shape.layers * residual_bytes(profile, shape, t, sp)
+    attention, mlp, d = profile.recompute
+    working = attention * shape.heads * shape.seq_len / t + mlp * shape.mlp / t + d * shape.d_model
+    return shape.layers * 4 * shape.d_model / (t if sp else 1) + working
