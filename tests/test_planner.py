@@ -262,7 +262,7 @@ def test_a_tpu_targets_plans_without_a_pipeline_are_costed_as_the_tpu_compiler_h
     shape, tpu = ModelShape.demo("150m"), Machine.from_target("v5e-16")
     by_label = {c.label: c for c in candidates(shape, devices=16, global_batch=128)}
     zero1, zero2 = by_label["zero1 fsdp=16 acc=4"], by_label["zero2 fsdp=16 acc=4"]
-    parts = step_memory(zero1, shape, TPU, opt_factor=2.0)
+    parts = step_memory(zero1, shape, TPU, local_params=shape.param_count, opt_factor=2.0)
     memory = predict(zero1, shape, tpu).memory
     assert memory == {**parts, "feedback": 0, "total": sum(parts.values())}
     assert parts["logits"] == 4 * shape.vocab * zero1.plan.batch.micro_batch_size * shape.seq_len

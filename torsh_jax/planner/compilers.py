@@ -35,8 +35,8 @@ Example:
     >>> shape = ModelShape.demo("150m")
     >>> [plan] = [c for c in candidates(shape, devices=16, global_batch=128)
     ...           if c.label == "zero1 fsdp=16 acc=4"]
-    >>> parts = step_memory(plan, shape, TPU, opt_factor=2.0)  # compiled for v5e-16: 6.61 GiB
-    >>> round(sum(parts.values()) / 2**30, 2)
+    >>> parts = step_memory(plan, shape, TPU, local_params=shape.param_count, opt_factor=2.0)
+    >>> round(sum(parts.values()) / 2**30, 2)  # compiled for v5e-16: 6.61 GiB
     6.86
 """
 
@@ -137,19 +137,21 @@ def step_memory(
     shape: ModelShape,
     profile: CompilerProfile,
     *,
+    local_params: int,
     opt_factor: float,
     activation_scale: float = 1.0,
 ) -> dict[str, int] | None:
     """The parts of a device's peak (``state``, ``gradients``, ``gathered``, ``activations``,
     ``logits``; not the caller's ``feedback`` and ``total``) for candidate ``c`` under
-    ``profile``; ``None`` for a pipeline (the formulas)."""
+    ``profile``, whose devices each hold ``local_params`` parameters before ZeRO (its ``1/tensor``);
+    ``None`` for a pipeline (the formulas)."""
     if c.sizes["stage"] > 1:
         return None
     plan, t, fsdp = c.plan, c.sizes["tensor"], c.sizes["fsdp"]
     roles = compose(plan, c.sizes)
     on_use = roles.gather == "on_use"  # ZeRO-3: every layer recomputed
     reduce = "per_step" if roles.reduce == "per_step" else "per_micro_step"
-    count = (shape.layers * shape.layer_params + shape.embed_params + shape.head_params) / t
+    count = local_params
     pb, cb = DTYPE_BYTES[plan.precision.param_dtype], DTYPE_BYTES[plan.precision.compute_dtype]
     per_token = _activation_bytes_per_token(c, shape, profile, recomputed=c.remat or on_use)
     tokens, accumulating = plan.batch.micro_batch_size * shape.seq_len, plan.batch.accumulation_steps > 1

@@ -233,14 +233,14 @@ def _local_params(c: Candidate, shape: ModelShape) -> tuple[int, int]:
 
 
 def _memory(c: Candidate, shape: ModelShape, opt_factor: float, machine: Machine) -> dict[str, int]:
-    parts = _as_compiled(c, shape, opt_factor, machine)
-    if parts is not None:
-        parts["feedback"] = _feedback_bytes(c, _local_param_bytes(c, shape))
-        return {**parts, "total": sum(parts.values())}
     plan = c.plan
     layers, shared = _local_params(c, shape)
     count = layers + shared
     pb, cb = DTYPE_BYTES[plan.precision.param_dtype], DTYPE_BYTES[plan.precision.compute_dtype]
+    parts = _as_compiled(c, shape, count, opt_factor, machine)
+    if parts is not None:
+        parts["feedback"] = _feedback_bytes(c, count * pb)
+        return {**parts, "total": sum(parts.values())}
     zero_stage, fsdp = plan.zero.stage, c.sizes["fsdp"]
     state = theoretical_memory_per_device(
         count * pb, int(count * opt_factor * 4), count * pb, zero_stage, fsdp
@@ -273,19 +273,18 @@ def _memory(c: Candidate, shape: ModelShape, opt_factor: float, machine: Machine
     return {**parts, "total": sum(parts.values())}
 
 
-def _as_compiled(c: Candidate, shape: ModelShape, opt_factor: float, machine: Machine) -> dict | None:
+def _as_compiled(
+    c: Candidate, shape: ModelShape, count: int, opt_factor: float, machine: Machine
+) -> dict | None:
     """The parts of the peak as the machine's accelerator compiler holds them
-    (:func:`~torsh_jax.planner.compilers.step_memory`), where it has a profile with figures for the
-    plan and the machine has no compiled gradients of the model; else ``None``: the formulas."""
+    (:func:`~torsh_jax.planner.compilers.step_memory`, of the device's ``count`` parameters), where it
+    has a profile and the machine has no compiled gradients of the model; else ``None``: the
+    formulas."""
     profile = PROFILES.get(machine.platform)
     if profile is None or _of_compiled_model(c, shape, machine):
         return None
-    return step_memory(c, shape, profile, opt_factor=opt_factor, activation_scale=machine.activation_scale)
-
-
-def _local_param_bytes(c: Candidate, shape: ModelShape) -> int:
-    layers, shared = _local_params(c, shape)
-    return (layers + shared) * DTYPE_BYTES[c.plan.precision.param_dtype]
+    scale = machine.activation_scale
+    return step_memory(c, shape, profile, local_params=count, opt_factor=opt_factor, activation_scale=scale)
 
 
 def _interleaved_copies(c: Candidate, layers: int, pb: int, cb: int) -> tuple[int, int]:
