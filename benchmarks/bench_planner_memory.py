@@ -106,9 +106,7 @@ def summary(rows: list[dict], kind: str) -> dict:
 
 def tpu_rows(name: str, match: str) -> list[dict]:
     """Each plan of ``TPU_SETS[name]`` compiled for its target against its prediction."""
-    from torsh_jax.planner.cost import optimizer_state_factor, predict
     from torsh_jax.planner.machine import Machine
-    from torsh_jax.planner.rank import verify
     from torsh_jax.planner.shape import parse_model
     from torsh_jax.planner.space import candidates
     from torsh_jax.targets import parse_target, target_devices
@@ -118,41 +116,54 @@ def tpu_rows(name: str, match: str) -> list[dict]:
     by_label = {c.label: c for c in candidates(shape, devices=machine.devices, global_batch=global_batch)}
     devices, rows = target_devices(target), []
     for label in (label for label in labels if match in label):
-        candidate = by_label[label]
-        predicted = predict(candidate, shape, machine, opt_factor=optimizer_state_factor(candidate.plan))
-        compiled = verify(predicted, shape, devices, target=target)
-        row = {
-            "name": "planner_memory",
-            "model": model,
-            "target": target_name,
-            "plan": label,
-            "kind": kind_of(candidate),
-            "predicted": predicted.memory["total"],
-            "compiled": compiled["peak"],
-            "error": compiled["memory_error"],
-        }
-        common.emit(row)
-        if compiled["peak"] is not None:  # refused for memory: no peak to compare
+        row = compared(
+            by_label[label], shape, machine, devices, model=model, target=target, target_name=target_name
+        )
+        if row["compiled"] is not None:  # refused for memory: no peak to compare
             rows.append(row)
     return rows
+
+
+def compared(candidate, shape, machine, devices, *, model: str, target=None, target_name: str = "") -> dict:
+    """The candidate's predicted memory against its compiled peak (over ``devices``, a
+    ``target``'s with it): one ``planner_memory`` row, printed."""
+    from torsh_jax.planner.cost import optimizer_state_factor, predict
+    from torsh_jax.planner.rank import verify
+
+    predicted = predict(candidate, shape, machine, opt_factor=optimizer_state_factor(candidate.plan))
+    compiled = verify(predicted, shape, devices, target=target)
+    row = {
+        "name": "planner_memory",
+        "model": model,
+        **({"target": target_name} if target_name else {}),
+        "plan": candidate.label,
+        "kind": kind_of(candidate),
+        "predicted": predicted.memory["total"],
+        "compiled": compiled["peak"],
+        "error": compiled["memory_error"],
+    }
+    common.emit(row)
+    return row
+
+
+def emit_summaries(rows: list[dict]) -> None:
+    """One ``planner_memory_summary`` row per kind of plan, and one of them all."""
+    for kind in sorted({r["kind"] for r in rows}):
+        common.emit(summary([r for r in rows if r["kind"] == kind], kind))
+    common.emit(summary(rows, "all"))
 
 
 def main() -> int:
     args = parse_args()
     if args.tpu:  # torsh_jax.targets sets libtpu's environment; the host's devices stay CPUs
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        rows = tpu_rows(args.tpu, args.match)
-        for kind in sorted({r["kind"] for r in rows}):
-            common.emit(summary([r for r in rows if r["kind"] == kind], kind))
-        common.emit(summary(rows, "all"))
+        emit_summaries(tpu_rows(args.tpu, args.match))
         return 0
     common.setup_devices(8)
     import jax
 
     from torsh_jax.planner.calibrate import compiled_memory
-    from torsh_jax.planner.cost import optimizer_state_factor, predict
     from torsh_jax.planner.machine import Link, Machine
-    from torsh_jax.planner.rank import verify
     from torsh_jax.planner.shape import parse_model
     from torsh_jax.planner.space import candidates
 
@@ -161,24 +172,7 @@ def main() -> int:
     machine = Machine("cpu-8", 8, 1, 1e9, 2**34, {"ici": Link(20e-6, 1e9)}, overlaps=False, platform="cpu")
     machine = dataclasses.replace(machine, **compiled_memory(shape, devices[0]))
     found = [c for c in candidates(shape, devices=8, global_batch=GLOBAL_BATCH) if args.match in c.label]
-    rows = []
-    for candidate in found[::every]:
-        predicted = predict(candidate, shape, machine, opt_factor=optimizer_state_factor(candidate.plan))
-        compiled = verify(predicted, shape, devices)
-        row = {
-            "name": "planner_memory",
-            "model": name,
-            "plan": candidate.label,
-            "kind": kind_of(candidate),
-            "predicted": predicted.memory["total"],
-            "compiled": compiled["peak"],
-            "error": compiled["memory_error"],
-        }
-        common.emit(row)
-        rows.append(row)
-    for kind in sorted({r["kind"] for r in rows}):
-        common.emit(summary([r for r in rows if r["kind"] == kind], kind))
-    common.emit(summary(rows, "all"))
+    emit_summaries([compared(candidate, shape, machine, devices, model=name) for candidate in found[::every]])
     return 0
 
 
