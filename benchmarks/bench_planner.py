@@ -84,8 +84,8 @@ def plans_for(shape) -> list:
 
 
 def prepare(candidate, shape, devices, steps: int) -> dict:
-    """The demo model's step under the candidate, its state, ``steps`` batches and its compiled peak
-    bytes; two warm-up steps run."""
+    """The demo model's step under the candidate (each layer recomputed where it has remat), its
+    state, ``steps`` batches and its compiled peak bytes; two warm-up steps run."""
     import jax
 
     from torsh_jax.analysis.memory import memory_report
@@ -93,7 +93,7 @@ def prepare(candidate, shape, devices, steps: int) -> dict:
     from torsh_jax.demo.run import abstract_train_step
 
     cfg = shape.demo_config()
-    train, _ = abstract_train_step(candidate.plan, cfg, devices)
+    train, _ = abstract_train_step(candidate.plan, cfg, devices, remat=candidate.remat)
     state = train.init(init_params(cfg, jax.random.key(0)))
     batches = [synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=i) for i in range(steps)]
     peak = memory_report(train.lower(state, batches[0]).compile()).peak_estimate_bytes

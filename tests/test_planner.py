@@ -364,10 +364,18 @@ def test_plan_cli_prints_the_ranking_and_writes_the_best_plan(tmp_path, capsys):
     assert written.mesh.resolve(8).shape == best["sizes"] and report["output"] == str(out)
 
 
-def test_plan_cli_without_a_machine_is_one_line(capsys):
-    assert main(["plan", "--model", TINY, "--global-batch", "64"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--target" in err[0]
+def test_plan_cli_without_a_machine_or_with_two_is_one_line(tmp_path, capsys):
+    """No machine, ``--devices`` alone, or both ``--target`` and ``--machine``: one line that says
+    which."""
+    path = tmp_path / "machine.json"
+    path.write_text(CPU8.to_json())
+    two = ["--target", "v5e-8", "--machine", str(path)]
+    for given, says in (([], "no machine given"),
+                        (["--devices", "8"], "no machine given (--devices 8 is how many"),
+                        (two, "both name the machine")):  # fmt: skip
+        assert main(["plan", "--model", TINY, "--global-batch", "64", *given]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0] and "Fix:" in err[0], err
 
 
 def _plan_json(capsys, *args) -> dict:

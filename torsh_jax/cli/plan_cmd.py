@@ -184,11 +184,19 @@ def _machine(args: argparse.Namespace):
     from torsh_jax.planner.machine import Machine
     from torsh_jax.targets import parse_target
 
-    if (args.target is None) == (args.machine is None):
+    if args.target is not None and args.machine is not None:
         raise TargetError(
-            "give the machine once",
+            f"--target {args.target} and --machine {args.machine} both name the machine",
+            key="--machine",
+            fix="keep one: --target for published figures, --machine for a calibrated machine file",
+        )
+    if args.target is None and args.machine is None:
+        given = f" (--devices {args.devices} is how many of its devices)" if args.devices else ""
+        raise TargetError(
+            f"no machine given{given}",
             key="--target",
-            fix="pass --target v5e-256 (published figures) or --machine machine.json [--devices N]",
+            fix="pass --target v5e-256 (published figures) or --machine machine.json [--devices N]"
+            " (torsh-jax calibrate -o machine.json measures this one)",
         )
     if args.target is not None and args.devices is not None:
         raise TargetError(

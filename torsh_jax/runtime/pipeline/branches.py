@@ -48,12 +48,18 @@ def _take(tree: PyTree, index: jax.Array) -> PyTree:
 
 
 def _put(tree: PyTree, index: jax.Array, value: PyTree) -> PyTree:
-    return jax.tree.map(lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v.astype(x.dtype), index, 0),
-                        tree, value)  # fmt: skip
+    """``tree`` with ``value`` at ``index`` of the leading axis, written in place. (A slice of one
+    row, not ``dynamic_update_index_in_dim``: where the axis has one row, XLA turns that into a new
+    array, which a branch of a ``lax.switch`` then copies into its output.)"""
+    write = lambda x, row: jax.lax.dynamic_update_slice_in_dim(x, row.astype(x.dtype)[None], index, 0)
+    return jax.tree.map(write, tree, value)
 
 
 def _add_at(tree: PyTree, index: jax.Array, value: PyTree) -> PyTree:
-    return _put(tree, index, jax.tree.map(jnp.add, _take(tree, index), value))
+    """``tree`` with ``value`` added at ``index`` of the leading axis, in place (:func:`_put`; the
+    one-row slice is added to, not a row taken out and put back, which XLA copies again)."""
+    row = lambda x, v: jax.lax.dynamic_slice_in_dim(x, index, 1) + v.astype(x.dtype)[None]
+    return jax.tree.map(lambda x, v: jax.lax.dynamic_update_slice_in_dim(x, row(x, v), index, 0), tree, value)
 
 
 def _add(tree: PyTree, value: PyTree) -> PyTree:

@@ -1,8 +1,10 @@
 """One executor for every schedule table, run per device inside the step's ``shard_map``.
 
 The table is static, so the executor unrolls it tick by tick. At each tick
-every stage runs one branch (``lax.switch`` on its row of the table): the
-forward or backward of one chunk for one micro-batch, or nothing. Then the
+every stage runs one branch, picked by its row of the table: the forward or
+backward of one chunk for one micro-batch, or nothing (one two-way ``lax.switch``
+per branch the tick runs, so that no branch copies the gradients and stashes it
+passes on: :meth:`_Ticks._branch`). Then the
 stages that produced an activation (a gradient) send it to the next (previous)
 stage with one ``ppermute`` whose pairs are exactly the sending stages, so the
 bytes over ``stage`` are the activations and their gradients per micro-batch
@@ -48,6 +50,7 @@ Example (two stages of one layer each, GPipe over two micro-batches):
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -127,7 +130,7 @@ def pipeline_gradients(
         carry = Carry(acts=hidden(plan.activation_slots), cots=hidden(plan.gradient_slots),
                        wstash=hidden(plan.weight_slots, 2, one.per_chunk), grads=grads,
                        loss_sum=jnp.float32(0.0), counts=jnp.zeros(3, jnp.int32))  # fmt: skip
-        ticks = _Ticks(stage, plan, one.branches(), axis, p, types={})
+        ticks = _Ticks(stage, plan, one.branches(), axis, p, types={}, gated=_gated(one.branches()))
         periods = (1, 2, 3) if schedule.splits_backward else (1, 2)  # a steady B, W, F repeats every 3
         for segment in tick_segments(plan, periods=(*periods, 2 * p * schedule.virtual_stages)):
             carry = _segment(carry, segment, ticks.run)
@@ -164,6 +167,21 @@ def _segment(carry, segment: Segment, run_tick: Callable):
     return jax.lax.scan(block, carry, jnp.arange(repeats, dtype=jnp.int32))[0]
 
 
+def _passed(state, ints) -> tuple:
+    """The first way of a branch's ``lax.switch``: this stage runs another branch."""
+    return (state,)
+
+
+def _gated(branches: dict[str, Callable]) -> dict[str, Callable]:
+    """Each branch as the second way of its ``lax.switch`` (:meth:`_Ticks._branch`); made once per
+    pass, so that :func:`typed_switch` finds each traced once."""
+    return {name: partial(_run_on_state, fn) for name, fn in branches.items()}
+
+
+def _run_on_state(branch: Callable, state, ints) -> tuple:
+    return (branch(state[0], ints),)
+
+
 class _Ticks(NamedTuple):
     """What every tick of one pass reads: this stage's index, the slot plan, the branches by name,
     the stage axis and its size, and the branches' varying-axis types by input types
@@ -175,18 +193,15 @@ class _Ticks(NamedTuple):
     axis: str
     stages: int
     types: dict
+    gated: dict  # by name: ``((carry, sent forward, sent backward), ints) -> (that of the branch,)``
 
     def run(self, carry, tick, like):
         """One tick: ``tick`` (an int, or traced inside a scan) stands for the static ticks ``like``,
         which have the same senders; each stage runs its branch, then the senders ``ppermute``."""
         plan, stage, axis, p = self.plan, self.stage, self.axis, self.stages
         like = list(like)
-        present = sorted(set(plan.branch[like].ravel().tolist()))
-        index = np.zeros_like(plan.branch)
-        index[like] = np.searchsorted(present, plan.branch[like])
-        chosen = [self.branches[BRANCHES[b]] for b in present]
         ints = _ints(plan, tick, stage)
-        carry, forward, backward = typed_switch(_at(index, tick, stage), chosen, carry, ints, self.types)
+        carry, forward, backward = self._branch(carry, ints, _at(plan.branch, tick, stage), like)
         sends_forward, sends_backward = plan.sends_forward[like[0]], plan.sends_backward[like[0]]
         if sends_forward.any():
             received = jax.lax.ppermute(forward, axis, _pairs(sends_forward, 1, p))
@@ -197,3 +212,18 @@ class _Ticks(NamedTuple):
             cots = _receive(carry.cots, received, _at(plan.receive_gradient, tick, stage))
             carry = carry._replace(cots=cots)
         return carry
+
+    def _branch(self, carry, ints, branch: jax.Array, like: list[int]):
+        """``(carry, sent forward, sent backward)`` of this stage's branch (``branch``, its index in
+        ``BRANCHES``) at the ticks ``like``: one two-way ``lax.switch`` per branch the ticks run, whose
+        first way passes everything through. A pass-through way after the first makes XLA copy the
+        buffers it passes (the stage's gradients and stashes, every tick); a first one it does not
+        (jax-ml/jax#38145)."""
+        present = [BRANCHES[b] for b in sorted(set(self.plan.branch[like].ravel().tolist()))]
+        state = self.branches["idle"](carry, ints)  # nothing sent
+        for name in (name for name in present if name != "idle"):
+            if present == [name]:  # every stage runs it at these ticks
+                return self.branches[name](carry, ints)
+            runs = (branch == BRANCHES.index(name)).astype(jnp.int32)
+            (state,) = typed_switch(runs, [_passed, self.gated[name]], state, ints, self.types)
+        return state
