@@ -718,6 +718,8 @@ MEMORY_PLANS = (
     "pp tensor=2 stage=4 1f1b m=4 acc=1",  # chunks of one layer split over tensor
     "pp fsdp=4 stage=2 interleaved v=2 m=2 zero1 acc=1",  # two chunks of one layer per stage
     "zero1 fsdp=4 tensor=2 sp remat acc=4",  # the recomputing gradient split over tensor
+    "pp data=2 stage=4 zb_h1 m=4 acc=1",  # ZB-H1: a share of the chunk gradient, W stash
+    "pp fsdp=2 tensor=2 stage=2 zb_h1 m=2 zero1 acc=1",  # ... chunks of two layers over tensor
     "ddp data=8 acc=1",
 )
 
