@@ -66,9 +66,3 @@ def pytest_unconfigure(config) -> None:
     """The session that made the compilation cache removes it."""
     if os.environ.get("TORSH_JAX_TESTS_CACHE_OWNER") == str(os.getpid()):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """Long-running tests (marked ``slow``) first, in their order: with ``-n 2`` the workers share
-    them from the start, so neither is left running one alone after the other has finished."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -724,7 +724,6 @@ MEMORY_PLANS = (
 )
 
 
-@pytest.mark.slow
 def test_predicted_memory_is_the_compiled_peak_within_5_percent():
     """The machine's activation and recomputed-layer scales, its chunk gradients (of the
     pipeline's chunks of one layer) and its gradient with each layer recomputed (ZeRO-3's, remat's)
