@@ -8,6 +8,8 @@ keys and its plan file are what scripts read.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 
@@ -720,38 +722,58 @@ MEMORY_PLANS = (
     "zero1 fsdp=4 tensor=2 sp remat acc=4",  # the recomputing gradient split over tensor
     "pp data=2 stage=4 zb_h1 m=4 acc=1",  # ZB-H1: a share of the chunk gradient, W stash
     "pp fsdp=2 tensor=2 stage=2 zb_h1 m=2 zero1 acc=1",  # ... chunks of two layers over tensor
-    "ddp data=8 acc=1",
 )
 
 
-def test_predicted_memory_is_the_compiled_peak_within_5_percent():
-    """The machine's activation and recomputed-layer scales, its chunk gradients (of the
-    pipeline's chunks of one layer) and its gradient with each layer recomputed (ZeRO-3's, remat's)
-    measured here (``calibrate``'s compiles), each plan's prediction against ``memory_analysis()``
-    of its compiled step."""
-    import dataclasses
+@functools.cache
+def _small_model_machine() -> Machine:
+    """:data:`CPU8` with the memory fields ``calibrate`` compiles for the :data:`SMALL` model here
+    (its activation and recomputed-layer scales, its chunk gradients of 1, 2 and 4 layers and its
+    gradient with each layer recomputed): once per test process."""
+    import jax
 
+    from torsh_jax.planner.calibrate import compiled_memory
+
+    return dataclasses.replace(
+        CPU8, **compiled_memory(parse_model(SMALL), jax.devices()[0], lengths=(1, 2, 4))
+    )
+
+
+def test_calibrate_compiles_each_memory_program_once_all_before_any_is_read():
+    import jax
+
+    from torsh_jax.planner.calibrate import _gradient_temp_bytes, _memory_programs, compiled_memory
+
+    shape = parse_model("demo:d_model=32,layers=2,vocab=64,seq_len=8")
+    _gradient_temp_bytes.cache_clear()
+    compiled_memory(shape, jax.devices()[0], lengths=(1, 2))
+    assert _gradient_temp_bytes.cache_info().misses == len(_memory_programs(shape, (1, 2)))
+
+
+#: ``ddp data=8`` with int8 gradients over ``data``; and ZeRO-2 recomputing each layer.
+INT8_DDP, REMAT_ZERO2 = "ddp data=8 acc=1 +int8", "zero2 fsdp=8 remat acc=1"
+
+
+@pytest.mark.parametrize("label", [*MEMORY_PLANS, INT8_DDP, REMAT_ZERO2])
+def test_predicted_memory_is_the_compiled_peak_within_5_percent(label):
+    """The machine's memory fields measured here (:func:`_small_model_machine`), the plan's predicted
+    peak against ``memory_analysis()`` of its compiled step (``verify`` compiles the model
+    recomputing where the plan has remat)."""
     import jax
 
     from torsh_jax.plan import AxisCompression, CompressorSpec
-    from torsh_jax.planner.calibrate import _gradient_temp_bytes, _memory_programs, compiled_memory
 
     require_devices(8)
-    shape, devices = parse_model(SMALL), jax.devices()[:8]
-    _gradient_temp_bytes.cache_clear()
-    machine = dataclasses.replace(CPU8, **compiled_memory(shape, devices[0], lengths=(1, 2, 4)))
-    # each program it reads compiled once, all of them at once before any is read
-    assert _gradient_temp_bytes.cache_info().misses == len(_memory_programs(shape, (1, 2, 4)))
-    by_label = {c.label: c for c in candidates(shape, devices=8, global_batch=32)}
-    int8 = (AxisCompression(axis="data", gradients=CompressorSpec(method="int8")),)
-    chosen = [by_label[label] for label in MEMORY_PLANS]
-    chosen[-1] = dataclasses.replace(chosen[-1], plan=chosen[-1].plan.replace(compression=int8))
-    chosen.append(by_label["zero2 fsdp=8 remat acc=1"])  # verify compiles the model recomputing
-    errors = {}
-    for candidate in chosen:
-        predicted = predict(candidate, shape, machine, opt_factor=optimizer_state_factor(candidate.plan))
-        errors[candidate.label] = verify(predicted, shape, devices)["memory_error"]
-    assert all(abs(e) <= 0.05 for e in errors.values()), errors
+    shape = parse_model(SMALL)
+    base, _, extra = label.partition(" +")
+    candidate = {c.label: c for c in candidates(shape, devices=8, global_batch=32)}[base]
+    if extra == "int8":
+        int8 = (AxisCompression(axis="data", gradients=CompressorSpec(method="int8")),)
+        candidate = dataclasses.replace(candidate, plan=candidate.plan.replace(compression=int8))
+    opt_factor = optimizer_state_factor(candidate.plan)
+    predicted = predict(candidate, shape, _small_model_machine(), opt_factor=opt_factor)
+    error = verify(predicted, shape, jax.devices()[:8])["memory_error"]
+    assert abs(error) <= 0.05, error
 
 
 def test_plan_on_a_target_whose_compiler_cannot_start_predicts_and_says_why(monkeypatch, capsys):

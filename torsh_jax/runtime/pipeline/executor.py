@@ -130,7 +130,8 @@ def pipeline_gradients(
         carry = Carry(acts=hidden(plan.activation_slots), cots=hidden(plan.gradient_slots),
                        wstash=hidden(plan.weight_slots, 2, one.per_chunk), grads=grads,
                        loss_sum=jnp.float32(0.0), counts=jnp.zeros(3, jnp.int32))  # fmt: skip
-        ticks = _Ticks(stage, plan, one.branches(), axis, p, types={}, gated=_gated(one.branches()))
+        branches = one.branches()
+        ticks = _Ticks(stage, plan, branches, axis, p, types={}, gated=_gated(branches))
         periods = (1, 2, 3) if schedule.splits_backward else (1, 2)  # a steady B, W, F repeats every 3
         for segment in tick_segments(plan, periods=(*periods, 2 * p * schedule.virtual_stages)):
             carry = _segment(carry, segment, ticks.run)
