@@ -576,9 +576,9 @@ def test_checkpoints_move_between_interleaved_and_contiguous_layer_layouts(tmp_p
         assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=RTOL)
 
 
-#: the CLI path on the preset no other test runs: 4 stages x 2 chunks (the last stage sends back to
-#: the first), with data 2. What the other presets would show is tested above, without the CLI:
-#: pp_1f1b, fsdp_pp and 3d equal their twins in
+#: the CLI path on a plan file of the preset no other test runs, at 4 micro-batches: 4 stages x 2
+#: chunks (the last stage sends back to the first), with data 2. What the other presets would
+#: show is tested above, without the CLI: pp_1f1b, fsdp_pp and 3d equal their twins in
 #: test_pipeline_composes_with_data_zero_tensor_and_accumulation (the presets themselves; 3d with the
 #: demo model's tensor blocks, as the demo runs it), and 3d's headline (data and stage bytes equal
 #: their theories) is test_headline_compares_each_modelled_axis_...; GPipe and ZB-H1 in
