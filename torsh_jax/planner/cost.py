@@ -460,8 +460,7 @@ def _stage_activation_bytes(
     stash = _stash_rows(c, chunk) * shape.d_model * DTYPE_BYTES[c.plan.precision.compute_dtype] * tokens
     compiled = _compiled_chunk_bytes(c, shape, machine, chunk, tokens, layer_bytes)
     if compiled is not None:
-        split = _schedule_figures(c).stash[2] > 0  # W slots: the backward is split
-        share = ZB_H1_CHUNK_SHARE if split else 1.0
+        share = ZB_H1_CHUNK_SHARE if _schedule_figures(c).splits_backward else 1.0
         return int(stash + share * (compiled - logits))
     return int(stash + layer_bytes * chunk * tokens)
 
@@ -629,12 +628,14 @@ def _bubble_fraction(c: Candidate) -> float:
 
 class _ScheduleFigures(NamedTuple):
     """What the cost model reads of a pipeline's schedule table: idle over busy slots, the runtime's
-    activation, gradient and ``W`` stash slots, and the ``ppermute`` collectives one pass runs
-    (each tick that sends forward runs one, each that sends backward another)."""
+    activation, gradient and ``W`` stash slots, the ``ppermute`` collectives one pass runs
+    (each tick that sends forward runs one, each that sends backward another), and whether its
+    backwards are split into ``B`` and ``W`` (ZB-H1)."""
 
     idle_fraction: float
     stash: tuple[int, int, int]
     permutes: int
+    splits_backward: bool
 
 
 def _schedule_figures(c: Candidate) -> _ScheduleFigures:
@@ -651,7 +652,8 @@ def _table_figures(name: str, stages: int, microbatches: int, virtual_stages: in
     slots = slot_plan(table)
     stash = (slots.activation_slots, slots.gradient_slots, slots.weight_slots)
     permutes = int(slots.sends_forward.any(axis=1).sum() + slots.sends_backward.any(axis=1).sum())
-    return _ScheduleFigures(idle / (table.table[..., 0].size - idle), stash, permutes)
+    idle_fraction = idle / (table.table[..., 0].size - idle)
+    return _ScheduleFigures(idle_fraction, stash, permutes, table.splits_backward)
 
 
 def theories(c: Candidate, shape: ModelShape, *, compressed: bool = True) -> list[Theory]:
