@@ -46,6 +46,16 @@ SHARED = REPO.parent / "shared"
 CORPUS = SHARED / "corpus"
 
 
+#: the fuzzers' example counts scale by this (``TORSH_JAX_FUZZ_SCALE=5`` fuzzes five times deeper;
+#: the counts are set for the suite's time on 2 cores)
+FUZZ_SCALE = float(os.environ.get("TORSH_JAX_FUZZ_SCALE", "1"))
+
+
+def fuzz_examples(n: int) -> int:
+    """``n`` examples at :data:`FUZZ_SCALE` (at least one)."""
+    return max(1, round(n * FUZZ_SCALE))
+
+
 def require_devices(n: int) -> list:
     """The first ``n`` devices, or skip the test when fewer exist."""
     devices = jax.devices()

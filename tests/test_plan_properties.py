@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from conftest import fuzz_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -48,7 +49,7 @@ plans = st.fixed_dictionaries(
 
 #: each example round-trips three formats (~30 ms); 100 examples draw every section and most of
 #: their values (hypothesis also tries the boundary values first)
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=fuzz_examples(100), deadline=None)
 @given(plans)
 def test_plans_round_trip(data):
     plan = plan_from_dict(data)
@@ -81,7 +82,7 @@ keys = st.sampled_from(
 
 
 #: 500 dictionaries of up to 4 of the keys, each any JSON value of up to 12 leaves (~10 ms each)
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=fuzz_examples(200), deadline=None)
 @given(st.dictionaries(keys, json_values, max_size=4))
 def test_malformed_plans_raise_only_typed_errors(data):
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import fuzz_examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -201,7 +202,7 @@ _tops = st.sampled_from(["fsdp", "fully_shard", "device_mesh", "parallelize_modu
 _keys = _names | st.sampled_from(["mesh_shape", "mesh_dim_names", "mesh"])
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=fuzz_examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(_tops, st.dictionaries(_keys, _values)), st.integers(1, 64) | st.none())
 def test_fuzzed_dicts_raise_only_typed_errors(data, world_size):
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from conftest import fuzz_examples
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -116,7 +117,16 @@ values = st.recursive(
 )
 configs = st.dictionaries(keys, values, max_size=8)
 
-FAST = settings(max_examples=1200, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+
+def fuzzed(n: int) -> settings:
+    """Hypothesis settings for ``n`` examples (:func:`~conftest.fuzz_examples`), no deadline or
+    database."""
+    return settings(
+        max_examples=fuzz_examples(n), deadline=None, suppress_health_check=list(HealthCheck), database=None
+    )
+
+
+FAST = fuzzed(400)
 
 
 def _translate(source, **kwargs) -> None:
@@ -126,7 +136,7 @@ def _translate(source, **kwargs) -> None:
         assert err.key, f"error without a key: {err}"
 
 
-@settings(max_examples=900, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@fuzzed(300)
 @given(configs, st.sampled_from([None, 1, 8, 64]), st.booleans())
 def test_random_configs_raise_only_translation_errors(config, world_size, lenient):
     _translate(config, world_size=world_size, lenient=lenient)
@@ -173,14 +183,14 @@ def test_mutated_corpus_configs_raise_only_translation_errors(pick, where, new_v
     _translate(config, world_size=world_size, lenient=lenient, hf_trainer=hf)
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@fuzzed(1000)
 @given(st.text(max_size=60).map(lambda s: "{" + s))
 @example("{/*")  # an unterminated comment: hjson itself raises IndexError
 def test_random_text_raises_only_translation_errors(text):
     _translate(text)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@fuzzed(150)
 @given(
     st.dictionaries(st.text(max_size=12), values, max_size=3),
     st.dictionaries(st.text(max_size=12), values, max_size=3),

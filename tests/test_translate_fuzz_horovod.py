@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from conftest import fuzz_examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -18,7 +19,7 @@ from torsh_jax.plan.io import plan_from_dict, plan_to_dict
 from torsh_jax.translate.horovod import translate_horovod
 from torsh_jax.translate.hvd_tables import HOROVOD_ENV, HOROVODRUN_FLAGS, MPIRUN_FLAGS
 
-FUZZ = settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=fuzz_examples(350), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 _numbers = st.sampled_from(
     ["0", "1", "4", "-1", "3.5", "1e400", "nan", "9" * 40, "0x10", "$NP", "", "a:4", "1e20"]
@@ -111,7 +112,7 @@ def test_fuzzed_overrides_and_world_size(text, overrides, world_size):
     _check(text, overrides=overrides, world_size=world_size)
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=fuzz_examples(600), deadline=None)
 @given(st.text(max_size=200))
 def test_arbitrary_text(text):
     _check(text)
