@@ -81,7 +81,7 @@ keys = st.sampled_from(
 )
 
 
-#: 500 dictionaries of up to 4 of the keys, each any JSON value of up to 12 leaves (~10 ms each)
+#: 200 dictionaries of up to 4 of the keys, each any JSON value of up to 12 leaves (~10 ms each)
 @settings(max_examples=fuzz_examples(200), deadline=None)
 @given(st.dictionaries(keys, json_values, max_size=4))
 def test_malformed_plans_raise_only_typed_errors(data):

@@ -126,9 +126,6 @@ def fuzzed(n: int) -> settings:
     )
 
 
-FAST = fuzzed(400)
-
-
 def _translate(source, **kwargs) -> None:
     try:
         translate_deepspeed(source, **kwargs)
@@ -162,7 +159,7 @@ def _paths(value, prefix=()):
             yield from _paths(item, (*prefix, key))
 
 
-@FAST
+@fuzzed(400)
 @given(
     st.integers(min_value=0, max_value=10**6),
     st.integers(min_value=0, max_value=10**6),
