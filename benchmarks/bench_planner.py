@@ -8,8 +8,9 @@ of every plan in turn (median per plan: a drift of the machine's speed falls on 
 the planner predicts each (:func:`torsh_jax.planner.cost.predict` with the calibrated machine).
 
 Prints one ``planner_plan`` row per plan and model (``predicted_s``, ``measured_s``, ``error``,
-``predicted_memory``, ``compiled_peak``, ``memory_error``) and one ``planner_summary`` row per model
-and overall: ``mape`` (mean absolute percentage error of the step time), ``kendall_tau`` (rank
+``predicted_memory``, ``compiled_peak``, ``memory_error``; ``collectives``, the compiled step's
+per step, and ``collectives_in_loops`` of them inside a loop) and one ``planner_summary`` row per
+model and overall: ``mape`` (mean absolute percentage error of the step time), ``kendall_tau`` (rank
 agreement of predicted and measured times: tau-b; ``kendall_tau_a`` beside it),
 ``kendall_tau_halves`` (tau-b of the even rounds' medians against the odd rounds': how well the
 measurement ranks the plans against itself; each side has half the rounds, so it understates how
@@ -88,6 +89,7 @@ def prepare(candidate, shape, devices, steps: int) -> dict:
     state, ``steps`` batches and its compiled peak bytes; two warm-up steps run."""
     import jax
 
+    from torsh_jax.analysis.hlo import collectives
     from torsh_jax.analysis.memory import memory_report
     from torsh_jax.demo.model import init_params, synthetic_tokens
     from torsh_jax.demo.run import abstract_train_step
@@ -96,12 +98,25 @@ def prepare(candidate, shape, devices, steps: int) -> dict:
     train, _ = abstract_train_step(candidate.plan, cfg, devices, remat=candidate.remat)
     state = train.init(init_params(cfg, jax.random.key(0)))
     batches = [synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=i) for i in range(steps)]
-    peak = memory_report(train.lower(state, batches[0]).compile()).peak_estimate_bytes
-    run = {"train": train, "state": state, "batches": batches, "peak": peak, "times": []}
+    compiled = train.lower(state, batches[0]).compile()
+    peak = memory_report(compiled).peak_estimate_bytes
+    counts = collective_counts(collectives(compiled, train.mesh))
+    run = {"train": train, "state": state, "batches": batches, "peak": peak, "times": [], **counts}
     for batch in batches[:2]:
         _timed_step(run, batch)
     run["times"].clear()
     return run
+
+
+def collective_counts(found: list) -> dict:
+    """Collectives the compiled step executes per step, and how many of them run inside a loop
+    (the layer loop): on simulated CPU devices a collective between blocks of compute costs time of
+    its own, which the cost model does not count (benchmarks/README.md)."""
+    looped = [c for c in found if (c.trip_count or 1) > 1]
+    return {
+        "collectives": sum(c.executions for c in found),
+        "collectives_in_loops": sum(c.executions for c in looped),
+    }
 
 
 def _timed_step(run: dict, batch) -> None:
@@ -232,6 +247,8 @@ def main() -> int:
                 "predicted_memory": p.memory["total"],
                 "compiled_peak": peak,
                 "memory_error": p.memory["total"] / peak - 1,
+                "collectives": run["collectives"],
+                "collectives_in_loops": run["collectives_in_loops"],
             }
             common.emit(row)
             rows.append(row)

@@ -222,6 +222,19 @@ def test_planner_benchmark_scores_the_ranking_the_pick_and_the_misordered_pairs(
     assert bench.misordered_beyond_noise(rows) == []
 
 
+def test_planner_benchmark_counts_the_collectives_a_step_runs_inside_its_loops():
+    """Per step: every collective's executions; those inside a loop (trip count above 1) apart."""
+    from types import SimpleNamespace as Found
+
+    bench = _load_bench()
+    found = [
+        Found(trip_count=None, executions=1),  # the step's own all-reduce, outside any loop
+        Found(trip_count=8, executions=8),  # one per layer
+        Found(trip_count=1, executions=1),  # a loop of one iteration is no loop
+    ]
+    assert bench.collective_counts(found) == {"collectives": 10, "collectives_in_loops": 8}
+
+
 def test_planner_memory_benchmark_sorts_the_candidates_into_kinds_and_counts_within_5_percent():
     """The memory benchmark's kinds (ZeRO stage or schedule, with ZeRO-3 under a pipeline, tensor,
     remat and accumulation) and its summary of the errors."""
