@@ -19,8 +19,12 @@ well two whole runs agree),
 spread, ``measured_iqr_s`` per plan), ``pick_ratio``
 (measured time of the plan the planner ranks first / the fastest measured), ``memory_mape``.
 
+``--devices 2`` runs the same kinds of plan on 2 simulated devices (:data:`PLANS_BY_DEVICES`):
+one core per device on a 2-core host, where 8 devices share the cores (benchmarks/README.md, run
+11).
+
 Usage:
-    python benchmarks/bench_planner.py [--steps 7] [--quick]
+    python benchmarks/bench_planner.py [--steps 7] [--quick] [--devices 8|2]
 """
 
 from __future__ import annotations
@@ -54,6 +58,24 @@ PLANS = (
     "pp fsdp=2 stage=4 1f1b m=4 zero2 acc=1",
     "zero2 fsdp=8 acc=2",
 )
+#: The same kinds on 2 devices (no HSDP, nor ZeRO-3 over tensor: they need 4).
+PLANS_2 = (
+    "ddp data=2 acc=1",
+    "ddp data=2 acc=1 +int8",
+    "zero1 fsdp=2 acc=1",
+    "zero2 fsdp=2 acc=1",
+    "zero3 fsdp=2 acc=1",
+    "ddp tensor=2 acc=1",
+    "ddp tensor=2 sp acc=1",
+    "pp stage=2 1f1b m=2 acc=1",
+    "pp stage=2 1f1b m=4 acc=1",
+    "pp stage=2 zb_h1 m=4 acc=1",
+    "zero2 fsdp=2 acc=2",
+    "zero1 fsdp=2 acc=2",
+    "ddp data=2 remat acc=1",
+)
+#: Plans by the number of simulated devices (``--devices``).
+PLANS_BY_DEVICES = {8: PLANS, 2: PLANS_2}
 GLOBAL_BATCH = 32
 
 
@@ -63,16 +85,19 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=7, help="timed rounds (one step per plan each)")
     parser.add_argument("--quick", action="store_true", help="one tiny model, two steps (a smoke run)")
+    parser.add_argument(
+        "--devices", type=int, default=8, choices=sorted(PLANS_BY_DEVICES), help="simulated devices"
+    )
     return parser.parse_args()
 
 
-def plans_for(shape) -> list:
+def plans_for(shape, devices: int = 8) -> list:
     from torsh_jax.plan import AxisCompression, CompressorSpec
     from torsh_jax.planner.space import candidates
 
-    by_label = {c.label: c for c in candidates(shape, devices=8, global_batch=GLOBAL_BATCH)}
+    by_label = {c.label: c for c in candidates(shape, devices=devices, global_batch=GLOBAL_BATCH)}
     chosen = []
-    for label in PLANS:
+    for label in PLANS_BY_DEVICES[devices]:
         base, _, extra = label.partition(" +")
         candidate = by_label[base]
         if extra == "int8":
@@ -86,7 +111,8 @@ def plans_for(shape) -> list:
 
 def prepare(candidate, shape, devices, steps: int) -> dict:
     """The demo model's step under the candidate (each layer recomputed where it has remat), its
-    state, ``steps`` batches and its compiled peak bytes; two warm-up steps run."""
+    state, ``steps`` batches, its compiled peak bytes and its collectives (:func:`collective_counts`);
+    two warm-up steps run."""
     import jax
 
     from torsh_jax.analysis.hlo import collectives
@@ -201,14 +227,14 @@ def summary(rows: list[dict], name: str) -> dict:
 
 def main() -> int:
     args = parse_args()
-    common.setup_devices(8)
+    common.setup_devices(args.devices)
     import jax
 
     from torsh_jax.planner.calibrate import calibrate
     from torsh_jax.planner.cost import optimizer_state_factor, predict
     from torsh_jax.planner.shape import parse_model
 
-    devices = jax.devices()[:8]
+    devices = jax.devices()[: args.devices]
     models = QUICK_MODELS if args.quick else MODELS
     steps = 2 if args.quick else args.steps
     every = []
@@ -229,7 +255,7 @@ def main() -> int:
             }
         )
         rows = []
-        chosen = plans_for(shape)
+        chosen = plans_for(shape, len(devices))
         runs = [prepare(candidate, shape, devices, steps) for candidate in chosen]
         measured = measure_in_rounds(runs, steps)
         for candidate, run, seconds in zip(chosen, runs, measured, strict=True):

@@ -222,6 +222,17 @@ def test_planner_benchmark_scores_the_ranking_the_pick_and_the_misordered_pairs(
     assert bench.misordered_beyond_noise(rows) == []
 
 
+@pytest.mark.parametrize("devices", [8, 2])
+def test_planner_benchmark_plans_are_candidates_of_the_planner(devices):
+    """Every plan the benchmark times is one the planner enumerates for its devices (int8 added)."""
+    from torsh_jax.planner.shape import parse_model
+
+    bench = _load_bench()
+    chosen = bench.plans_for(parse_model(bench.MODELS["small"]), devices)
+    assert [c.label for c in chosen] == list(bench.PLANS_BY_DEVICES[devices])
+    assert all(math.prod(c.sizes.values()) == devices for c in chosen)
+
+
 def test_planner_benchmark_counts_the_collectives_a_step_runs_inside_its_loops():
     """Per step: every collective's executions; those inside a loop (trip count above 1) apart."""
     from types import SimpleNamespace as Found

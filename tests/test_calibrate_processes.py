@@ -5,6 +5,7 @@ processes as ``dcn``; process 0 writes the file and ``plan`` reads it as 2 slice
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -52,7 +53,9 @@ def test_calibrate_over_launched_processes_measures_the_link_across_them(tmp_pat
     by_tokens = machine.recompute_costs_by_tokens  # the recompute ratios at the same sizes, each chunk
     assert {k: set(costs) for k, costs in by_tokens.items()} == {1: {8, 16, 32}, 2: {8, 16, 32}}
     assert (by_tokens[1][32], by_tokens[2][32]) == (machine.recompute_cost, machine.chunk_recompute_costs[2])
-    assert (machine.overlaps, machine.shared_cores) == (False, True)  # simulated CPU devices
+    # simulated CPU devices; sharing the cores where each process's 2 outnumber its half of them
+    half = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert (machine.overlaps, machine.shared_cores) == (False, 2 > half)
 
     args = ["plan", "--model", MODEL, "--machine", str(out), "--global-batch", "8", "--json", "--top", "100"]
     assert main(args) == 0

@@ -58,6 +58,7 @@ from torsh_jax.planner.shape import ModelShape
 
 __all__ = [
     "calibrate",
+    "cores_shared",
     "fit_alpha_beta",
     "activation_scales",
     "chunk_gradient_bytes",
@@ -138,6 +139,19 @@ def _cpu_share(environ=None) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     env = detect_environment(environ)
     return max(1, cores // (env.local_world_size if env.is_multi_process else 1))
+
+
+def cores_shared(platform: str, devices: int, /, environ=None) -> bool:
+    """Whether ``devices`` simulated CPU devices of this process share its cores
+    (:func:`_cpu_share`): more devices than cores, so a device idle in a pipeline bubble gives its
+    core to the others (:attr:`Machine.shared_cores`). 2 devices on a 2-core host each have a core,
+    and their pipelines' bubbles cost time (benchmarks/README.md, run 11).
+
+    Example:
+        >>> cores_shared("cpu", _cpu_share() + 1), cores_shared("cpu", 1), cores_shared("tpu", 64)
+        (True, False, False)
+    """
+    return platform == "cpu" and devices > _cpu_share(environ)
 
 
 def _compiled(fn, args: tuple):
@@ -608,7 +622,7 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         memory_bytes=limit.bytes if limit else 0,
         links=links,
         overlaps=platform != "cpu",
-        shared_cores=platform == "cpu",
+        shared_cores=cores_shared(platform, len(local)),
         step_overhead_s=overhead,
         codec_s_per_element=_codec_seconds_per_element(mesh, repeats),
         update_bytes_per_s=_update_bytes_per_s(mesh, repeats),

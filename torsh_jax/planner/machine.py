@@ -127,8 +127,10 @@ class Machine:
         links: ``ici`` (in a slice or node) and ``dcn`` (across).
         overlaps: collectives can run beside compute (accelerators: yes; simulated CPU devices
             share the host's cores: no).
-        shared_cores: the devices share the host's cores (simulated CPU devices): a device idle in
-            a pipeline bubble gives its core to the others, so a bubble costs no time.
+        shared_cores: the devices share the host's cores (simulated CPU devices, more of them than
+            the process's cores): a device idle in a pipeline bubble gives its core to the others,
+            so a bubble costs no time. With a core each, it does (2 devices on a 2-core host:
+            benchmarks/README.md, run 11).
         step_overhead_s: time of a step that does nothing (dispatch, one program launch).
         codec_s_per_element: int8 encode and decode of one gradient element (measured by
             ``calibrate``; from a target: three passes over float32 at HBM bandwidth, read, write
