@@ -240,7 +240,10 @@ def main() -> int:
     every = []
     for name, text in models.items():
         shape = parse_model(text)
-        machine = calibrate(devices, shape, repeats=steps)
+        # the compute rate up to the plans' largest micro-step (16 examples on 2 devices)
+        machine = calibrate(
+            devices, shape, repeats=steps, max_examples_per_device=GLOBAL_BATCH // len(devices)
+        )
         common.emit(
             {
                 "name": "planner_machine",
@@ -252,6 +255,7 @@ def main() -> int:
                 "activation_scale": machine.activation_scale,
                 "recompute_scale": machine.recompute_scale,
                 "flops_per_s_by_tokens": machine.flops_per_s_by_tokens,
+                "recompute_costs_by_tokens": machine.recompute_costs_by_tokens,
             }
         )
         rows = []

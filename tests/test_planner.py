@@ -434,15 +434,18 @@ def test_calibrate_writes_this_processs_machine_and_plan_reads_it(tmp_path, caps
     require_devices(8)
     measured = []
 
-    def calibrate(devices, shape, /, *, repeats):
-        measured.append((len(devices), shape.name, repeats))
+    def calibrate(devices, shape, /, *, repeats, **largest):
+        measured.append((len(devices), shape.name, repeats, largest))
         return replace(CPU8, recompute_cost=0.9)
 
     monkeypatch.setattr(module, "calibrate", calibrate)
     path = tmp_path / "machine.json"
     assert main(["calibrate", "--model", MICRO, "--repeats", "2", "-o", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert measured == [(8, MICRO, 2)] and len(out) == 1 and "GFLOP/s per device" in out[0]
+    assert measured == [(8, MICRO, 2, {})] and len(out) == 1 and "GFLOP/s per device" in out[0]
+    # a global batch: the rate up to its micro-steps, the batch over the devices
+    assert main(["calibrate", "--model", MICRO, "--global-batch", "128", "-o", str(path)]) == 0
+    assert measured[-1] == (8, MICRO, 5, {"max_examples_per_device": 16}) and capsys.readouterr().out
     assert Machine.load(path) == replace(CPU8, recompute_cost=0.9)
     assert main(["plan", "--model", TINY, "--machine", str(path), "--global-batch", "64", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["machine"]["devices"] == 8
@@ -451,7 +454,7 @@ def test_calibrate_writes_this_processs_machine_and_plan_reads_it(tmp_path, caps
 def test_pipelines_pay_the_recompute_measured_for_their_chunk_length(tiny):
     from dataclasses import replace
 
-    from torsh_jax.planner.cost import recompute_cost
+    from torsh_jax.planner.cost import forward_share, recompute_cost
 
     machine = replace(CPU8, recompute_cost=0.9, chunk_recompute_costs={2: 1.1, 4: 1.2})
     by_label = {c.label: c for c in candidates(tiny, devices=8, global_batch=64)}
@@ -463,12 +466,19 @@ def test_pipelines_pay_the_recompute_measured_for_their_chunk_length(tiny):
     assert cost("pp data=2 stage=4 1f1b m=4 acc=1") == 0.9
     flops = tiny.train_flops_per_token(recompute=True) / tiny.train_flops_per_token(recompute=False)
     assert cost("pp data=2 stage=4 1f1b m=4 acc=1", CPU8) == pytest.approx(flops)  # not measured
+    # ZB-H1's W slots run every layer's forward once more, at what the chunk's recompute cost:
+    # the FLOPs' share unmeasured (about a third), none where recomputing measured faster (0.9)
+    share = forward_share(tiny)
+    assert 0.25 < share < 0.34 and flops == pytest.approx(1 + share)
+    assert cost("pp data=2 stage=4 zb_h1 m=4 acc=1", CPU8) == pytest.approx(1 + 2 * share)
+    assert cost("pp data=2 stage=4 zb_h1 m=4 acc=1") == 0.9
     # measured by micro-step tokens too: read at the micro-batch's (64 examples over 2 replicas, m=4:
     # 8 examples of 32 tokens, 256; m=8: 128), the nearest measured count
     by_tokens = replace(machine, recompute_costs_by_tokens={1: {128: 0.7, 256: 0.6}, 2: {256: 1.3}})
     assert cost("pp data=2 stage=4 1f1b m=4 acc=1", by_tokens) == 0.6
     assert cost("pp data=2 stage=4 1f1b m=8 acc=1", by_tokens) == 0.7
     assert cost("pp data=4 stage=2 1f1b m=2 acc=1", by_tokens) == 1.3  # chunks of 2
+    assert cost("pp data=4 stage=2 zb_h1 m=2 acc=1", by_tokens) == pytest.approx(1.6)  # 1.3 + 0.3 in W
     assert cost("zero3 fsdp=8 acc=1", by_tokens) == 0.6  # 8 examples per device: 256 tokens
 
 

@@ -6,6 +6,7 @@ and the link across the processes (``dcn``), and process 0 writes the machine fi
 
 Example:
     $ torsh-jax calibrate --devices 8 -o machine.json
+    $ torsh-jax calibrate --devices 2 --global-batch 32 -o machine.json
     $ torsh-jax calibrate --devices 8 --model demo:d_model=256,layers=4,vocab=1024,seq_len=128 --json
     $ torsh-jax launch -n 2 --devices-per-process 4 -m torsh_jax calibrate -o machine.json
 """
@@ -39,6 +40,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=5,
         help="timed runs per measurement (the median counts) [5]",
     )
+    parser.add_argument(
+        "--global-batch",
+        type=count_type(1, 1 << 24, fix="pass the global batch plan will be given, e.g. --global-batch 256"),
+        default=None,
+        help="measure the compute rate at every micro-step size up to this batch over the devices "
+        "[1, 2 and 4 examples per device]",
+    )
     parser.add_argument("-o", "--output", default=None, help="write the machine file (JSON) here")
     parser.add_argument("--json", action="store_true", help="print the machine as JSON")
     parser.set_defaults(func=run)
@@ -54,7 +62,11 @@ def run(args: argparse.Namespace) -> int:
     from torsh_jax.units import format_bytes
 
     shape = parse_model(args.model)
-    machine = calibrate(_devices(args.devices), shape, repeats=args.repeats)
+    devices = _devices(args.devices)
+    largest = (
+        {} if args.global_batch is None else {"max_examples_per_device": args.global_batch // len(devices)}
+    )
+    machine = calibrate(devices, shape, repeats=args.repeats, **largest)
     if jax.process_index() > 0:  # process 0 speaks for the job
         return 0
     if args.output:

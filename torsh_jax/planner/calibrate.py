@@ -14,8 +14,9 @@ On the present devices (simulated CPU devices, or one host's accelerators):
   at that ``α`` (``bytes_per_s_by_kind``: on 8 simulated devices of a 2-core host a ``psum``
   moved a wire byte about 8 times faster than an ``all_gather``);
 * **overhead**: a step that does nothing but cross a ``shard_map`` over the devices;
-* **micro-step size**: the compute rate again at 1 and 2 examples per device
-  (``flops_per_s_by_tokens``), and the recomputing passes' ratios at each of the three sizes
+* **micro-step size**: the compute rate again at 1 and 2 examples per device, and at 8, 16, ... up
+  to ``max_examples_per_device`` where the plans to be costed run larger micro-steps
+  (``flops_per_s_by_tokens``; :func:`rate_rows`), and the recomputing passes' ratios at each size
   (``recompute_costs_by_tokens``: on XLA:CPU the ratio moves with the size, 0.62 to 0.95 for
   layers recomputed one at a time on the benchmark's smaller model);
 * **codec**: int8 encode and decode of 1 Mi gradient values on every device at once; top-k's and
@@ -58,6 +59,7 @@ from torsh_jax.planner.shape import ModelShape
 
 __all__ = [
     "calibrate",
+    "rate_rows",
     "cores_shared",
     "fit_alpha_beta",
     "activation_scales",
@@ -76,6 +78,23 @@ _ROWS = 4
 _LINE_ROWS = (_ROWS // 2, _ROWS)
 #: Examples per device the compute rate is also measured at (micro-steps smaller than ``_ROWS``).
 _RATE_ROWS = (1, 2)
+
+
+def rate_rows(max_examples_per_device: int = _ROWS) -> tuple[int, ...]:
+    """Examples per device the compute rate is measured at: 1, 2, 4, and the powers of two on up
+    to the first that reaches ``max_examples_per_device`` (the largest micro-step of the plans to
+    be costed: a global batch over the devices). The planner reads the measured size nearest a
+    plan's micro-step; on XLA:CPU the rate at 16 examples of the benchmark's medium model was not
+    the rate at 4 (benchmarks/README.md, run 12).
+
+    Example:
+        >>> rate_rows(), rate_rows(16), rate_rows(12)
+        ((1, 2, 4), (1, 2, 4, 8, 16), (1, 2, 4, 8, 16))
+    """
+    rows = [*_RATE_ROWS, _ROWS]
+    while rows[-1] < max_examples_per_device:
+        rows.append(2 * rows[-1])
+    return tuple(rows)
 
 
 def _median_seconds(fn, *args, repeats: int) -> float:
@@ -482,13 +501,15 @@ def _gradient_temp_bytes(shape: ModelShape, layers: int, remat: bool, rows: int,
     return memory_report(compiled).temp_bytes
 
 
-def _pass_seconds(mesh, shape: ModelShape, repeats: int) -> dict[int, dict[int, float]]:
+def _pass_seconds(
+    mesh, shape: ModelShape, repeats: int, rows: tuple[int, ...]
+) -> dict[int, dict[int, float]]:
     """Seconds of the model's loss and gradient on every device at once, by layers recomputed
     together (0: none; 1: each layer on its own, ``LayeredModel.remat``; ``k``: chunks of ``k``, as
     a pipeline stage recomputes its chunk, ``k`` in :func:`chunk_lengths`) and by examples per
-    device (``_RATE_ROWS`` and ``_ROWS``), all timed in the same rounds."""
+    device (``rows``, :func:`rate_rows`), all timed in the same rounds."""
     recompute = {0: "none", 1: "layer"} | {k: "chunk" for k in chunk_lengths(shape.layers)}
-    args = _gradient_args(mesh, shape, (*_RATE_ROWS, _ROWS))
+    args = _gradient_args(mesh, shape, rows)
     programs = {}
     for k, how in recompute.items():
         fn = _gradient_program(mesh, shape, recompute=how, chunk=k)
@@ -578,8 +599,17 @@ def _medium(platform: str, *, across: bool) -> str:
     return {"gpu": "InfiniBand", "tpu": "DCN"}.get(platform, "network")
 
 
-def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | None = None) -> Machine:
-    """Measure ``devices`` (see the module docstring) and return the :class:`Machine` they are.
+def calibrate(
+    devices,
+    shape: ModelShape,
+    /,
+    *,
+    repeats: int = 5,
+    name: str | None = None,
+    max_examples_per_device: int = _ROWS,
+) -> Machine:
+    """Measure ``devices`` (see the module docstring) and return the :class:`Machine` they are;
+    the compute rate up to micro-steps of ``max_examples_per_device`` examples (:func:`rate_rows`).
 
     ``devices`` of several processes (a job ``torsh-jax launch``, Slurm or Ray started, joined by
     :func:`torsh_jax.distributed.initialize`; every process calls this): each process measures its
@@ -597,7 +627,7 @@ def calibrate(devices, shape: ModelShape, /, *, repeats: int = 5, name: str | No
         (len(local), 1), ("devices", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=local
     )
     overhead = _overhead(mesh, repeats)
-    seconds = _pass_seconds(mesh, shape, repeats)
+    seconds = _pass_seconds(mesh, shape, repeats, rate_rows(max_examples_per_device))
     costs = _recompute_costs_by_tokens(shape, seconds)
     at_rows = _ROWS * shape.seq_len
     rates = _rates_by_tokens(shape, seconds[0])

@@ -36,8 +36,9 @@ buffer reports).
   split over ``tensor`` and ``stage``) over the machine's sustained FLOP/s at the size of its
   micro-steps (:meth:`Machine.flops_per_s_at`), times
   :func:`recompute_cost` where the layers' forward runs again (remat and ZeRO-3 on use per layer,
-  a pipeline stage per chunk), plus encoding and decoding compressed gradients at the machine's
-  rate for the method (:meth:`Machine.codec_seconds_per_element`);
+  a pipeline stage per chunk, and a ZB-H1 stage once more per layer in its ``W`` slots), plus
+  encoding and decoding compressed gradients at the machine's rate for the method
+  (:meth:`Machine.codec_seconds_per_element`);
 * update: the optimizer's pass over the device's parameters, gradients and state (its ``1/fsdp``
   slice under ZeRO; :func:`update_bytes` at the machine's ``update_bytes_per_s``), counted in the
   compute time;
@@ -598,18 +599,38 @@ def recompute_cost(c: Candidate, shape: ModelShape, machine: Machine) -> float:
     (remat, ZeRO-3: ``k`` = 1) or in a pipeline stage's chunks of ``k`` layers, the measured ``k``
     nearest in ratio: by the tokens of the micro-step (:attr:`Machine.recompute_costs_by_tokens`,
     the measured count nearest), else at the calibration's size (:attr:`Machine.recompute_cost`,
-    :attr:`Machine.chunk_recompute_costs`); unmeasured, the FLOPs' ratio."""
+    :attr:`Machine.chunk_recompute_costs`); unmeasured, the FLOPs' ratio (:func:`forward_share`).
+    A ZB-H1 stage runs its layers' forward once more, in its ``W`` slots (each recomputes its
+    layer from the ``W`` stash, docs/pipeline.md), at what the chunk's recomputed forward cost:
+    ``1 + 2 (r - 1)`` for the chunk's ratio ``r`` (none where recomputing measured no slower)."""
     if not _recomputed(c):
         return 1.0
+    ratio = _measured_recompute_ratio(c, shape, machine) or 1.0 + forward_share(shape)
+    if c.sizes["stage"] > 1 and _schedule_figures(c).splits_backward:
+        return ratio + max(0.0, ratio - 1.0)
+    return ratio
+
+
+def _measured_recompute_ratio(c: Candidate, shape: ModelShape, machine: Machine) -> float | None:
     k = _chunk_layers(c, shape) if c.sizes["stage"] > 1 else 1
     if machine.recompute_costs_by_tokens:
         by_tokens = machine.recompute_costs_by_tokens[nearest_in_ratio(k, machine.recompute_costs_by_tokens)]
         return by_tokens[nearest_in_ratio(_rate_tokens(c, shape), by_tokens)]
     measured = {1: machine.recompute_cost} if machine.recompute_cost is not None else {}
     measured.update(machine.chunk_recompute_costs)
-    if not measured:
-        return shape.train_flops_per_token(recompute=True) / shape.train_flops_per_token(recompute=False)
-    return measured[nearest_in_ratio(k, measured)]
+    return measured[nearest_in_ratio(k, measured)] if measured else None
+
+
+def forward_share(shape: ModelShape) -> float:
+    """The layers' forward FLOPs over the step's (forward and backward, nothing recomputed): what
+    running every layer's forward once more adds.
+
+    Example:
+        >>> from torsh_jax.planner.shape import parse_model
+        >>> round(forward_share(parse_model("demo:d_model=256,layers=4,vocab=256")), 3)
+        0.329
+    """
+    return shape.train_flops_per_token(recompute=True) / shape.train_flops_per_token(recompute=False) - 1
 
 
 def _chunk_layers(c: Candidate, shape: ModelShape) -> int:
