@@ -20,7 +20,8 @@ Prints one ``planner_memory`` row per candidate (``plan``, ``kind``, ``predicted
 ``within_5pct``, ``max_abs_error``, ``mean_abs_error``.
 
 Usage:
-    python benchmarks/bench_planner_memory.py [--model small|medium] [--match TEXT] [--every N] [--quick]
+    python benchmarks/bench_planner_memory.py [--model small|medium] [--match TEXT] [--every N]
+        [--offset K] [--quick]
     python benchmarks/bench_planner_memory.py --tpu 150m|350m|1b|7b [--match TEXT]
 """
 
@@ -70,6 +71,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", choices=sorted(MODELS), default="small")
     parser.add_argument("--match", default="", help="only candidates whose label holds this text")
     parser.add_argument("--every", type=int, default=1, help="every N-th candidate (a sample)")
+    parser.add_argument(
+        "--offset", type=int, default=0, help="start at this candidate (--every 2 --offset 1: the other half)"
+    )
     parser.add_argument("--quick", action="store_true", help="the tiny model, every 40th candidate")
     parser.add_argument(
         "--tpu", choices=sorted(TPU_SETS), help="compile this set of plans for its TPU target"
@@ -167,12 +171,13 @@ def main() -> int:
     from torsh_jax.planner.shape import parse_model
     from torsh_jax.planner.space import candidates
 
-    name, every = ("tiny", 40) if args.quick else (args.model, args.every)
+    name, every, offset = ("tiny", 40, 0) if args.quick else (args.model, args.every, args.offset)
     shape, devices = parse_model(MODELS[name]), jax.devices()[:8]
     machine = Machine("cpu-8", 8, 1, 1e9, 2**34, {"ici": Link(20e-6, 1e9)}, overlaps=False, platform="cpu")
     machine = dataclasses.replace(machine, **compiled_memory(shape, devices[0]))
     found = [c for c in candidates(shape, devices=8, global_batch=GLOBAL_BATCH) if args.match in c.label]
-    emit_summaries([compared(candidate, shape, machine, devices, model=name) for candidate in found[::every]])
+    sample = found[offset::every]
+    emit_summaries([compared(candidate, shape, machine, devices, model=name) for candidate in sample])
     return 0
 
 

@@ -715,6 +715,26 @@ def test_accumulation_a_stage_gathered_once_and_a_chunk_over_tensor_hold_what_th
     assert p.memory["activations"] == pytest.approx(stash + chunk - p.memory["logits"], abs=1)
 
 
+def test_zero3_accumulating_holds_its_sum_shard_and_the_embeddings_whole_gradient_beside_the_line(tiny):
+    """With the machine's compiled recomputing gradient, ZeRO-3 gathering on use holds at 2 steps
+    what it holds at one plus the step's gradient sum (a shard) and the embedding's and head's
+    whole gradient; over ``tensor`` it keeps the formula."""
+    from dataclasses import replace
+
+    from torsh_jax.planner.cost import _local_params
+
+    line = replace(CPU8, remat_gradient_bytes=(5e5, 2e4), compiled_for=tiny.signature)
+    by_label = {c.label: c for c in candidates(tiny, devices=8, global_batch=64)}
+    memory = lambda label, m=line: predict(by_label[label], tiny, m).memory
+    layers, shared = (n * 4 for n in _local_params(by_label["zero3 fsdp=8 acc=1"], tiny))  # float32
+    one, two = memory("zero3 fsdp=8 acc=1"), memory("zero3 fsdp=8 acc=2")
+    assert one["gradients"] == 0 and two["gradients"] == (layers + shared) // 8 + shared
+    tokens = by_label["zero3 fsdp=8 acc=2"].plan.batch.micro_batch_size * tiny.seq_len
+    assert two["activations"] + two["logits"] == pytest.approx(5e5 + 2e4 * tokens, abs=1)  # the line's
+    over = "zero3 fsdp=4 tensor=2 acc={}"
+    assert memory(over.format(2)) == memory(over.format(2), CPU8)  # the formula's
+
+
 #: the benchmark's small model (benchmarks/bench_planner.py): the plans whose memory the cost model
 #: derives from the compiled programs' layout (accumulation, ZeRO-3's recomputed layers, ZeRO-3 with
 #: tensor parallelism, a pipeline stage's stash and chunk, passes accumulated, a stage gathered
@@ -724,6 +744,7 @@ MEMORY_PLANS = (
     "zero2 fsdp=8 acc=2",
     "zero1 fsdp=8 remat acc=2",
     "zero3 fsdp=8 acc=1",
+    "zero3 data=4 fsdp=2 acc=2",  # accumulating: the sum shard and the embedding's gradient beside
     "zero3 fsdp=4 tensor=2 acc=1",
     "pp data=2 stage=4 1f1b m=4 acc=2",  # m=4: 14 ticks to compile, not m=8's 22
     "pp fsdp=4 stage=2 1f1b m=4 zero3 acc=1",  # a stage gathered once, chunks of 2

@@ -4,7 +4,8 @@
 :func:`~torsh_jax.analysis.theory.theoretical_memory_per_device`) + gradient buffers (below ZeRO-3
 the whole local gradient, and its reduced copy where the layers are recomputed, accumulating or not:
 :func:`_gradient_buffers`; ZeRO-3 gathering on use: one layer's whole gradient with the embedding's
-and head's; accumulating, the step's sum beside each micro-step's, :func:`_accumulated_sum_bytes`)
+and head's; accumulating, the step's sum beside each micro-step's, :func:`_accumulated_sum_bytes`;
+ZeRO-3 on the compiled recomputing gradient, :func:`_accumulated_on_use_bytes`)
 + ZeRO-3's gathered working set (one layer twice, embedding and head once, in the compute dtype;
 under a pipeline, the stage's parameters gathered once: :func:`_gathered_bytes`) + an interleaved
 stage's copies of a chunk's parameters and of its layers' gradients (:func:`_interleaved_copies`) +
@@ -265,6 +266,7 @@ def _memory(c: Candidate, shape: ModelShape, opt_factor: float, machine: Machine
         gradients = 0 if on_use else count * pb - state.grad_bytes
         if on_use:  # and one layer gathered beside them
             gathered = one_layer * cb
+            gradients = _accumulated_on_use_bytes(c, count * pb, shared * pb)
     gradients += _accumulated_sum_bytes(c, roles.reduce, count * pb, layers * pb)
     chunk_copy, sum_copy = _interleaved_copies(c, layers, pb, cb)
     gathered += chunk_copy
@@ -346,6 +348,17 @@ def _accumulated_sum_bytes(c: Candidate, reduce: str, param_bytes: int, layer_by
     if reduce == "per_step":
         return layer_bytes if _layer_remat(c) else param_bytes
     return param_bytes // c.sizes["fsdp"]
+
+
+def _accumulated_on_use_bytes(c: Candidate, param_bytes: int, shared_bytes: int) -> int:
+    """What ZeRO-3 gathering on use adds accumulating, beside its compiled recomputing gradient:
+    the step's gradient sum, a ``1/fsdp`` shard carried through the micro-step loop, and the
+    embedding's and head's whole gradient (``shared_bytes``). On XLA:CPU the smaller benchmark
+    model's three families without ``tensor`` (``fsdp`` 8, 4 and 2) held that much more at 2 and 4
+    accumulation steps than at one (1.65, 2.18 and 3.24 MB: their shards and 1.11 MB)."""
+    if c.plan.batch.accumulation_steps == 1:
+        return 0
+    return param_bytes // c.sizes["fsdp"] + shared_bytes
 
 
 def _feedback_bytes(c: Candidate, param_bytes: int) -> int:
@@ -523,15 +536,15 @@ def _compiled_remat_bytes(c: Candidate, shape: ModelShape, machine: Machine) -> 
     layer inputs are split only by sequence parallelism, and the rest of its bytes per token but
     the logits scale at the formula's share (:func:`_tensor_share`), as a pipeline chunk's do (the
     smaller benchmark model's 16 ZeRO-1 and -2 plans with remat over ``tensor = 2``: -3.5 % to
-    +0.8 %; the formula had -2.0 % to +17.2 %). Not ZeRO-3 accumulating, whose pass runs in a loop
-    that holds more beside it (on XLA:CPU 1.8-10 MB more on the benchmark's models, 1.4-3.3
-    gradient shards, in no proportion found), nor ZeRO-3 over ``tensor`` (its plan without
-    accumulation went from -2.1 % to -5.8 %): the formula costs them."""
+    +0.8 %; the formula had -2.0 % to +17.2 %). ZeRO-3 accumulating holds its micro-step loop's
+    buffers beside it (:func:`_accumulated_on_use_bytes`). Not ZeRO-3 over ``tensor`` (its plan
+    without accumulation went from -2.1 % to -5.8 %; accumulating, the line left 0.5-1.6 MB on the
+    smaller model unexplained, less as the micro-step's tokens fall): the formula costs it."""
     compiled = machine.remat_gradient_bytes
     if compiled is None or c.sizes["stage"] > 1 or not _layer_remat(c):
         return None
     t = c.sizes["tensor"]
-    if c.plan.zero.stage == 3 and (c.plan.batch.accumulation_steps > 1 or t > 1):
+    if c.plan.zero.stage == 3 and t > 1:
         return None
     if not _of_compiled_model(c, shape, machine):
         return None
