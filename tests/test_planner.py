@@ -718,7 +718,7 @@ def test_accumulation_a_stage_gathered_once_and_a_chunk_over_tensor_hold_what_th
 def test_zero3_accumulating_holds_its_sum_shard_and_the_embeddings_whole_gradient_beside_the_line(tiny):
     """With the machine's compiled recomputing gradient, ZeRO-3 gathering on use holds at 2 steps
     what it holds at one plus the step's gradient sum (a shard) and the embedding's and head's
-    whole gradient; over ``tensor`` it keeps the formula."""
+    whole gradient, of a device's ``1/tensor`` over ``tensor``."""
     from dataclasses import replace
 
     from torsh_jax.planner.cost import _local_params
@@ -726,13 +726,14 @@ def test_zero3_accumulating_holds_its_sum_shard_and_the_embeddings_whole_gradien
     line = replace(CPU8, remat_gradient_bytes=(5e5, 2e4), compiled_for=tiny.signature)
     by_label = {c.label: c for c in candidates(tiny, devices=8, global_batch=64)}
     memory = lambda label, m=line: predict(by_label[label], tiny, m).memory
-    layers, shared = (n * 4 for n in _local_params(by_label["zero3 fsdp=8 acc=1"], tiny))  # float32
-    one, two = memory("zero3 fsdp=8 acc=1"), memory("zero3 fsdp=8 acc=2")
-    assert one["gradients"] == 0 and two["gradients"] == (layers + shared) // 8 + shared
+    for family, fsdp in (("zero3 fsdp=8 acc={}", 8), ("zero3 fsdp=4 tensor=2 acc={}", 4)):
+        layers, shared = (n * 4 for n in _local_params(by_label[family.format(1)], tiny))  # float32
+        one, two = memory(family.format(1)), memory(family.format(2))
+        assert one["gradients"] == 0 and two["gradients"] == (layers + shared) // fsdp + shared
+        assert two["gradients"] != memory(family.format(2), CPU8)["gradients"]  # not the formula's
     tokens = by_label["zero3 fsdp=8 acc=2"].plan.batch.micro_batch_size * tiny.seq_len
-    assert two["activations"] + two["logits"] == pytest.approx(5e5 + 2e4 * tokens, abs=1)  # the line's
-    over = "zero3 fsdp=4 tensor=2 acc={}"
-    assert memory(over.format(2)) == memory(over.format(2), CPU8)  # the formula's
+    at_two = memory("zero3 fsdp=8 acc=2")
+    assert at_two["activations"] + at_two["logits"] == pytest.approx(5e5 + 2e4 * tokens, abs=1)  # the line's
 
 
 #: the benchmark's small model (benchmarks/bench_planner.py): the plans whose memory the cost model
@@ -746,6 +747,7 @@ MEMORY_PLANS = (
     "zero3 fsdp=8 acc=1",
     "zero3 data=4 fsdp=2 acc=2",  # accumulating: the sum shard and the embedding's gradient beside
     "zero3 fsdp=4 tensor=2 acc=1",
+    "zero3 fsdp=4 tensor=2 sp acc=4",  # ... over tensor, split by sequence parallelism
     "pp data=2 stage=4 1f1b m=4 acc=2",  # m=4: 14 ticks to compile, not m=8's 22
     "pp fsdp=4 stage=2 1f1b m=4 zero3 acc=1",  # a stage gathered once, chunks of 2
     "pp tensor=2 stage=4 1f1b m=4 acc=1",  # chunks of one layer split over tensor

@@ -353,9 +353,10 @@ def _accumulated_sum_bytes(c: Candidate, reduce: str, param_bytes: int, layer_by
 def _accumulated_on_use_bytes(c: Candidate, param_bytes: int, shared_bytes: int) -> int:
     """What ZeRO-3 gathering on use adds accumulating, beside its compiled recomputing gradient:
     the step's gradient sum, a ``1/fsdp`` shard carried through the micro-step loop, and the
-    embedding's and head's whole gradient (``shared_bytes``). On XLA:CPU the smaller benchmark
-    model's three families without ``tensor`` (``fsdp`` 8, 4 and 2) held that much more at 2 and 4
-    accumulation steps than at one (1.65, 2.18 and 3.24 MB: their shards and 1.11 MB)."""
+    embedding's and head's whole gradient (``shared_bytes``, of the device's ``1/tensor``). On
+    XLA:CPU the smaller benchmark model's three families without ``tensor`` (``fsdp`` 8, 4 and 2)
+    held that much more at 2 and 4 accumulation steps than at one (1.65, 2.18 and 3.24 MB: their
+    shards and 1.11 MB); with ``tensor = 2`` its 12 plans came within -0.1 % to +6.5 %."""
     if c.plan.batch.accumulation_steps == 1:
         return 0
     return param_bytes // c.sizes["fsdp"] + shared_bytes
@@ -536,16 +537,13 @@ def _compiled_remat_bytes(c: Candidate, shape: ModelShape, machine: Machine) -> 
     layer inputs are split only by sequence parallelism, and the rest of its bytes per token but
     the logits scale at the formula's share (:func:`_tensor_share`), as a pipeline chunk's do (the
     smaller benchmark model's 16 ZeRO-1 and -2 plans with remat over ``tensor = 2``: -3.5 % to
-    +0.8 %; the formula had -2.0 % to +17.2 %). ZeRO-3 accumulating holds its micro-step loop's
-    buffers beside it (:func:`_accumulated_on_use_bytes`). Not ZeRO-3 over ``tensor`` (its plan
-    without accumulation went from -2.1 % to -5.8 %; accumulating, the line left 0.5-1.6 MB on the
-    smaller model unexplained, less as the micro-step's tokens fall): the formula costs it."""
+    +0.8 %; the formula had -2.0 % to +17.2 %), ZeRO-3's too (its 4 plans without accumulation:
+    -2.5 % to -1.0 %; the formula had -2.1 % to +5.9 %). ZeRO-3 accumulating holds its micro-step
+    loop's buffers beside it (:func:`_accumulated_on_use_bytes`)."""
     compiled = machine.remat_gradient_bytes
     if compiled is None or c.sizes["stage"] > 1 or not _layer_remat(c):
         return None
     t = c.sizes["tensor"]
-    if c.plan.zero.stage == 3 and t > 1:
-        return None
     if not _of_compiled_model(c, shape, machine):
         return None
     if t == 1:
