@@ -262,8 +262,8 @@ def _memory(c: Candidate, shape: ModelShape, opt_factor: float, machine: Machine
     gradients = _gradient_buffers(count * pb, state.grad_bytes, one_gathered, _recomputed(c))
     if _compiled_remat_bytes(c, shape, machine) is not None:
         # the compiled gradient's buffers hold the local gradient: the stored gradients are the
-        # rest, but ZeRO-2's, a shard of it made beside it
-        gradients = 0 if on_use else count * pb - state.grad_bytes
+        # rest, but ZeRO-2's, a shard of it made beside it; ZeRO-3's, what its loop adds
+        gradients = count * pb - state.grad_bytes
         if on_use:  # and one layer gathered beside them
             gathered = one_layer * cb
             gradients = _accumulated_on_use_bytes(c, count * pb, shared * pb)
