@@ -715,13 +715,14 @@ def test_accumulation_a_stage_gathered_once_and_a_chunk_over_tensor_hold_what_th
     assert p.memory["activations"] == pytest.approx(stash + chunk - p.memory["logits"], abs=1)
 
 
-def test_zero3_accumulating_holds_its_sum_shard_and_the_embeddings_whole_gradient_beside_the_line(tiny):
-    """With the machine's compiled recomputing gradient, ZeRO-3 gathering on use holds at 2 steps
-    what it holds at one plus the step's gradient sum (a shard) and the embedding's and head's
-    whole gradient, of a device's ``1/tensor`` over ``tensor``."""
+def test_zero3_on_the_compiled_line_holds_part_of_a_layer_and_accumulating_its_sum_and_embedding_grad(tiny):
+    """With the machine's compiled recomputing gradient, ZeRO-3 gathering on use holds a share of
+    one gathered layer beside it, and at 2 steps what it holds at one plus the step's gradient sum
+    (a shard) and the embedding's and head's whole gradient, of a device's ``1/tensor`` over
+    ``tensor``."""
     from dataclasses import replace
 
-    from torsh_jax.planner.cost import _local_params
+    from torsh_jax.planner.cost import ZERO3_GATHERED_LAYERS, _local_params
 
     line = replace(CPU8, remat_gradient_bytes=(5e5, 2e4), compiled_for=tiny.signature)
     by_label = {c.label: c for c in candidates(tiny, devices=8, global_batch=64)}
@@ -730,6 +731,7 @@ def test_zero3_accumulating_holds_its_sum_shard_and_the_embeddings_whole_gradien
         layers, shared = (n * 4 for n in _local_params(by_label[family.format(1)], tiny))  # float32
         one, two = memory(family.format(1)), memory(family.format(2))
         assert one["gradients"] == 0 and two["gradients"] == (layers + shared) // fsdp + shared
+        assert one["gathered"] == int(ZERO3_GATHERED_LAYERS * layers // tiny.layers)  # float32
         assert two["gradients"] != memory(family.format(2), CPU8)["gradients"]  # not the formula's
     tokens = by_label["zero3 fsdp=8 acc=2"].plan.batch.micro_batch_size * tiny.seq_len
     at_two = memory("zero3 fsdp=8 acc=2")

@@ -7,7 +7,8 @@ the whole local gradient, and its reduced copy where the layers are recomputed, 
 and head's; accumulating, the step's sum beside each micro-step's, :func:`_accumulated_sum_bytes`;
 ZeRO-3 on the compiled recomputing gradient, :func:`_accumulated_on_use_bytes`)
 + ZeRO-3's gathered working set (one layer twice, embedding and head once, in the compute dtype;
-under a pipeline, the stage's parameters gathered once: :func:`_gathered_bytes`) + an interleaved
+on the compiled recomputing gradient, :data:`ZERO3_GATHERED_LAYERS` of one layer; under a pipeline,
+the stage's parameters gathered once: :func:`_gathered_bytes`) + an interleaved
 stage's copies of a chunk's parameters and of its layers' gradients (:func:`_interleaved_copies`) +
 compressed reductions' error feedback (a residual of the reduced gradient; two-phase methods such as
 int8 one more of its ``1/n`` chunk) + activations. Activations per token and layer follow
@@ -114,6 +115,13 @@ OVERLAP = {"fsdp": 0.75, "stage": 0.9, "tensor": 0.0, "data": 0.0}
 #: smaller benchmark model (all 90 ZB-H1 candidates at global batch 32: 83 within 5 %, -7.7 % to
 #: +6.2 %); the whole chunk gradient had them +1 % to +26 % once the branches stopped copying.
 ZB_H1_CHUNK_SHARE = 0.7
+#: Layers a ZeRO-3 step gathering on use holds gathered beside the compiled recomputing gradient's
+#: temporaries (:attr:`Machine.remat_gradient_bytes`): half of one, in the compute dtype. Read from
+#: XLA:CPU's compiled ``zero3 fsdp=8 acc=1`` of the two benchmark models (a whole layer was 0.40
+#: of 0.79 MB and 1.57 of 3.15 MB over). At half, all 49 of the two models' ZeRO-3 candidates
+#: without a pipeline came within -3.8 % to +3.8 %, 47 of them not read from; at one, 42 (-2.5 %
+#: to +6.7 %).
+ZERO3_GATHERED_LAYERS = 0.5
 #: Ring steps per collective kind over ``n`` devices, where not ``n - 1`` (an all-reduce:
 #: :meth:`~torsh_jax.planner.machine.Link.all_reduce_seconds`).
 _STEPS = {"collective-permute": lambda n: 1}
@@ -264,8 +272,8 @@ def _memory(c: Candidate, shape: ModelShape, opt_factor: float, machine: Machine
         # the compiled gradient's buffers hold the local gradient: the stored gradients are the
         # rest, but ZeRO-2's, a shard of it made beside it; ZeRO-3's, what its loop adds
         gradients = count * pb - state.grad_bytes
-        if on_use:  # and one layer gathered beside them
-            gathered = one_layer * cb
+        if on_use:  # and a share of a gathered layer beside them
+            gathered = int(ZERO3_GATHERED_LAYERS * one_layer * cb)
             gradients = _accumulated_on_use_bytes(c, count * pb, shared * pb)
     gradients += _accumulated_sum_bytes(c, roles.reduce, count * pb, layers * pb)
     chunk_copy, sum_copy = _interleaved_copies(c, layers, pb, cb)
@@ -356,7 +364,7 @@ def _accumulated_on_use_bytes(c: Candidate, param_bytes: int, shared_bytes: int)
     embedding's and head's whole gradient (``shared_bytes``, of the device's ``1/tensor``). On
     XLA:CPU the smaller benchmark model's three families without ``tensor`` (``fsdp`` 8, 4 and 2)
     held that much more at 2 and 4 accumulation steps than at one (1.65, 2.18 and 3.24 MB: their
-    shards and 1.11 MB); with ``tensor = 2`` its 12 plans came within -0.1 % to +6.5 %."""
+    shards and 1.11 MB); with ``tensor = 2`` its 12 plans came within -1.8 % to +3.0 %."""
     if c.plan.batch.accumulation_steps == 1:
         return 0
     return param_bytes // c.sizes["fsdp"] + shared_bytes
@@ -538,7 +546,7 @@ def _compiled_remat_bytes(c: Candidate, shape: ModelShape, machine: Machine) -> 
     the logits scale at the formula's share (:func:`_tensor_share`), as a pipeline chunk's do (the
     smaller benchmark model's 16 ZeRO-1 and -2 plans with remat over ``tensor = 2``: -3.5 % to
     +0.8 %; the formula had -2.0 % to +17.2 %), ZeRO-3's too (its 4 plans without accumulation:
-    -2.5 % to -1.0 %; the formula had -2.1 % to +5.9 %). ZeRO-3 accumulating holds its micro-step
+    -3.8 % to -2.0 %; the formula had -2.1 % to +5.9 %). ZeRO-3 accumulating holds its micro-step
     loop's buffers beside it (:func:`_accumulated_on_use_bytes`)."""
     compiled = machine.remat_gradient_bytes
     if compiled is None or c.sizes["stage"] > 1 or not _layer_remat(c):
