@@ -17,7 +17,10 @@ measurement ranks the plans against itself; each side has half the rounds, so it
 well two whole runs agree),
 ``misordered_beyond_noise`` (pairs ordered against the measurement by more than the rounds'
 spread, ``measured_iqr_s`` per plan), ``pick_ratio``
-(measured time of the plan the planner ranks first / the fastest measured), ``memory_mape``.
+(measured time of the plan the planner ranks first / the fastest measured), ``memory_mape``,
+``host_load`` (the shares of the host's cores other processes and the hypervisor took during the
+model's timed rounds; the ``planner_machine`` row's, during its calibration): the figures hold for
+a quiet host, and a warning says where it was not.
 
 ``--devices 2`` runs the same kinds of plan on 2 simulated devices (:data:`PLANS_BY_DEVICES`):
 one core per device on a 2-core host, where 8 devices share the cores (benchmarks/README.md, run
@@ -232,6 +235,7 @@ def main() -> int:
 
     from torsh_jax.planner.calibrate import calibrate
     from torsh_jax.planner.cost import optimizer_state_factor, predict
+    from torsh_jax.planner.host_load import HostMeter, warn_if_busy
     from torsh_jax.planner.shape import parse_model
 
     devices = jax.devices()[: args.devices]
@@ -256,12 +260,15 @@ def main() -> int:
                 "recompute_scale": machine.recompute_scale,
                 "flops_per_s_by_tokens": machine.flops_per_s_by_tokens,
                 "recompute_costs_by_tokens": machine.recompute_costs_by_tokens,
+                "host_load": machine.host_load,
             }
         )
         rows = []
         chosen = plans_for(shape, len(devices))
         runs = [prepare(candidate, shape, devices, steps) for candidate in chosen]
-        measured = measure_in_rounds(runs, steps)
+        with HostMeter() as meter:  # other work on the host slows the plans it falls on
+            measured = measure_in_rounds(runs, steps)
+        warn_if_busy(meter.load, f"while bench_planner.py timed the {name} model's plans")
         for candidate, run, seconds in zip(chosen, runs, measured, strict=True):
             p = predict(candidate, shape, machine, opt_factor=optimizer_state_factor(candidate.plan))
             peak = run["peak"]
@@ -282,7 +289,9 @@ def main() -> int:
             }
             common.emit(row)
             rows.append(row)
-        common.emit(summary(rows, name))
+        common.emit(
+            {**summary(rows, name), "host_load": dataclasses.asdict(meter.load) if meter.load else None}
+        )
         every += rows
     if len(models) > 1:
         common.emit({**summary(every, "all"), "pick": None, "pick_ratio": None})

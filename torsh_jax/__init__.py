@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "ModelStructureError": "torsh_jax.errors",
     "RunLogError": "torsh_jax.errors",
     "PrecisionWarning": "torsh_jax.errors",
+    "BusyHostWarning": "torsh_jax.errors",
     # plans
     "ParallelPlan": "torsh_jax.plan",
     "MeshSpec": "torsh_jax.plan",
@@ -125,6 +126,7 @@ if TYPE_CHECKING:  # pragma: no cover - what a type checker sees; at run time __
     from torsh_jax.distributed import ProcessEnv, detect_environment, global_batch_from_local, initialize
     from torsh_jax.errors import (
         ArgumentError,
+        BusyHostWarning,
         CheckpointError,
         CheckpointUnreadableError,
         CompressionError,

@@ -32,6 +32,7 @@ __all__ = [
     "ModelStructureError",
     "RunLogError",
     "PrecisionWarning",
+    "BusyHostWarning",
 ]
 
 
@@ -126,3 +127,8 @@ class RunLogError(TorshError, ValueError):
 
 class PrecisionWarning(UserWarning):
     """A value changes dtype because of the plan's precision policy."""
+
+
+class BusyHostWarning(UserWarning):
+    """Other work took a share of the host while it was being measured (``torsh-jax calibrate``):
+    the figures may be slower than the host is."""

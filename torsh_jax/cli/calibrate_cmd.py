@@ -14,8 +14,11 @@ Example:
 from __future__ import annotations
 
 import argparse
+import sys
+import warnings
 
 from torsh_jax.cli.args import MAX_DEVICES, count_type
+from torsh_jax.errors import BusyHostWarning
 
 __all__ = ["register"]
 
@@ -66,7 +69,10 @@ def run(args: argparse.Namespace) -> int:
     largest = (
         {} if args.global_batch is None else {"max_examples_per_device": args.global_batch // len(devices)}
     )
-    machine = calibrate(devices, shape, repeats=args.repeats, **largest)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", BusyHostWarning)
+        machine = calibrate(devices, shape, repeats=args.repeats, **largest)
+    _show(caught)
     if jax.process_index() > 0:  # process 0 speaks for the job
         return 0
     if args.output:
@@ -82,10 +88,25 @@ def run(args: argparse.Namespace) -> int:
         f"{link.alpha_s * 1e6:.1f} us, beta {link.bytes_per_s / 1e9:.3f} GB/s{kinds}{_across(machine)}, "
         f"step overhead "
         f"{machine.step_overhead_s * 1e3:.2f} ms, recompute x{machine.recompute_cost:.2f} per layer"
-        f"{chunks}, {format_bytes(machine.memory_bytes)} per device"
+        f"{chunks}, {format_bytes(machine.memory_bytes)} per device{_busy(machine)}"
         + (f"; wrote {args.output}" if args.output else "")
     )
     return 0
+
+
+def _show(caught: list) -> None:
+    """A busy host in one line on stderr; any other warning as Python shows it."""
+    for w in caught:
+        if issubclass(w.category, BusyHostWarning):
+            print(f"torsh-jax calibrate: warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
+def _busy(machine) -> str:
+    """``, host 3 % busy with other work`` where the host was metered."""
+    load = machine.host_load
+    return f", host {load['others'] + load['steal']:.0%} busy with other work" if load else ""
 
 
 def _devices(count: int | None) -> list:

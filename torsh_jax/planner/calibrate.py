@@ -31,7 +31,11 @@ On the present devices (simulated CPU devices, or one host's accelerators):
 
 Times are medians of ``repeats`` runs after a warm-up; the passes, and the collectives, are each
 timed in the same rounds (one call of each in turn), so a drift of the host's speed does not fall
-on one of them alone. Nothing here is a constant.
+on one of them alone. Other work on the host does fall on them all: one process alone meters it
+(``host_load``, :mod:`~torsh_jax.planner.host_load`) and warns where it was busy. On the 2-core
+benchmark host, a calibration started as a compile in another process was being stopped put the
+smaller model's rate at 4 examples per device 19 % under a quiet one's, and its DDP steps 23 % over
+their measured times (benchmarks/README.md, run 14). Nothing here is a constant.
 
 ``calibrate(jax.devices(), parse_model("demo:150m"))`` runs all of them (50 small
 programs to compile, 12 of them compile-only; tests/test_calibrate_processes.py runs it through
@@ -49,11 +53,12 @@ import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import asdict, replace
 from functools import lru_cache, partial
 
 import numpy as np
 
+from torsh_jax.planner.host_load import HostMeter, warn_if_busy
 from torsh_jax.planner.machine import Link, Machine
 from torsh_jax.planner.shape import ModelShape
 
@@ -614,20 +619,39 @@ def calibrate(
     ``devices`` of several processes (a job ``torsh-jax launch``, Slurm or Ray started, joined by
     :func:`torsh_jax.distributed.initialize`; every process calls this): each process measures its
     own devices as above, the ``ici`` link among them, and all together the ``dcn`` link across
-    the processes (:func:`_process_link`); a process is a slice of the machine."""
+    the processes (:func:`_process_link`); a process is a slice of the machine.
+
+    One process alone meters the host while it measures (:attr:`Machine.host_load`) and warns
+    (:class:`~torsh_jax.errors.BusyHostWarning`) where other work took a share of it that slows
+    the figures (:data:`~torsh_jax.planner.host_load.BUSY_LIMIT`)."""
+    import jax
+
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    processes = len(devices) // devices_per_process(devices)  # refuses uneven processes first
+    with HostMeter() as meter:
+        machine = _measured(devices, local, processes, shape, repeats, max_examples_per_device, name)
+    if processes > 1:  # the job's other processes share the host by design
+        return machine
+    warn_if_busy(meter.load, "while calibrate measured")
+    return replace(machine, host_load=asdict(meter.load) if meter.load else {})
+
+
+def _measured(
+    devices, local: list, processes: int, shape: ModelShape, repeats: int, max_examples: int, name: str | None
+) -> Machine:
+    """What :func:`calibrate` measures, of ``local`` (this process's devices) and the link across
+    ``processes``."""
     import jax
     from jax.sharding import AxisType
 
     from torsh_jax.runtime.fit import device_memory_limit
 
-    local = [d for d in devices if d.process_index == jax.process_index()]
-    processes = len(devices) // devices_per_process(devices)  # refuses uneven processes first
     # a ``tensor`` axis of 1: the demo model's tensor blocks read its size
     mesh = jax.make_mesh(
         (len(local), 1), ("devices", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=local
     )
     overhead = _overhead(mesh, repeats)
-    seconds = _pass_seconds(mesh, shape, repeats, rate_rows(max_examples_per_device))
+    seconds = _pass_seconds(mesh, shape, repeats, rate_rows(max_examples))
     costs = _recompute_costs_by_tokens(shape, seconds)
     at_rows = _ROWS * shape.seq_len
     rates = _rates_by_tokens(shape, seconds[0])

@@ -175,6 +175,10 @@ class Machine:
             target: HBM bandwidth); ``None``: the update is not timed.
         platform: ``tpu``, ``gpu`` or ``cpu``.
         source: where the figures come from.
+        host_load: the shares of the host's cores other work took while ``calibrate`` measured
+            (``others``: other processes; ``steal``: the hypervisor, for other guests;
+            :mod:`~torsh_jax.planner.host_load`); empty where not metered (a target's figures, a
+            job of several processes, whose others run beside it by design).
     """
 
     name: str
@@ -200,6 +204,7 @@ class Machine:
     source: str = ""
     flops_per_s_by_tokens: dict[int, float] = field(default_factory=dict)
     recompute_costs_by_tokens: dict[int, dict[int, float]] = field(default_factory=dict)
+    host_load: dict[str, float] = field(default_factory=dict)
 
     def flops_per_s_at(self, tokens: int, /) -> float:
         """The per-device rate on micro-steps of ``tokens`` tokens: the measured count nearest in
