@@ -92,3 +92,21 @@ def test_the_cli_says_a_busy_host_in_one_line(tmp_path, capsys, monkeypatch):
     assert err == [f"torsh-jax calibrate: warning: while calibrate measured, {load.describe()}"], err
     assert "host 30% busy with other work" in captured.out
     assert Machine.load(path).host_load == {"others": 0.3, "steal": 0.0}
+
+
+def test_plan_says_when_its_machine_file_was_calibrated_on_a_busy_host(tmp_path, capsys):
+    require_devices(8)
+    tiny = ["--model", "demo:d_model=256,layers=4,vocab=256,seq_len=32", "--global-batch", "64", "--json"]
+    quiet, busy = tmp_path / "quiet.json", tmp_path / "busy.json"
+    quiet.write_text(replace(CPU8, host_load={"others": 0.01, "steal": 0.0}).to_json())
+    busy.write_text(replace(CPU8, host_load={"others": 0.25, "steal": 0.05}).to_json())
+    assert main(["plan", "--machine", str(quiet), *tiny]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and '"others": 0.01' in captured.out  # the JSON's machine.host_load
+    assert main(["plan", "--machine", str(busy), *tiny]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    load = HostLoad(others=0.25, steal=0.05)
+    assert err == [
+        f"torsh-jax plan: warning: {busy} was calibrated while {load.describe()}: its times may be slow; "
+        "calibrate again on a quiet host"
+    ], err

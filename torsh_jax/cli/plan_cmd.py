@@ -154,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
             },  # fmt: skip
             # the machine's compiled gradients are of this model: pipelines and ZeRO-3 cost them
             "compiled_gradients": machine.compiled_gradients_of(shape.signature),
+            "host_load": machine.host_load,  # how busy the host was while calibrate measured
             "source": machine.source,
         },
         "global_batch": args.global_batch,
@@ -206,6 +207,7 @@ def _machine(args: argparse.Namespace):
         )
     if args.machine is not None:
         machine, target = Machine.load(args.machine), None
+        _say_if_calibrated_busy(machine, args.machine)
         machine = machine if args.devices is None else machine.with_devices(args.devices)
     else:
         target = parse_target(args.target, slices=args.slices)
@@ -214,6 +216,19 @@ def _machine(args: argparse.Namespace):
         source = f"{machine.source}; memory per device from --memory-limit"
         machine = replace(machine, memory_bytes=args.memory_limit, source=source)
     return machine, target
+
+
+def _say_if_calibrated_busy(machine, path: str) -> None:
+    """One line on stderr where the machine file was measured on a busy host (its ``host_load``)."""
+    from torsh_jax.planner.host_load import recorded_busy
+
+    busy = recorded_busy(machine.host_load)
+    if busy is not None:
+        print(
+            f"torsh-jax plan: warning: {path} was calibrated while {busy.describe()}: its times may be "
+            "slow; calibrate again on a quiet host",
+            file=sys.stderr,
+        )
 
 
 def _verify_budget(verify: int | None, target) -> tuple[int, str | None]:

@@ -21,7 +21,16 @@ from dataclasses import dataclass
 
 from torsh_jax.errors import BusyHostWarning
 
-__all__ = ["BUSY_LIMIT", "CpuSample", "HostLoad", "HostMeter", "host_load", "sample", "warn_if_busy"]
+__all__ = [
+    "BUSY_LIMIT",
+    "CpuSample",
+    "HostLoad",
+    "HostMeter",
+    "host_load",
+    "recorded_busy",
+    "sample",
+    "warn_if_busy",
+]
 
 #: Share of the host's cores taken by other work (processes and steal together) from which a
 #: measurement counts as disturbed. An idle 2-core host measured here: 0.1 % over 5 s.
@@ -103,6 +112,20 @@ class HostMeter:
         end = sample()
         if self._start is not None and end is not None:
             self.load = host_load(self._start, end, psutil.cpu_count() or 1)
+
+
+def recorded_busy(recorded: dict[str, float], /) -> HostLoad | None:
+    """A machine file's :attr:`~torsh_jax.planner.machine.Machine.host_load` where it comes to
+    :data:`BUSY_LIMIT` or more; else (quiet, or not metered) ``None``.
+
+    Example:
+        >>> recorded_busy({"others": 0.3, "steal": 0.0})
+        HostLoad(others=0.3, steal=0.0)
+        >>> recorded_busy({"others": 0.01, "steal": 0.0}), recorded_busy({})  # quiet; not metered
+        (None, None)
+    """
+    load = HostLoad(**recorded) if recorded else None
+    return load if load is not None and load.busy >= BUSY_LIMIT else None
 
 
 def warn_if_busy(load: HostLoad | None, during: str, /) -> None:
