@@ -104,7 +104,7 @@ def _show(caught: list) -> None:
 
 
 def _busy(machine) -> str:
-    """``, host 3 % busy with other work`` where the host was metered."""
+    """``, host 3% busy with other work`` where the host was metered."""
     load = machine.host_load
     return f", host {load['others'] + load['steal']:.0%} busy with other work" if load else ""
 

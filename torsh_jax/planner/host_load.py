@@ -61,7 +61,7 @@ class HostLoad:
         return self.others + self.steal
 
     def describe(self) -> str:
-        """``other processes used 37 % of the host's cores and the hypervisor took 2 %``."""
+        """``other processes used 37% of the host's cores and the hypervisor took 2%``."""
         return (
             f"other processes used {self.others:.0%} of the host's cores and the hypervisor took "
             f"{self.steal:.0%}"
@@ -124,8 +124,8 @@ def recorded_busy(recorded: dict[str, float], /) -> HostLoad | None:
         >>> recorded_busy({"others": 0.01, "steal": 0.0}), recorded_busy({})  # quiet; not metered
         (None, None)
     """
-    load = HostLoad(**recorded) if recorded else None
-    return load if load is not None and load.busy >= BUSY_LIMIT else None
+    load = HostLoad(float(recorded.get("others", 0.0)), float(recorded.get("steal", 0.0)))
+    return load if load.busy >= BUSY_LIMIT else None
 
 
 def warn_if_busy(load: HostLoad | None, during: str, /) -> None:
