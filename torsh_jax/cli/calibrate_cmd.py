@@ -105,8 +105,10 @@ def _show(caught: list) -> None:
 
 def _busy(machine) -> str:
     """``, host 3% busy with other work`` where the host was metered."""
-    load = machine.host_load
-    return f", host {load['others'] + load['steal']:.0%} busy with other work" if load else ""
+    from torsh_jax.planner.host_load import HostLoad
+
+    load = HostLoad.recorded(machine.host_load)
+    return f", host {load.busy:.0%} busy with other work" if load is not None else ""
 
 
 def _devices(count: int | None) -> list:

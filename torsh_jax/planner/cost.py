@@ -271,10 +271,11 @@ def _memory(c: Candidate, shape: ModelShape, opt_factor: float, machine: Machine
     if _compiled_remat_bytes(c, shape, machine) is not None:
         # the compiled gradient's buffers hold the local gradient: the stored gradients are the
         # rest, but ZeRO-2's, a shard of it made beside it; ZeRO-3's, what its loop adds
-        gradients = count * pb - state.grad_bytes
         if on_use:  # and a share of a gathered layer beside them
             gathered = int(ZERO3_GATHERED_LAYERS * one_layer * cb)
             gradients = _accumulated_on_use_bytes(c, count * pb, shared * pb)
+        else:
+            gradients = count * pb - state.grad_bytes
     gradients += _accumulated_sum_bytes(c, roles.reduce, count * pb, layers * pb)
     chunk_copy, sum_copy = _interleaved_copies(c, layers, pb, cb)
     gathered += chunk_copy

@@ -56,9 +56,20 @@ class HostLoad:
     others: float
     steal: float
 
+    @classmethod
+    def recorded(cls, fields: dict[str, float], /) -> HostLoad | None:
+        """A machine file's :attr:`~torsh_jax.planner.machine.Machine.host_load`; ``None`` where it
+        was not metered (``{}``)."""
+        return cls(float(fields.get("others", 0.0)), float(fields.get("steal", 0.0))) if fields else None
+
     @property
     def busy(self) -> float:
         return self.others + self.steal
+
+    @property
+    def disturbs(self) -> bool:
+        """Other work took :data:`BUSY_LIMIT` of the host or more: the figures may be slow."""
+        return self.busy >= BUSY_LIMIT
 
     def describe(self) -> str:
         """``other processes used 37% of the host's cores and the hypervisor took 2%``."""
@@ -124,13 +135,13 @@ def recorded_busy(recorded: dict[str, float], /) -> HostLoad | None:
         >>> recorded_busy({"others": 0.01, "steal": 0.0}), recorded_busy({})  # quiet; not metered
         (None, None)
     """
-    load = HostLoad(float(recorded.get("others", 0.0)), float(recorded.get("steal", 0.0)))
-    return load if load.busy >= BUSY_LIMIT else None
+    load = HostLoad.recorded(recorded)
+    return load if load is not None and load.disturbs else None
 
 
 def warn_if_busy(load: HostLoad | None, during: str, /) -> None:
     """A :class:`~torsh_jax.errors.BusyHostWarning` where other work took :data:`BUSY_LIMIT` of
     the host or more ``during`` a measurement (``"while calibrate measured"``)."""
-    if load is not None and load.busy >= BUSY_LIMIT:
+    if load is not None and load.disturbs:
         message = f"{during}, {load.describe()}: its figures may be slow; run it again on a quiet host"
         warnings.warn(message, BusyHostWarning, stacklevel=3)
