@@ -13,7 +13,10 @@ nothing timed), so the run needs no quiet machine.
 "torsh-jax[tpu-aot]"``; about half a minute a plan on 2 cores): the TPU compiler's peak against
 the prediction from the target's figures (:mod:`torsh_jax.planner.compilers`), what ``plan
 --target`` ranks by before it compiles. A plan the compiler refuses for memory is printed with no
-``compiled`` peak and left out of the summaries.
+``compiled`` peak and left out of the summaries. ``--global-batch N`` compiles the set's plans at
+another global batch; ``--scheduler-off`` compiles with libtpu's latency-hiding scheduler off,
+which keeps no memory for overlapping collectives with compute (docs/planner.md: the scheduler
+takes memory the step does not need when it has room).
 
 Prints one ``planner_memory`` row per candidate (``plan``, ``kind``, ``predicted``, ``compiled``,
 ``error``) and one ``planner_memory_summary`` row per kind of plan and overall: ``plans``,
@@ -23,6 +26,7 @@ Usage:
     python benchmarks/bench_planner_memory.py [--model small|medium] [--match TEXT] [--every N]
         [--offset K] [--quick]
     python benchmarks/bench_planner_memory.py --tpu 150m|350m|1b|7b [--match TEXT]
+        [--global-batch N] [--scheduler-off]
 """
 
 from __future__ import annotations
@@ -78,6 +82,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--tpu", choices=sorted(TPU_SETS), help="compile this set of plans for its TPU target"
     )
+    parser.add_argument("--global-batch", type=int, help="with --tpu: this global batch, not the set's")
+    parser.add_argument(
+        "--scheduler-off", action="store_true", help="with --tpu: libtpu's latency-hiding scheduler off"
+    )
     return parser.parse_args()
 
 
@@ -108,29 +116,37 @@ def summary(rows: list[dict], kind: str) -> dict:
     }
 
 
-def tpu_rows(name: str, match: str) -> list[dict]:
-    """Each plan of ``TPU_SETS[name]`` compiled for its target against its prediction."""
+#: libtpu's flag that turns its latency-hiding scheduler off (``--scheduler-off``).
+SCHEDULER_OFF = "--xla_tpu_enable_latency_hiding_scheduler=false"
+
+
+def tpu_rows(name: str, match: str, global_batch: int | None = None) -> list[dict]:
+    """Each plan of ``TPU_SETS[name]`` compiled for its target (at ``global_batch``, else the
+    set's) against its prediction."""
     from torsh_jax.planner.machine import Machine
     from torsh_jax.planner.shape import parse_model
     from torsh_jax.planner.space import candidates
     from torsh_jax.targets import parse_target, target_devices
 
-    model, target_name, global_batch, labels = TPU_SETS[name]
+    model, target_name, set_batch, labels = TPU_SETS[name]
+    global_batch = global_batch or set_batch
     shape, machine, target = parse_model(model), Machine.from_target(target_name), parse_target(target_name)
     by_label = {c.label: c for c in candidates(shape, devices=machine.devices, global_batch=global_batch)}
     devices, rows = target_devices(target), []
+    scheduler = "off" if SCHEDULER_OFF in os.environ.get("LIBTPU_INIT_ARGS", "") else "on"
+    context = {"target": target_name, "global_batch": global_batch, "scheduler": scheduler}
     for label in (label for label in labels if match in label):
-        row = compared(
-            by_label[label], shape, machine, devices, model=model, target=target, target_name=target_name
-        )
+        row = compared(by_label[label], shape, machine, devices, model=model, target=target, context=context)
         if row["compiled"] is not None:  # refused for memory: no peak to compare
             rows.append(row)
     return rows
 
 
-def compared(candidate, shape, machine, devices, *, model: str, target=None, target_name: str = "") -> dict:
+def compared(
+    candidate, shape, machine, devices, *, model: str, target=None, context: dict | None = None
+) -> dict:
     """The candidate's predicted memory against its compiled peak (over ``devices``, a
-    ``target``'s with it): one ``planner_memory`` row, printed."""
+    ``target``'s with it): one ``planner_memory`` row with ``context``'s keys, printed."""
     from torsh_jax.planner.cost import optimizer_state_factor, predict
     from torsh_jax.planner.rank import verify
 
@@ -139,12 +155,13 @@ def compared(candidate, shape, machine, devices, *, model: str, target=None, tar
     row = {
         "name": "planner_memory",
         "model": model,
-        **({"target": target_name} if target_name else {}),
+        **(context or {}),
         "plan": candidate.label,
         "kind": kind_of(candidate),
         "predicted": predicted.memory["total"],
         "compiled": compiled["peak"],
         "error": compiled["memory_error"],
+        "fits": compiled["fits"],
     }
     common.emit(row)
     return row
@@ -161,7 +178,10 @@ def main() -> int:
     args = parse_args()
     if args.tpu:  # torsh_jax.targets sets libtpu's environment; the host's devices stay CPUs
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        emit_summaries(tpu_rows(args.tpu, args.match))
+        if args.scheduler_off:  # read by libtpu when it starts
+            given = os.environ.get("LIBTPU_INIT_ARGS", "")
+            os.environ["LIBTPU_INIT_ARGS"] = f"{given} {SCHEDULER_OFF}".strip()
+        emit_summaries(tpu_rows(args.tpu, args.match, args.global_batch))
         return 0
     common.setup_devices(8)
     import jax
