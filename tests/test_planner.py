@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 
 import pytest
 from conftest import require_devices
@@ -383,6 +384,38 @@ def test_plan_cli_without_a_machine_or_with_two_is_one_line(tmp_path, capsys):
 def _plan_json(capsys, *args) -> dict:
     assert main(["plan", "--model", TINY, "--global-batch", "64", "--json", "--top", "1000", *args]) == 0
     return json.loads(capsys.readouterr().out)
+
+
+def test_the_plan_table_shows_each_axis_communication_as_the_json_has_it(capsys):
+    """A column per mesh axis some listed plan communicates over, in the axes' order; each row's
+    figure is the plan's ``comm_s`` for that axis, ``-`` where it has none."""
+    args = [
+        "plan",
+        "--model",
+        TINY,
+        "--target",
+        "v5e-8",
+        "--slices",
+        "2",
+        "--global-batch",
+        "64",
+        "--verify",
+        "0",
+    ]
+    args += ["--base", "ddp", "--top", "40"]
+    assert main([*args, "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("plan "))
+    axes = [a for a in ("data", "fsdp", "tensor", "stage") if any(a in p["comm_s"] for p in plans)]
+    assert len(axes) >= 3 and re.findall(r"(\w+) comm", lines[head]) == axes
+    assert set(lines[head + 1]) == {"-"}
+    for p, line in zip(plans, lines[head + 2 : head + 2 + len(plans)], strict=True):
+        assert line.startswith(p["label"] + "  ")
+        cells = re.findall(r"(?:\d+\.\d ms|-)(?=\s|$)", line[len(p["label"]) :])
+        shown = cells[3 : 3 + len(axes)]  # after step, compute and bubble
+        assert shown == [f"{p['comm_s'][a] * 1e3:.1f} ms" if a in p["comm_s"] else "-" for a in axes]
 
 
 def test_plan_for_another_count_of_a_machine_files_devices_and_under_a_memory_limit(tmp_path, capsys):
@@ -858,7 +891,7 @@ def test_plan_shows_the_compiled_plans_that_did_not_fit_beside_the_pick(monkeypa
     assert pick["compiled"]["exposed_s"] == pytest.approx(sum(pick["comm_s"].values()))
     seen.clear()
     assert main([*table_args, "--verify", "3"]) == 0
-    [row] = [line for line in capsys.readouterr().out.splitlines() if line.startswith(seen[1] + " ")]
+    [row] = [line for line in capsys.readouterr().out.splitlines() if line.startswith(seen[1] + "  ")]
     assert row.endswith(f"; step {pick['compiled']['step_s'] * 1e3:.1f} ms")  # the step its schedule gives
 
     # with compiles of 50 s (a fake clock) and --verify-seconds 60, the second is not started

@@ -23,6 +23,9 @@ TARGET_VERIFY = 3
 #: ``plan`` answers within 2 minutes on a slow host too.
 VERIFY_SECONDS = 90
 
+#: The mesh axes in the table's order, each with a column for its communication where a plan has it.
+AXES = ("data", "fsdp", "tensor", "stage")
+
 #: Said when a target's plans are predicted but not compiled, with the reason.
 UNVERIFIED = "memory predicted, not compiled: {}"
 
@@ -260,24 +263,18 @@ def _verify(prediction, shape, target, machine) -> dict:
 
 
 def _table(report: dict) -> str:
+    """The report as text: the model and machine, the plans as a table (:func:`_plans_table`), the
+    pick and the rules of thumb."""
     from torsh_jax.units import format_bytes
 
     m = report["machine"]
-    width = max([44] + [len(p["label"]) + (0 if p["fits"] else 16) for p in report["plans"]])
     lines = [
         f"{report['model']['name']} ({report['model']['params'] / 1e6:,.0f} M parameters), global batch "
         f"{report['global_batch']}, on {m['name']} ({m['devices']} devices, "
         f"{format_bytes(m['memory_bytes'])} each)",
         f"{report['candidates']} plans considered, {report['fitting']} fit; predicted per step:",
-        f"{'plan':<{width}} {'step':>9} {'compute':>9} {'bubble':>8} {'exposed':>9} {'memory':>10}  compiled",
+        _rendered(_plans_table(report["plans"])),
     ]
-    for p in report["plans"]:
-        fits = "" if p["fits"] else " (does not fit)"
-        lines.append(
-            f"{p['label'] + fits:<{width}} {_ms(p['step_s']):>9} {_ms(p['compute_s']):>9} "
-            f"{_ms(p['bubble_s']):>8} {_ms(p['exposed_s']):>9} {format_bytes(p['memory']['total']):>10}  "
-            + _compiled_text(p["compiled"])
-        )
     if report["pick"]:
         lines.append(f"pick: {report['pick']}")
     elif report.get("verify_stopped"):
@@ -293,6 +290,49 @@ def _table(report: dict) -> str:
     if report["output_remat"]:
         lines.append(REMAT_NOTE)
     return "\n".join(lines)
+
+
+def _plans_table(plans: list[dict]):
+    """One row per plan: the predicted step and its parts (compute, bubble, each mesh axis's
+    communication before overlap, the exposed part of it), memory per device and what the compiler
+    said."""
+    from rich import box
+    from rich.table import Table
+
+    from torsh_jax.units import format_bytes
+
+    axes = [a for a in AXES if any(a in p["comm_s"] for p in plans)]
+    rule = box.Box(
+        "    \n    \n -- \n    \n    \n    \n    \n    \n", ascii=True
+    )  # a dashed line under the head
+    table = Table(box=rule, show_edge=False, pad_edge=False)
+    table.add_column("plan", no_wrap=True)
+    for name in ("step", "compute", "bubble", *(f"{a} comm" for a in axes), "exposed", "memory"):
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("compiled", no_wrap=True)
+    for p in plans:
+        comm = [_ms(p["comm_s"][a]) if a in p["comm_s"] else "-" for a in axes]
+        table.add_row(
+            p["label"] + ("" if p["fits"] else " (does not fit)"),
+            *(_ms(p[k]) for k in ("step_s", "compute_s", "bubble_s")),
+            *comm,
+            _ms(p["exposed_s"]),
+            format_bytes(p["memory"]["total"]),
+            _compiled_text(p["compiled"]),
+        )
+    return table
+
+
+def _rendered(table) -> str:
+    """``table`` as plain text at its own width: squeezed into a narrow terminal, its figures would
+    be cut short."""
+    import io
+
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=10_000, color_system=None, highlight=False)
+    console.print(table)
+    return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines())
 
 
 def _compiled_text(compiled: dict | None) -> str:
