@@ -59,7 +59,7 @@ def test_a_description_with_its_own_heads_and_mlp_width_is_that_model_and_its_ac
     import jax
 
     from torsh_jax.demo.model import init_params, param_count
-    from torsh_jax.planner.cost import full_layer_bytes_per_token
+    from torsh_jax.planner.memory import full_layer_bytes_per_token
 
     narrow = parse_model("demo:d_model=256,layers=2,vocab=512,seq_len=64,heads=8,mlp=688")
     cfg = narrow.demo_config()
@@ -671,7 +671,7 @@ def test_a_pipeline_stage_holds_its_stash_and_its_chunks_compiled_gradient(tiny)
     compiled comes from the nearest one compiled by the per-layer bytes; without, the formula."""
     from dataclasses import replace
 
-    from torsh_jax.planner.cost import _stash_rows, full_layer_bytes_per_token
+    from torsh_jax.planner.memory import _stash_rows, full_layer_bytes_per_token
 
     by_label = {c.label: c for c in candidates(tiny, devices=8, global_batch=64)}
     compiled = {1: (1000.0, 300.0), 4: (5000.0, 900.0)}
@@ -706,17 +706,18 @@ def test_accumulation_a_stage_gathered_once_and_a_chunk_over_tensor_hold_what_th
     from dataclasses import replace
 
     from torsh_jax.analysis.theory import DTYPE_BYTES
-    from torsh_jax.planner.cost import _local_params, _stash_rows, _tensor_share
+    from torsh_jax.planner.memory import _stash_rows, _tensor_share
+    from torsh_jax.planner.per_device import local_params
 
     by_label = {c.label: c for c in candidates(tiny, devices=8, global_batch=64)}
     memory = lambda label, m=CPU8: predict(by_label[label], tiny, m).memory
     stage = "pp fsdp=4 stage=2 1f1b m=2 {} acc={}"
-    params = sum(_local_params(by_label[stage.format("zero1", 1)], tiny)) * 4  # float32
+    params = sum(local_params(by_label[stage.format("zero1", 1)], tiny)) * 4  # float32
     added = lambda zero: (
         memory(stage.format(zero, 2))["gradients"] - memory(stage.format(zero, 1))["gradients"]
     )
     assert added("zero1") == params and added("zero2") == params // 4 and added("zero3") == params // 4
-    whole, layers = (sum(_local_params(by_label["ddp data=8 acc=1"], tiny)[:n]) * 4 for n in (2, 1))
+    whole, layers = (sum(local_params(by_label["ddp data=8 acc=1"], tiny)[:n]) * 4 for n in (2, 1))
     for label, expected in (("ddp data=8 {}acc={}", whole), ("ddp data=8 remat {}acc={}", layers)):
         more = memory(label.format("", 2))["gradients"] - memory(label.format("", 1))["gradients"]
         assert more == expected  # with each layer recomputed, the stacked layers' sum only
@@ -728,7 +729,7 @@ def test_accumulation_a_stage_gathered_once_and_a_chunk_over_tensor_hold_what_th
     assert held["gradients"] == 2 * params - params // 4  # the whole gradient and its reduced copy
 
     # an interleaved stage copies a chunk's parameters and, not accumulating, its layers' gradients
-    layers = _local_params(by_label[stage.format("zero1", 1)], tiny)[0] * 4
+    layers = local_params(by_label[stage.format("zero1", 1)], tiny)[0] * 4
     interleaved = "pp fsdp=4 stage=2 interleaved v=2 m=2 zero1 acc={}"
     for steps, copied in ((1, layers), (2, 0)):
         plain, split = memory(stage.format("zero1", steps)), memory(interleaved.format(steps))
@@ -755,13 +756,14 @@ def test_zero3_on_the_compiled_line_holds_part_of_a_layer_and_accumulating_its_s
     ``tensor``."""
     from dataclasses import replace
 
-    from torsh_jax.planner.cost import ZERO3_GATHERED_LAYERS, _local_params
+    from torsh_jax.planner.memory import ZERO3_GATHERED_LAYERS
+    from torsh_jax.planner.per_device import local_params
 
     line = replace(CPU8, remat_gradient_bytes=(5e5, 2e4), compiled_for=tiny.signature)
     by_label = {c.label: c for c in candidates(tiny, devices=8, global_batch=64)}
     memory = lambda label, m=line: predict(by_label[label], tiny, m).memory
     for family, fsdp in (("zero3 fsdp=8 acc={}", 8), ("zero3 fsdp=4 tensor=2 acc={}", 4)):
-        layers, shared = (n * 4 for n in _local_params(by_label[family.format(1)], tiny))  # float32
+        layers, shared = (n * 4 for n in local_params(by_label[family.format(1)], tiny))  # float32
         one, two = memory(family.format(1)), memory(family.format(2))
         assert one["gradients"] == 0 and two["gradients"] == (layers + shared) // fsdp + shared
         assert one["gathered"] == int(ZERO3_GATHERED_LAYERS * layers // tiny.layers)  # float32

@@ -1,10 +1,10 @@
 """The planner: which plan fits and runs fastest for a model on a machine, predicted and checked.
 
 Candidates (:mod:`~torsh_jax.planner.space`) are whole plans for the devices and the global batch;
-the cost model (:mod:`~torsh_jax.planner.cost`) predicts each one's memory and step time from the
-plan theory's collectives and the machine's figures (:mod:`~torsh_jax.planner.machine`);
-:func:`search` ranks them and :func:`verify` compiles one to put the compiler's memory beside the
-prediction. Public names load on first use.
+the cost model (:mod:`~torsh_jax.planner.cost`, its memory part :mod:`~torsh_jax.planner.memory`)
+predicts each one's memory and step time from the plan theory's collectives and the machine's
+figures (:mod:`~torsh_jax.planner.machine`); :func:`search` ranks them and :func:`verify` compiles
+one to put the compiler's memory beside the prediction. Public names load on first use.
 
 Example:
     >>> from torsh_jax.planner import Machine, ModelShape, search

@@ -387,14 +387,14 @@ def _update_bytes_per_s(mesh, repeats: int, elements: int = 1 << 20) -> float:
 
 def activation_scales(shape: ModelShape, device, /) -> tuple[float, float]:
     """``(activation_scale, recompute_scale)``: the compiler's bytes per token over the cost model's
-    per-layer formula (:func:`~torsh_jax.planner.cost.full_layer_bytes_per_token`) of a layer's
+    per-layer formula (:func:`~torsh_jax.planner.memory.full_layer_bytes_per_token`) of a layer's
     activations, and of the working set while one layer is recomputed in the backward pass.
 
     From the temporaries of the model's gradient at two and four layers, plain and with each layer
     recomputed, compiled for ``device`` (one of a target's compile-only devices too: nothing runs):
     with ``plain(L) = C + L F`` and ``recomputed(L) = C + L S + W`` (``F``: a layer's activations,
     ``S``: its saved input, ``W``: the working set), ``W = recomputed(2) - plain(2) + 2 F - 2 S``."""
-    from torsh_jax.planner.cost import full_layer_bytes_per_token
+    from torsh_jax.planner.memory import full_layer_bytes_per_token
 
     plain = [_gradient_temp_bytes(shape, n, False, _ROWS, device) for n in (2, 4)]
     recomputed = [_gradient_temp_bytes(shape, n, True, _ROWS, device) for n in (2, 4)]

@@ -1,0 +1,93 @@
+"""What one device of a candidate plan holds and runs, which both its memory and its step time
+read: its parameters before ZeRO, its micro-step's tokens, which layers run forward again, and the
+figures of its pipeline's schedule table.
+
+Example:
+    >>> from torsh_jax.planner.shape import ModelShape
+    >>> from torsh_jax.planner.space import candidates
+    >>> shape = ModelShape.demo("tiny")
+    >>> found = {c.label: c for c in candidates(shape, devices=8, global_batch=64)}
+    >>> recomputed(found["zero3 fsdp=8 acc=1"]), recomputed(found["zero1 fsdp=8 acc=1"])
+    (True, False)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+from torsh_jax.pipeline.schedule import IDLE, build_pipeline_schedule
+from torsh_jax.pipeline.slots import slot_plan
+from torsh_jax.planner.shape import ModelShape
+from torsh_jax.planner.space import Candidate
+
+__all__ = [
+    "local_params",
+    "layer_remat",
+    "recomputed",
+    "tokens_per_micro_step",
+    "chunk_layers",
+    "ScheduleFigures",
+    "schedule_figures",
+]
+
+
+def local_params(c: Candidate, shape: ModelShape) -> tuple[int, int]:
+    """(parameters of one device's layers, of its embedding and head) before ZeRO, per tensor shard."""
+    t, s = c.sizes["tensor"], c.sizes["stage"]
+    return shape.layers // s * shape.layer_params // t, (shape.embed_params + shape.head_params) // t
+
+
+def layer_remat(c: Candidate) -> bool:
+    """Each layer runs forward again in its backward pass, from its saved input: ZeRO-3 gathering
+    each layer on use."""
+    return c.remat or c.plan.zero.stage == 3 and c.sizes["fsdp"] > 1 and c.sizes["stage"] == 1
+
+
+def recomputed(c: Candidate) -> bool:
+    """The layers' forward runs twice: per layer (:func:`layer_remat`) or per pipeline chunk (a
+    stage's backward recomputes its chunk from the stashed input)."""
+    return layer_remat(c) or c.sizes["stage"] > 1
+
+
+def tokens_per_micro_step(c: Candidate, shape: ModelShape) -> int:
+    """Tokens of one device's micro-step (a pipeline micro-batch under a pipeline)."""
+    rows = c.plan.batch.micro_batch_size
+    if c.sizes["stage"] > 1:
+        rows //= c.plan.pipeline.microbatches
+    return rows * shape.seq_len
+
+
+def chunk_layers(c: Candidate, shape: ModelShape) -> int:
+    """Layers of one pipeline chunk (a stage's layers over its virtual stages)."""
+    return max(1, shape.layers // (c.sizes["stage"] * c.plan.pipeline.virtual_stages))
+
+
+class ScheduleFigures(NamedTuple):
+    """What the cost model reads of a pipeline's schedule table: idle over busy slots, the runtime's
+    activation, gradient and ``W`` stash slots, the ``ppermute`` collectives one pass runs
+    (each tick that sends forward runs one, each that sends backward another), and whether its
+    backwards are split into ``B`` and ``W`` (ZB-H1)."""
+
+    idle_fraction: float
+    stash: tuple[int, int, int]
+    permutes: int
+    splits_backward: bool
+
+
+def schedule_figures(c: Candidate) -> ScheduleFigures:
+    pipe = c.plan.pipeline
+    return _table_figures(pipe.schedule, c.sizes["stage"], pipe.microbatches, pipe.virtual_stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def _table_figures(name: str, stages: int, microbatches: int, virtual_stages: int) -> ScheduleFigures:
+    table = build_pipeline_schedule(
+        name, stages=stages, microbatches=microbatches, virtual_stages=virtual_stages
+    )
+    idle = int((table.table[..., 0] == IDLE).sum())
+    slots = slot_plan(table)
+    stash = (slots.activation_slots, slots.gradient_slots, slots.weight_slots)
+    permutes = int(slots.sends_forward.any(axis=1).sum() + slots.sends_backward.any(axis=1).sum())
+    idle_fraction = idle / (table.table[..., 0].size - idle)
+    return ScheduleFigures(idle_fraction, stash, permutes, table.splits_backward)
