@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 from torsh_jax.plan import ParallelPlan, PipelineSpec, TensorSpec
 from torsh_jax.planner.shape import ModelShape
 
-__all__ = ["compressed_buffers", "tensor_replicated_elements"]
+__all__ = ["compressed_buffers", "tensor_replicated_elements", "tensor_split_elements", "TensorSplit"]
 
 AXES = ("data", "fsdp", "tensor", "stage")
 
@@ -50,6 +51,54 @@ def tensor_replicated_elements(shape: ModelShape, plan: ParallelPlan, sizes: dic
         return 0
     params, _, _, split = _leaves(shape, _key(plan), tuple(sizes[a] for a in AXES))
     return sum(math.prod(dims) for dims, axes in zip(params, split, strict=True) if not axes)
+
+
+class TensorSplit(NamedTuple):
+    """What a plan splits over ``tensor`` of a model's parameters (:func:`tensor_split_elements`).
+
+    Attributes:
+        layer: elements of one layer split (whole counts, before the split).
+        shared: elements of the embedding and head split.
+        vocab: the share of the vocabulary projection's elements split (the head's matrices with a
+            ``vocab`` dim; a tied model's, the embedding's): the logits are split as it is.
+    """
+
+    layer: int
+    shared: int
+    vocab: float
+
+
+def tensor_split_elements(shape: ModelShape, plan: ParallelPlan, sizes: dict[str, int]) -> TensorSplit | None:
+    """What the plan's rules split over ``tensor`` of the model's parameters, as the runtime lays
+    them out; ``None`` without leaves or a ``tensor`` axis. A model whose names the rules do not
+    know keeps those parameters whole on every tensor device.
+
+    Example:
+        >>> from torsh_jax.plan import ParallelPlan
+        >>> from torsh_jax.planner.shape import parse_model
+        >>> shape = parse_model("demo:d_model=256,layers=4,vocab=256,seq_len=32")
+        >>> sizes = {"data": 4, "fsdp": 1, "tensor": 2, "stage": 1}
+        >>> split = tensor_split_elements(shape, ParallelPlan(), sizes)
+        >>> whole = shape.embed_params + shape.head_params - split.shared  # positions, the final norm
+        >>> shape.layer_params - split.layer, whole, split.vocab  # the layer's norms stay whole
+        (512, 8448, 1.0)
+    """
+    if not shape.leaves or sizes["tensor"] == 1:
+        return None
+    _, _, _, axes = _leaves(shape, _key(plan), tuple(sizes[a] for a in AXES))
+    layer = shared = 0
+    vocab = {True: [0, 0], False: [0, 0]}  # under the head's keys or not: [split, all] elements
+    for (path, dims), split in zip(shape.leaves, axes, strict=True):
+        top, n, is_split = path.split("/")[0], math.prod(dims), "tensor" in split
+        if top == shape.layers_key:
+            layer += math.prod(dims[1:]) if is_split else 0
+            continue
+        shared += n if is_split else 0
+        if len(dims) == 2 and shape.vocab in dims and shape.d_model in dims:
+            found = vocab[top in shape.head_keys]
+            found[0], found[1] = found[0] + n * is_split, found[1] + n
+    split, total = vocab[True] if vocab[True][1] else vocab[False]
+    return TensorSplit(layer, shared, split / total if total else 1.0)
 
 
 def _key(plan: ParallelPlan) -> tuple:
@@ -83,15 +132,19 @@ def _leaves(shape: ModelShape, key: tuple, axis_sizes: tuple[int, ...]):
 
     from torsh_jax.plan.roles import compose
     from torsh_jax.runtime.fsdp import shard_dims, sharded_specs
+    from torsh_jax.runtime.layered import LayeredModel
     from torsh_jax.runtime.layout import split_axes
+    from torsh_jax.runtime.params import with_auto_tensor_names
     from torsh_jax.runtime.pipeline.stages import stage_specs
     from torsh_jax.runtime.specs import param_specs
 
-    plan, sizes = _plan(key), dict(zip(AXES, axis_sizes, strict=True))
-    mesh, roles = AbstractMesh(axis_sizes, AXES), compose(plan, sizes)
+    sizes, mesh = dict(zip(AXES, axis_sizes, strict=True)), AbstractMesh(axis_sizes, AXES)
     params = _params_like(shape, jax.ShapeDtypeStruct, "float32")
-    compute = stage_specs(param_specs(params, plan, mesh), params, plan, roles, "layers")
-    dims = shard_dims(params, plan, mesh, roles=roles, specs=compute, stacked_key="layers")
+    layers = LayeredModel(None, None, None, layers_key=shape.layers_key)  # where the runtime reads it
+    plan = with_auto_tensor_names(_plan(key), params, layers, mesh)  # ``tensor.rules = "auto"``: names
+    roles = compose(plan, sizes)
+    compute = stage_specs(param_specs(params, plan, mesh), params, plan, roles, shape.layers_key)
+    dims = shard_dims(params, plan, mesh, roles=roles, specs=compute, stacked_key=shape.layers_key)
     update = sharded_specs(compute, dims) if roles.opt_state_sharded else compute
     held = update if roles.gather == "on_use" else compute  # ZeRO-3 synchronises its stored shards
     specs = jax.tree.leaves(held, is_leaf=lambda x: isinstance(x, PartitionSpec))

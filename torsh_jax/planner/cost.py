@@ -68,6 +68,7 @@ from torsh_jax.planner.per_device import (
     local_params,
     recomputed,
     schedule_figures,
+    tensor_shares,
     tokens_per_micro_step,
 )
 from torsh_jax.planner.shape import ModelShape
@@ -211,9 +212,22 @@ def _compute_seconds(c: Candidate, shape: ModelShape, machine: Machine) -> float
     :func:`_rate_tokens`)."""
     replicas = c.sizes["data"] * c.sizes["fsdp"]
     tokens = c.plan.batch.global_batch_size(replicas) * shape.seq_len // replicas
-    flops = tokens * shape.train_flops_per_token(recompute=False) / (c.sizes["tensor"] * c.sizes["stage"])
+    flops = tokens * shape.train_flops_per_token(recompute=False) * _device_flops_share(c, shape)
     rate = machine.flops_per_s_at(_rate_tokens(c, shape))
     return flops / rate * recompute_cost(c, shape, machine)
+
+
+def _device_flops_share(c: Candidate, shape: ModelShape) -> float:
+    """The share of a replica's FLOPs one device runs: a ``1/stage`` of the layers, and over
+    ``tensor`` a ``1/tensor`` share of the FLOPs of what the plan splits (the layers' at their
+    parameters' split share, the head's projection as the plan splits it), the rest on
+    every tensor device (:func:`~torsh_jax.planner.per_device.tensor_shares`)."""
+    t = c.sizes["tensor"]
+    layer, _, vocab = tensor_shares(c, shape)
+    total = shape.forward_flops_per_token()
+    head = 2 * shape.vocab * shape.d_model
+    split = (total - head) * layer + head * vocab
+    return (split / t + total - split) / total / c.sizes["stage"]
 
 
 def update_bytes(elements: float, /, *, param_bytes: int, opt_factor: float) -> float:

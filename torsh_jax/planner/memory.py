@@ -56,6 +56,7 @@ from torsh_jax.planner.per_device import (
     local_params,
     recomputed,
     schedule_figures,
+    tensor_shares,
     tokens_per_micro_step,
 )
 from torsh_jax.planner.shape import ModelShape
@@ -252,14 +253,30 @@ def _logit_bytes_per_token(shape: ModelShape, tensor: int = 1) -> float:
     return 2 * shape.vocab / tensor * 4
 
 
+def _split_layer_bytes_per_token(c: Candidate, shape: ModelShape) -> float:
+    """:func:`full_layer_bytes_per_token` at the candidate's ``tensor``, for the share of a layer
+    the plan splits over it; the rest of the layer's activations whole
+    (:func:`~torsh_jax.planner.per_device.tensor_shares`)."""
+    t, sp = c.sizes["tensor"], c.plan.tensor.sequence_parallel
+    layer, _, _ = tensor_shares(c, shape)
+    return layer * full_layer_bytes_per_token(shape, t, sp) + (1 - layer) * full_layer_bytes_per_token(shape)
+
+
+def _split_logit_bytes_per_token(c: Candidate, shape: ModelShape) -> float:
+    """:func:`_logit_bytes_per_token` of a device: over ``tensor``, split as the plan splits the
+    vocabulary projection (whole where it keeps it whole)."""
+    _, _, vocab = tensor_shares(c, shape)
+    t = c.sizes["tensor"]
+    return vocab * _logit_bytes_per_token(shape, t) + (1 - vocab) * _logit_bytes_per_token(shape)
+
+
 def _activation_bytes(c: Candidate, shape: ModelShape, machine: Machine) -> tuple[int, int]:
     """(activations, logits) of one device at its peak (see the module docstring)."""
     t = c.sizes["tensor"]
     scale = DTYPE_BYTES[c.plan.precision.compute_dtype] / 2  # the formulas count 16-bit activations
-    formula = full_layer_bytes_per_token(shape, t, c.plan.tensor.sequence_parallel)
-    full = formula * machine.activation_scale
+    full = _split_layer_bytes_per_token(c, shape) * machine.activation_scale
     tokens = tokens_per_micro_step(c, shape)
-    logits = int(_logit_bytes_per_token(shape, t) * tokens)
+    logits = int(_split_logit_bytes_per_token(c, shape) * tokens)
     if c.sizes["stage"] > 1:
         return _stage_activation_bytes(c, shape, machine, full * scale, tokens, logits), logits
     compiled = _compiled_remat_bytes(c, shape, machine)
@@ -299,8 +316,7 @@ def _stage_activation_bytes(
 def _tensor_share(c: Candidate, shape: ModelShape) -> float:
     """A device's share under ``tensor`` of a layer's activations (the formula's, at ``tensor``
     over at 1): what scales the compiled whole-layer programs' bytes per token."""
-    t, sp = c.sizes["tensor"], c.plan.tensor.sequence_parallel
-    return full_layer_bytes_per_token(shape, t, sp) / full_layer_bytes_per_token(shape)
+    return _split_layer_bytes_per_token(c, shape) / full_layer_bytes_per_token(shape)
 
 
 def _compiled_chunk_bytes(
@@ -328,7 +344,7 @@ def _compiled_chunk_bytes(
         per_token += (chunk - k) * layer_bytes / share  # a whole layer's
     logits = _logit_bytes_per_token(shape)
     outside = _outside_layers_per_token(found, logits)
-    split_logits = _logit_bytes_per_token(shape, c.sizes["tensor"])
+    split_logits = _split_logit_bytes_per_token(c, shape)
     return fixed + ((per_token - outside) * share + outside - logits + split_logits) * tokens
 
 
@@ -368,7 +384,7 @@ def _compiled_remat_bytes(c: Candidate, shape: ModelShape, machine: Machine) -> 
     saved = _saved_input_bytes_per_token(shape) * 2  # compiled in float32
     rest = max(per_token - saved - _logit_bytes_per_token(shape), 0.0)
     split = t if c.plan.tensor.sequence_parallel else 1
-    return fixed, saved / split + rest * _tensor_share(c, shape) + _logit_bytes_per_token(shape, t)
+    return fixed, saved / split + rest * _tensor_share(c, shape) + _split_logit_bytes_per_token(c, shape)
 
 
 def _saved_input_bytes_per_token(shape: ModelShape) -> float:

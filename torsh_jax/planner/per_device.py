@@ -18,11 +18,13 @@ from typing import NamedTuple
 
 from torsh_jax.pipeline.schedule import IDLE, build_pipeline_schedule
 from torsh_jax.pipeline.slots import slot_plan
+from torsh_jax.planner.buffers import tensor_split_elements
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Candidate
 
 __all__ = [
     "local_params",
+    "tensor_shares",
     "layer_remat",
     "recomputed",
     "tokens_per_micro_step",
@@ -33,9 +35,25 @@ __all__ = [
 
 
 def local_params(c: Candidate, shape: ModelShape) -> tuple[int, int]:
-    """(parameters of one device's layers, of its embedding and head) before ZeRO, per tensor shard."""
+    """(parameters of one device's layers, of its embedding and head) before ZeRO: over ``tensor``,
+    a ``1/tensor`` share of what the plan splits and the rest whole (:func:`tensor_shares`)."""
     t, s = c.sizes["tensor"], c.sizes["stage"]
-    return shape.layers // s * shape.layer_params // t, (shape.embed_params + shape.head_params) // t
+    layer, shared, _ = tensor_shares(c, shape)
+    one_layer = shape.layer_params * (layer / t + 1 - layer)
+    both = shape.embed_params + shape.head_params
+    return shape.layers // s * round(one_layer), round(both * (shared / t + 1 - shared))
+
+
+def tensor_shares(c: Candidate, shape: ModelShape) -> tuple[float, float, float]:
+    """The shares the candidate's plan splits over ``tensor`` of one layer's parameters, of the
+    embedding's and head's, and of the vocabulary projection's (the logits'), as its rules lay the
+    model's parameters out (:func:`~torsh_jax.planner.buffers.tensor_split_elements`); a shape
+    without parameter paths: all of them."""
+    found = tensor_split_elements(shape, c.plan, c.sizes)
+    if found is None:
+        return 1.0, 1.0, 1.0
+    both = shape.embed_params + shape.head_params
+    return found.layer / shape.layer_params, found.shared / both if both else 1.0, found.vocab
 
 
 def layer_remat(c: Candidate) -> bool:

@@ -46,8 +46,15 @@ class ModelShape:
         mlp: MLP hidden width (the tensor axis must divide it).
         name: how the user named it.
         leaves: ``(path, shape)`` of every parameter, in ``jax.tree`` order (paths ``/``-joined as
-            plan keys write them; :meth:`from_params` records them): what the planner lays out in
-            gradient buckets to count compressed bytes (empty: unknown).
+            plan keys write them; :meth:`from_params` records them): what the planner lays out as
+            the runtime does, to count compressed bytes and what the plan splits over ``tensor``
+            (empty: unknown).
+        layers_key: the top-level key of the stacked layers in :attr:`leaves`.
+        head_keys: the top-level keys of the head's parameters in :attr:`leaves` (a tied embedding
+            is the embedding's).
+        tensor_blocks: the model is written with :mod:`torsh_jax.tensor` blocks (the demo model), so
+            its activations between blocks can be split over ``tensor`` (sequence parallelism); the
+            compiler partitions any other model over ``tensor`` on whole activations.
     """
 
     embed_params: int
@@ -61,6 +68,9 @@ class ModelShape:
     mlp: int
     name: str = "model"
     leaves: tuple[tuple[str, tuple[int, ...]], ...] = field(default=(), repr=False)
+    layers_key: str = "layers"
+    head_keys: tuple[str, ...] = ("head",)
+    tensor_blocks: bool = True
 
     @property
     def signature(self) -> str:
@@ -104,7 +114,8 @@ class ModelShape:
     ) -> ModelShape:
         """From a layered model's parameters (arrays or shapes): ``params[layers_key]`` stacked on a
         leading dim, ``head_keys`` after the blocks, the rest before them; ``widths`` gives
-        ``d_model``, ``seq_len``, ``vocab``, ``heads``, ``mlp``."""
+        ``d_model``, ``seq_len``, ``vocab``, ``heads``, ``mlp`` (and ``tensor_blocks=False`` for a
+        model not written with tensor blocks: :meth:`from_model` reads it from the model)."""
         import jax
         import numpy as np
 
@@ -116,7 +127,30 @@ class ModelShape:
         flat = jax.tree_util.tree_flatten_with_path(params)[0]
         path = lambda p: jax.tree_util.keystr(p, simple=True, separator="/")
         leaves = tuple((path(p), tuple(x.shape)) for p, x in flat)
-        return cls(embed, count(stacked) // layers, layers, head, leaves=leaves, **widths)
+        keys = {"layers_key": layers_key, "head_keys": tuple(head_keys)}
+        return cls(embed, count(stacked) // layers, layers, head, leaves=leaves, **keys, **widths)
+
+    @classmethod
+    def from_model(cls, model, params, /, **widths) -> ModelShape:
+        """From a :class:`~torsh_jax.runtime.layered.LayeredModel` (a flax model's: ``from_linen(...)
+        .model``) and its parameters in the layered layout: its ``layers_key``, its head's keys (a
+        key the embedding reads too, a tied embedding, counts once, before the blocks) and whether
+        it is written with tensor blocks.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from torsh_jax.runtime.layered import LayeredModel
+            >>> model = LayeredModel(None, None, None, embed_keys=("wte",), head_keys=("ln_f", "wte"),
+            ...                      layers_key="blocks")
+            >>> params = {"wte": jnp.zeros((64, 8)), "blocks": {"w": jnp.zeros((2, 8, 8))},
+            ...           "ln_f": jnp.zeros(8)}
+            >>> s = ModelShape.from_model(model, params, d_model=8, seq_len=4, vocab=64, heads=1, mlp=8)
+            >>> s.embed_params, s.layer_params, s.head_params, s.layers_key, s.tensor_blocks
+            (512, 64, 8, 'blocks', False)
+        """
+        head = tuple(k for k in model.head_keys if k not in model.embed_keys)
+        keys = {"layers_key": model.layers_key, "head_keys": head, "tensor_blocks": model.tensor_blocks}
+        return cls.from_params(params, **keys, **widths)
 
     @classmethod
     def demo(cls, size: str = "150m", **overrides: int) -> ModelShape:

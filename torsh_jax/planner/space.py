@@ -14,8 +14,11 @@ runtime refuses is not a candidate). The rules, each one decision:
   GPipe is left out: it idles as long as 1F1B and stashes all ``m`` micro-batches' inputs where
   1F1B stashes ``min(m, stages)``, so it never wins (``Space.schedules`` may add it);
 * ``fsdp = 1`` is DDP; ``fsdp > 1`` is ZeRO-1, ZeRO-2 or ZeRO-3;
-* ``tensor > 1`` without a pipeline: with and without sequence parallelism (where ``tensor``
-  divides the sequence, as the runtime needs);
+* ``tensor > 1``: the base plan's ``tensor.rules``, or ``"auto"`` (label ``auto``) where its names
+  leave some of the model's layer weights whole and Megatron's split by shape splits them (read
+  from the model's parameters as the runtime lays them out); not a candidate where neither rules
+  lay the model out. Without a pipeline: with and without sequence parallelism (where ``tensor``
+  divides the sequence, as the runtime needs, and the model is written with tensor blocks);
 * remat (the model's :class:`~torsh_jax.runtime.layered.LayeredModel` ``remat``: each layer
   recomputed in the backward pass; not a plan field, see :attr:`Candidate.remat`) where the
   layers are not recomputed already: not under a pipeline (a stage recomputes its chunk), not
@@ -43,7 +46,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from torsh_jax.errors import NotSupportedYetError, PlanError
+from torsh_jax.errors import NotSupportedYetError, PlanError, ShardingError
 from torsh_jax.plan import (
     AxisCompression,
     AxisSize,
@@ -55,6 +58,7 @@ from torsh_jax.plan import (
 )
 from torsh_jax.plan.factor import factorisations
 from torsh_jax.plan.roles import compose
+from torsh_jax.planner.buffers import tensor_split_elements
 from torsh_jax.planner.shape import ModelShape
 
 __all__ = ["Candidate", "Space", "candidates"]
@@ -217,12 +221,45 @@ def _pipelines(shape: ModelShape, stage: int, space: Space) -> list[PipelineSpec
 
 def _tensor_options(shape: ModelShape, base: ParallelPlan, space: Space, sizes) -> list[TensorSpec]:
     """Sequence parallelism off, and on where it applies (``tensor > 1``, no pipeline, ``tensor``
-    dividing the sequence)."""
-    off = replace(base.tensor, sequence_parallel=False)
+    dividing the sequence, a model written with tensor blocks); each with the rules of
+    :func:`_tensor_rules` (none where no rules lay the model out over ``tensor``)."""
+    rules = _tensor_rules(shape, base, sizes)
+    if rules is None:
+        return []
+    off = replace(base.tensor, sequence_parallel=False, rules=rules)
     t = sizes["tensor"]
     if not space.sequence_parallel or t == 1 or sizes["stage"] > 1 or shape.seq_len % t:
         return [off]
-    return [off, replace(base.tensor, sequence_parallel=True)]
+    if not shape.tensor_blocks:  # the compiler partitions it: its activations stay whole
+        return [off]
+    return [off, replace(off, sequence_parallel=True)]
+
+
+def _tensor_rules(shape: ModelShape, base: ParallelPlan, sizes) -> str | None:
+    """The base plan's ``tensor.rules``; but ``"auto"`` where the base's names leave some of the
+    model's layer weights whole over ``tensor`` and Megatron's split by shape splits them (a model
+    whose parameter names the rules do not know: each tensor device would repeat their work), or
+    where only it lays the model out; ``None`` where the runtime would refuse both (a named dim
+    ``tensor`` does not divide: 2 key-value heads over 4 devices)."""
+    if sizes["tensor"] == 1:
+        return base.tensor.rules
+    auto = _split_layer_elements(shape, replace(base, tensor=replace(base.tensor, rules="auto")), sizes)
+    if base.tensor.rules == "auto":
+        return None if auto is None else "auto"
+    named = _split_layer_elements(shape, base, sizes)
+    if named is None:
+        return None if auto is None else "auto"
+    return "auto" if auto is not None and auto > named else base.tensor.rules
+
+
+def _split_layer_elements(shape: ModelShape, plan: ParallelPlan, sizes) -> int | None:
+    """Elements of one layer ``plan`` splits over ``tensor`` (all of them for a shape without
+    parameter paths); ``None`` where its rules cannot lay the model out on these sizes."""
+    try:
+        found = tensor_split_elements(shape, plan, sizes)
+    except ShardingError:
+        return None
+    return shape.layer_params if found is None else found.layer
 
 
 def _remats(space: Space, sizes, zero_stage: int) -> tuple[bool, ...]:
@@ -268,6 +305,8 @@ def _label(sizes, zero_stage, plan: ParallelPlan, remat: bool, acc: int) -> str:
         parts.append(f"{pipe.schedule}{chunks} m={pipe.microbatches}")
         if sizes["fsdp"] > 1:
             parts.append(f"zero{zero_stage}")
+    if sizes["tensor"] > 1 and plan.tensor.rules == "auto":
+        parts.append("auto")
     if sizes["tensor"] > 1 and plan.tensor.sequence_parallel:
         parts.append("sp")
     parts += [f"{a.gradients.method}@{a.axis}" for a in plan.compression if a.gradients is not None]

@@ -42,8 +42,9 @@ from torsh_jax.plan.roles import Roles
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.mesh import default_num_slices, mesh_shape_str, resolve_mesh
 from torsh_jax.runtime.specs import entry_axes
+from torsh_jax.tensor.axis import has_tensor_blocks
 
-__all__ = ["check_supported", "check_param_axes", "check_mesh", "mesh_shape_text"]
+__all__ = ["check_supported", "check_sequence_parallel", "check_param_axes", "check_mesh", "mesh_shape_text"]
 
 
 def mesh_shape_text(roles: Roles) -> str:
@@ -124,6 +125,21 @@ def check_supported(plan: ParallelPlan, roles: Roles) -> None:
             fix="use bfloat16 compute without loss scaling, or remove the gradient compression",
         )
     _check_stateless_gradients(plan, roles)
+
+
+def check_sequence_parallel(model, roles: Roles) -> None:
+    """Raise :class:`NotSupportedYetError` for sequence parallelism on a model not written with
+    :mod:`torsh_jax.tensor` blocks: the compiler partitions such a model over ``tensor`` from its
+    parameters, and its activations between blocks would stay whole."""
+    if roles.sequence_parallel and not has_tensor_blocks(model):
+        raise NotSupportedYetError(
+            f"sequence parallelism (mesh {mesh_shape_text(roles)}) splits the activations between "
+            "torsh_jax.tensor blocks; this model computes on whole arrays, which the compiler "
+            "partitions over tensor, so its activations would stay whole",
+            key="tensor.sequence_parallel",
+            fix="set tensor.sequence_parallel = false, or write the layers with torsh_jax.tensor blocks "
+            "(LayeredModel(..., tensor_blocks=True))",
+        )
 
 
 def check_param_axes(compute_specs, roles: Roles) -> None:

@@ -33,7 +33,7 @@ from torsh_jax.pipeline.schedule import Schedule
 from torsh_jax.plan.roles import Roles, compose
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.call_checks import scalar_loss
-from torsh_jax.runtime.checks import check_mesh, check_supported
+from torsh_jax.runtime.checks import check_mesh, check_sequence_parallel, check_supported
 from torsh_jax.runtime.compiler_axes import compiler_axes
 from torsh_jax.runtime.data_parallel import backward_sync, gradient_sync
 from torsh_jax.runtime.layered import LayeredModel, as_model
@@ -130,6 +130,7 @@ def decide(
     check_supported(plan, roles)
     check_offload(plan, mesh)
     model = scalar_loss(as_model(loss))
+    check_sequence_parallel(model, roles)
     require_layered(model, roles)
     kernels = _kernels(plan, roles, mesh)
     sync = gradient_sync(plan, roles, kernels)

@@ -1,0 +1,123 @@
+"""The planner on flax models as their authors write them (tests/flax_blocks.py): a tied embedding
+and layers under their own key (the GPT-2-style model), parameter names the plan's rules do not know
+(all), an nnx model's scanned stack. What a plan splits over ``tensor`` is read from the model's own
+parameters, as the runtime lays them out, not assumed."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import replace
+
+import flax.linen as nn
+import jax
+import pytest
+from conftest import require_devices
+from flax import nnx
+from flax_blocks import GPT2, Llama, NnxLlama, next_token_loss
+
+from torsh_jax import from_linen, from_nnx
+from torsh_jax.demo.model import LMConfig, synthetic_tokens
+from torsh_jax.planner import model_step_builder
+from torsh_jax.planner.cost import predict
+from torsh_jax.planner.per_device import local_params, tensor_shares
+from torsh_jax.planner.shape import ModelShape, parse_model
+from torsh_jax.planner.space import candidates
+
+VOCAB, D_MODEL, SEQ_LEN = 256, 64, 32
+CFG = LMConfig(vocab=VOCAB, seq_len=SEQ_LEN)
+GPT2_TIED = GPT2(vocab=VOCAB, d_model=D_MODEL, heads=4, layers=2, max_len=SEQ_LEN)
+LLAMA_GQA = Llama(vocab=VOCAB, d_model=D_MODEL, heads=4, kv_heads=2, layers=2, hidden=96)
+NNX_LLAMA = functools.partial(NnxLlama, VOCAB, D_MODEL, 4, 2, 2, 96)  # made when converted
+#: model, the name of its blocks, its MLP width
+MODELS = {
+    "gpt2-tied": (GPT2_TIED, "blocks", 4 * D_MODEL),
+    "llama-gqa": (LLAMA_GQA, "layers", 96),
+    "nnx-llama-scanned": (NNX_LLAMA, "layers", 96),
+}
+TENSOR_PLAN = "ddp data=4 tensor=2 acc=1"
+#: the demo model (written with tensor blocks, its names known to the default rules)
+DEMO = parse_model("demo:d_model=256,layers=4,vocab=256,seq_len=32")
+
+
+@functools.cache
+def _planned(name: str):
+    """The model converted (``from_linen``, ``from_nnx``), its own parameters, its shape and its
+    candidates on 8 devices."""
+    module, blocks, mlp = MODELS[name]
+    example = synthetic_tokens(CFG, batch_size=2, seed=0)
+    if isinstance(module, nn.Module):
+        params = module.init(jax.random.key(0), example["inputs"])["params"]
+        layered = from_linen(module, params, example, loss=next_token_loss, blocks=blocks)
+    else:
+        model = module(rngs=nnx.Rngs(0))
+        params = nnx.state(model, nnx.Param)
+        layered = from_nnx(model, example, loss=next_token_loss, blocks=blocks)
+    widths = {"d_model": D_MODEL, "seq_len": SEQ_LEN, "vocab": VOCAB, "heads": 4, "mlp": mlp}
+    shape = ModelShape.from_model(layered.model, layered.params, **widths)
+    found = {c.label: c for c in candidates(shape, devices=8, global_batch=32)}
+    return layered, example, params, shape, found
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_flax_models_shape_has_its_layers_key_and_counts_a_tied_embedding_once(name):
+    layered, _, params, shape, _ = _planned(name)
+    assert shape.layers_key == layered.layers_key and shape.layers == 2
+    assert shape.param_count == sum(x.size for x in jax.tree.leaves(params))  # the wte read twice, once
+    assert all(path.split("/")[0] in layered.params for path, _ in shape.leaves)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_tensor_candidates_split_a_models_layers_whose_names_the_rules_do_not_know(name):
+    """Under the default rules (names) the models' blocks stay whole over ``tensor``, so their
+    tensor candidates split by shape (``tensor.rules = "auto"``, label ``auto``): every weight of a
+    layer but its ``[d]`` vectors (norms, row-parallel biases). The demo model's names are known:
+    its candidates keep the names."""
+    _, _, _, shape, found = _planned(name)
+    tensor = [c for c in found.values() if c.sizes["tensor"] > 1]
+    assert tensor and all(c.plan.tensor.rules == "auto" and " auto" in c.label for c in tensor)
+    per_layer = [dims[1:] for path, dims in shape.leaves if path.startswith(shape.layers_key + "/")]
+    vectors = sum(math.prod(d) for d in per_layer if d == (D_MODEL,))
+    layer, _, vocab = tensor_shares(found[TENSOR_PLAN.replace(" acc", " auto acc")], shape)
+    assert layer == pytest.approx(1 - vectors / shape.layer_params) and vocab == 1.0
+    demo = [c for c in candidates(DEMO, devices=8, global_batch=32) if c.sizes["tensor"] > 1]
+    assert demo and all(c.plan.tensor.rules == "names" for c in demo)
+
+
+def test_a_model_the_compiler_partitions_gets_no_sequence_parallel_candidate_and_the_runtime_refuses_one():
+    """Its activations between blocks stay whole: the planner proposes no ``sp`` plan for it, and a
+    plan asking for one is one error naming the key, not a step that runs without it."""
+    from torsh_jax.errors import NotSupportedYetError
+
+    layered, example, _, shape, found = _planned("llama-gqa")
+    assert not shape.tensor_blocks and not any(c.plan.tensor.sequence_parallel for c in found.values())
+    assert any(c.plan.tensor.sequence_parallel for c in candidates(DEMO, devices=8, global_batch=32))
+    auto = found[TENSOR_PLAN.replace(" acc", " auto acc")]
+    asked = auto.plan.replace(tensor=replace(auto.plan.tensor, sequence_parallel=True))
+    build = model_step_builder(layered.model, layered.params, example)
+    with pytest.raises(NotSupportedYetError, match="sequence parallelism") as refused:
+        build(asked, require_devices(8), remat=False)
+    assert refused.value.key == "tensor.sequence_parallel"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_plan_that_keeps_weights_whole_over_tensor_is_costed_whole(name):
+    """The same candidate under the names alone: each device holds the parameters the runtime's
+    layout gives it (its state bytes, to the byte), and repeats the work of what is kept whole."""
+    layered, example, _, shape, found = _planned(name)
+    auto = found[TENSOR_PLAN.replace(" acc", " auto acc")]
+    named = replace(auto, plan=auto.plan.replace(tensor=replace(auto.plan.tensor, rules="names")))
+    build = model_step_builder(layered.model, layered.params, example)
+    for c in (auto, named):
+        train, _ = build(c.plan, require_devices(8), remat=False)
+        held = train.layout.bytes_per_device()["params"]
+        assert sum(local_params(c, shape)) * 4 == pytest.approx(held, abs=8)
+    layer_auto, layer_named = tensor_shares(auto, shape)[0], tensor_shares(named, shape)[0]
+    assert layer_named < 0.5 < layer_auto
+    assert predict(named, shape, _machine()).compute_s > 1.3 * predict(auto, shape, _machine()).compute_s
+
+
+def _machine():
+    from torsh_jax.planner.machine import Link, Machine
+
+    return Machine("cpu-8", 8, 1, 1e9, 2**30, {"ici": Link(20e-6, 1e9)}, overlaps=False, platform="cpu")
