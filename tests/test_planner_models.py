@@ -121,3 +121,16 @@ def _machine():
     from torsh_jax.planner.machine import Link, Machine
 
     return Machine("cpu-8", 8, 1, 1e9, 2**30, {"ici": Link(20e-6, 1e9)}, overlaps=False, platform="cpu")
+
+
+@pytest.mark.parametrize("model", ["demo", "llama-gqa"])
+def test_every_plan_preset_is_a_base_the_candidates_are_made_from(model):
+    """A base's own pipeline (interleaved's virtual stages) does not decide which weights its rules
+    split: every preset gives candidates, for the demo model and for one the compiler partitions."""
+    from torsh_jax.plan import load_plan
+    from torsh_jax.plan.presets import names
+
+    shape = DEMO if model == "demo" else _planned(model)[3]
+    for name in names("meshes"):
+        found = candidates(shape, devices=16, global_batch=64, base=load_plan(name))
+        assert any(c.sizes["tensor"] > 1 for c in found), name

@@ -14,7 +14,7 @@ from helpers import assert_matches_twin
 from jax.sharding import AxisType
 
 from torsh_jax import tensor
-from torsh_jax.errors import ArgumentError, MeshError, ShardingError
+from torsh_jax.errors import ArgumentError, MeshError, NotSupportedYetError, ShardingError
 from torsh_jax.plan import load_plan, plan_from_dict
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.step import make_train_step
@@ -106,7 +106,16 @@ def _unnamed_params():
     return _Unnamed().init(jax.random.key(0), jnp.zeros((1, 8)))["params"]
 
 
-@pytest.mark.parametrize("name", ["tp", "tp_sp", "fsdp_tp", "hsdp_tp"])
+def test_sequence_parallelism_on_a_model_the_compiler_partitions_is_one_error():
+    """Its activations between blocks would stay whole: refused, where it used to run without."""
+    require_devices(8)
+    with pytest.raises(NotSupportedYetError) as info:
+        _train("tp_sp", loss=_unnamed_loss, params=_unnamed_params())
+    assert info.value.key == "tensor.sequence_parallel" and "\n" not in str(info.value)
+    assert "tensor.sequence_parallel = false" in info.value.fix
+
+
+@pytest.mark.parametrize("name", ["tp", "fsdp_tp", "hsdp_tp"])
 def test_a_tensor_axis_that_splits_no_parameter_is_refused_before_compiling(name):
     """Every parameter would be replicated over tensor, each tensor device repeating the work."""
     require_devices(8)

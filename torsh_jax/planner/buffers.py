@@ -59,8 +59,8 @@ class TensorSplit(NamedTuple):
     Attributes:
         layer: elements of one layer split (whole counts, before the split).
         shared: elements of the embedding and head split.
-        vocab: the share of the vocabulary projection's elements split (the head's matrices with a
-            ``vocab`` dim; a tied model's, the embedding's): the logits are split as it is.
+        vocab: the share of the vocabulary projection's elements split (:func:`_vocab_share`): the
+            logits are split as it is.
     """
 
     layer: int
@@ -87,7 +87,7 @@ def tensor_split_elements(shape: ModelShape, plan: ParallelPlan, sizes: dict[str
         return None
     _, _, _, axes = _leaves(shape, _key(plan), tuple(sizes[a] for a in AXES))
     layer = shared = 0
-    vocab = {True: [0, 0], False: [0, 0]}  # under the head's keys or not: [split, all] elements
+    projections: list[tuple[bool, int, bool]] = []  # (under the head's keys, elements, split)
     for (path, dims), split in zip(shape.leaves, axes, strict=True):
         top, n, is_split = path.split("/")[0], math.prod(dims), "tensor" in split
         if top == shape.layers_key:
@@ -95,10 +95,17 @@ def tensor_split_elements(shape: ModelShape, plan: ParallelPlan, sizes: dict[str
             continue
         shared += n if is_split else 0
         if len(dims) == 2 and shape.vocab in dims and shape.d_model in dims:
-            found = vocab[top in shape.head_keys]
-            found[0], found[1] = found[0] + n * is_split, found[1] + n
-    split, total = vocab[True] if vocab[True][1] else vocab[False]
-    return TensorSplit(layer, shared, split / total if total else 1.0)
+            projections.append((top in shape.head_keys, n, is_split))
+    return TensorSplit(layer, shared, _vocab_share(projections))
+
+
+def _vocab_share(projections: list[tuple[bool, int, bool]]) -> float:
+    """The split share of the vocabulary projection: the head's ``[vocab, d]`` matrices, or where the
+    head has none (a tied embedding) the embedding's; none found: 0, the logits counted whole."""
+    head = [(n, split) for in_head, n, split in projections if in_head]
+    found = head or [(n, split) for _, n, split in projections]
+    total = sum(n for n, _ in found)
+    return sum(n for n, split in found if split) / total if total else 0.0
 
 
 def _key(plan: ParallelPlan) -> tuple:

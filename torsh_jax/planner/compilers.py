@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 from torsh_jax.analysis.theory import DTYPE_BYTES
 from torsh_jax.plan.roles import compose
+from torsh_jax.planner.per_device import split_part, tensor_shares
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Candidate
 
@@ -151,7 +152,7 @@ def step_memory(
     roles = compose(plan, c.sizes)
     on_use = roles.gather == "on_use"  # ZeRO-3: every layer recomputed
     reduce = "per_step" if roles.reduce == "per_step" else "per_micro_step"
-    count = local_params
+    count, shares = local_params, tensor_shares(c, shape)  # what the plan splits over ``tensor``
     pb, cb = DTYPE_BYTES[plan.precision.param_dtype], DTYPE_BYTES[plan.precision.compute_dtype]
     per_token = _activation_bytes_per_token(c, shape, profile, recomputed=c.remat or on_use)
     tokens, accumulating = plan.batch.micro_batch_size * shape.seq_len, plan.batch.accumulation_steps > 1
@@ -159,9 +160,11 @@ def step_memory(
         "state": count * pb / (fsdp if plan.zero.stage == 3 else 1)
         + count * opt_factor * 4 / (fsdp if plan.zero.stage >= 1 else 1),
         "gradients": 0.0 if on_use else profile.parameter_buffers[reduce, c.remat, accumulating] * count * 4,
-        "gathered": shape.head_params / t * 4 if on_use else 0.0,
+        "gathered": split_part(shares.shared, shape.head_params / t, shape.head_params) * 4
+        if on_use
+        else 0.0,
         "activations": per_token * cb / 4 * activation_scale * tokens,  # read in float32
-        "logits": 4 * shape.vocab / t * tokens,
+        "logits": split_part(shares.vocab, 4 * shape.vocab / t, 4 * shape.vocab) * tokens,
     }
     return {k: int(v) for k, v in parts.items()}
 
@@ -170,11 +173,14 @@ def _activation_bytes_per_token(
     c: Candidate, shape: ModelShape, profile: CompilerProfile, *, recomputed: bool
 ) -> float:
     """Float32 bytes per token of every layer's residuals, or, recomputed, of every layer's input
-    and one layer's working set."""
-    t = c.sizes["tensor"]
+    and one layer's working set; over ``tensor``, of the share of a layer the plan splits at
+    ``tensor``, the rest whole."""
+    t, layer = c.sizes["tensor"], tensor_shares(c, shape).layer
     sp = t > 1 and c.plan.tensor.sequence_parallel
     if not recomputed:
-        return shape.layers * residual_bytes(profile, shape, t, sp)
+        split = residual_bytes(profile, shape, t, sp)
+        return shape.layers * split_part(layer, split, residual_bytes(profile, shape))
     attention, mlp, d = profile.recompute
-    working = attention * shape.heads * shape.seq_len / t + mlp * shape.mlp / t + d * shape.d_model
-    return shape.layers * 4 * shape.d_model / (t if sp else 1) + working
+    working = lambda t: attention * shape.heads * shape.seq_len / t + mlp * shape.mlp / t + d * shape.d_model
+    inputs = shape.layers * 4 * shape.d_model / (t if sp else 1)
+    return inputs + split_part(layer, working(t), working(1))

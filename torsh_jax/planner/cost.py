@@ -68,6 +68,7 @@ from torsh_jax.planner.per_device import (
     local_params,
     recomputed,
     schedule_figures,
+    split_part,
     tensor_shares,
     tokens_per_micro_step,
 )
@@ -222,12 +223,11 @@ def _device_flops_share(c: Candidate, shape: ModelShape) -> float:
     ``tensor`` a ``1/tensor`` share of the FLOPs of what the plan splits (the layers' at their
     parameters' split share, the head's projection as the plan splits it), the rest on
     every tensor device (:func:`~torsh_jax.planner.per_device.tensor_shares`)."""
-    t = c.sizes["tensor"]
-    layer, _, vocab = tensor_shares(c, shape)
-    total = shape.forward_flops_per_token()
+    t, shares = c.sizes["tensor"], tensor_shares(c, shape)
     head = 2 * shape.vocab * shape.d_model
-    split = (total - head) * layer + head * vocab
-    return (split / t + total - split) / total / c.sizes["stage"]
+    layers = shape.forward_flops_per_token() - head
+    run = split_part(shares.layer, layers / t, layers) + split_part(shares.vocab, head / t, head)
+    return run / (layers + head) / c.sizes["stage"]
 
 
 def update_bytes(elements: float, /, *, param_bytes: int, opt_factor: float) -> float:

@@ -56,6 +56,7 @@ from torsh_jax.planner.per_device import (
     local_params,
     recomputed,
     schedule_figures,
+    split_part,
     tensor_shares,
     tokens_per_micro_step,
 )
@@ -258,16 +259,15 @@ def _split_layer_bytes_per_token(c: Candidate, shape: ModelShape) -> float:
     the plan splits over it; the rest of the layer's activations whole
     (:func:`~torsh_jax.planner.per_device.tensor_shares`)."""
     t, sp = c.sizes["tensor"], c.plan.tensor.sequence_parallel
-    layer, _, _ = tensor_shares(c, shape)
-    return layer * full_layer_bytes_per_token(shape, t, sp) + (1 - layer) * full_layer_bytes_per_token(shape)
+    split = full_layer_bytes_per_token(shape, t, sp)
+    return split_part(tensor_shares(c, shape).layer, split, full_layer_bytes_per_token(shape))
 
 
 def _split_logit_bytes_per_token(c: Candidate, shape: ModelShape) -> float:
     """:func:`_logit_bytes_per_token` of a device: over ``tensor``, split as the plan splits the
     vocabulary projection (whole where it keeps it whole)."""
-    _, _, vocab = tensor_shares(c, shape)
-    t = c.sizes["tensor"]
-    return vocab * _logit_bytes_per_token(shape, t) + (1 - vocab) * _logit_bytes_per_token(shape)
+    split = _logit_bytes_per_token(shape, c.sizes["tensor"])
+    return split_part(tensor_shares(c, shape).vocab, split, _logit_bytes_per_token(shape))
 
 
 def _activation_bytes(c: Candidate, shape: ModelShape, machine: Machine) -> tuple[int, int]:

@@ -24,7 +24,9 @@ from torsh_jax.planner.space import Candidate
 
 __all__ = [
     "local_params",
+    "TensorShares",
     "tensor_shares",
+    "split_part",
     "layer_remat",
     "recomputed",
     "tokens_per_micro_step",
@@ -38,22 +40,58 @@ def local_params(c: Candidate, shape: ModelShape) -> tuple[int, int]:
     """(parameters of one device's layers, of its embedding and head) before ZeRO: over ``tensor``,
     a ``1/tensor`` share of what the plan splits and the rest whole (:func:`tensor_shares`)."""
     t, s = c.sizes["tensor"], c.sizes["stage"]
-    layer, shared, _ = tensor_shares(c, shape)
-    one_layer = shape.layer_params * (layer / t + 1 - layer)
+    shares = tensor_shares(c, shape)
+    one_layer = split_part(shares.layer, shape.layer_params / t, shape.layer_params)
     both = shape.embed_params + shape.head_params
-    return shape.layers // s * round(one_layer), round(both * (shared / t + 1 - shared))
+    return shape.layers // s * round(one_layer), round(split_part(shares.shared, both / t, both))
 
 
-def tensor_shares(c: Candidate, shape: ModelShape) -> tuple[float, float, float]:
-    """The shares the candidate's plan splits over ``tensor`` of one layer's parameters, of the
-    embedding's and head's, and of the vocabulary projection's (the logits'), as its rules lay the
-    model's parameters out (:func:`~torsh_jax.planner.buffers.tensor_split_elements`); a shape
-    without parameter paths: all of them."""
+class TensorShares(NamedTuple):
+    """The shares of a model's parameters a plan splits over ``tensor`` (:func:`tensor_shares`).
+
+    Attributes:
+        layer: of one layer's parameters.
+        shared: of the embedding's and head's.
+        vocab: of the vocabulary projection's (the logits are split as it is).
+    """
+
+    layer: float
+    shared: float
+    vocab: float
+
+
+def tensor_shares(c: Candidate, shape: ModelShape) -> TensorShares:
+    """What the candidate's plan splits over ``tensor``, as its rules lay the model's parameters out
+    (:func:`~torsh_jax.planner.buffers.tensor_split_elements`); a shape without parameter paths:
+    all of it.
+
+    Example:
+        >>> from torsh_jax.planner.shape import parse_model
+        >>> from torsh_jax.planner.space import candidates
+        >>> shape = parse_model("demo:d_model=256,layers=4,vocab=256,seq_len=32")
+        >>> found = {c.label: c for c in candidates(shape, devices=8, global_batch=32)}
+        >>> shares = tensor_shares(found["ddp data=4 tensor=2 acc=1"], shape)
+        >>> round(shares.layer, 4), shares.vocab  # the layers' norms stay whole
+        (0.9993, 1.0)
+    """
     found = tensor_split_elements(shape, c.plan, c.sizes)
     if found is None:
-        return 1.0, 1.0, 1.0
+        return TensorShares(1.0, 1.0, 1.0)
     both = shape.embed_params + shape.head_params
-    return found.layer / shape.layer_params, found.shared / both if both else 1.0, found.vocab
+    share = lambda part, whole: part / whole if whole else 1.0
+    return TensorShares(share(found.layer, shape.layer_params), share(found.shared, both), found.vocab)
+
+
+def split_part(share: float, split: float, whole: float) -> float:
+    """What one device holds (or runs) of a quantity of which the plan splits ``share`` over
+    ``tensor``: ``split`` (the quantity at the device's ``1/tensor``) for that share, ``whole`` for
+    the rest.
+
+    Example:
+        >>> split_part(0.75, 1.0, 4.0)  # three quarters split over 4 devices
+        1.75
+    """
+    return share * split + (1 - share) * whole
 
 
 def layer_remat(c: Candidate) -> bool:

@@ -110,12 +110,19 @@ class ModelShape:
 
     @classmethod
     def from_params(
-        cls, params, /, *, layers_key: str = "layers", head_keys: tuple[str, ...] = ("head",), **widths
+        cls,
+        params,
+        /,
+        *,
+        layers_key: str = "layers",
+        head_keys: tuple[str, ...] = ("head",),
+        tensor_blocks: bool = False,
+        **widths,
     ) -> ModelShape:
         """From a layered model's parameters (arrays or shapes): ``params[layers_key]`` stacked on a
         leading dim, ``head_keys`` after the blocks, the rest before them; ``widths`` gives
-        ``d_model``, ``seq_len``, ``vocab``, ``heads``, ``mlp`` (and ``tensor_blocks=False`` for a
-        model not written with tensor blocks: :meth:`from_model` reads it from the model)."""
+        ``d_model``, ``seq_len``, ``vocab``, ``heads``, ``mlp``; ``tensor_blocks``: the model is
+        written with :mod:`torsh_jax.tensor` blocks (:meth:`from_model` reads it from the model)."""
         import jax
         import numpy as np
 
@@ -127,7 +134,7 @@ class ModelShape:
         flat = jax.tree_util.tree_flatten_with_path(params)[0]
         path = lambda p: jax.tree_util.keystr(p, simple=True, separator="/")
         leaves = tuple((path(p), tuple(x.shape)) for p, x in flat)
-        keys = {"layers_key": layers_key, "head_keys": tuple(head_keys)}
+        keys = {"layers_key": layers_key, "head_keys": tuple(head_keys), "tensor_blocks": tensor_blocks}
         return cls(embed, count(stacked) // layers, layers, head, leaves=leaves, **keys, **widths)
 
     @classmethod
@@ -162,7 +169,7 @@ class ModelShape:
         cfg = demo_config(size, **overrides)
         shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
         widths = {"d_model": cfg.d_model, "seq_len": cfg.seq_len, "vocab": cfg.vocab, "heads": cfg.heads}
-        return cls.from_params(shapes, mlp=cfg.mlp, name=f"demo:{size}", **widths)
+        return cls.from_params(shapes, mlp=cfg.mlp, name=f"demo:{size}", tensor_blocks=True, **widths)
 
 
 def demo_config(size: str, **overrides: int):

@@ -16,9 +16,10 @@ runtime refuses is not a candidate). The rules, each one decision:
 * ``fsdp = 1`` is DDP; ``fsdp > 1`` is ZeRO-1, ZeRO-2 or ZeRO-3;
 * ``tensor > 1``: the base plan's ``tensor.rules``, or ``"auto"`` (label ``auto``) where its names
   leave some of the model's layer weights whole and Megatron's split by shape splits them (read
-  from the model's parameters as the runtime lays them out); not a candidate where neither rules
-  lay the model out. Without a pipeline: with and without sequence parallelism (where ``tensor``
-  divides the sequence, as the runtime needs, and the model is written with tensor blocks);
+  from the model's parameters as the runtime lays them out; not for a model written with tensor
+  blocks); not a candidate where the runtime would refuse the layout. Without a pipeline: with
+  and without sequence parallelism (where ``tensor`` divides the sequence, as the runtime needs,
+  and the model is written with tensor blocks);
 * remat (the model's :class:`~torsh_jax.runtime.layered.LayeredModel` ``remat``: each layer
   recomputed in the backward pass; not a plan field, see :attr:`Candidate.remat`) where the
   layers are not recomputed already: not under a pipeline (a stage recomputes its chunk), not
@@ -236,30 +237,34 @@ def _tensor_options(shape: ModelShape, base: ParallelPlan, space: Space, sizes) 
 
 
 def _tensor_rules(shape: ModelShape, base: ParallelPlan, sizes) -> str | None:
-    """The base plan's ``tensor.rules``; but ``"auto"`` where the base's names leave some of the
-    model's layer weights whole over ``tensor`` and Megatron's split by shape splits them (a model
-    whose parameter names the rules do not know: each tensor device would repeat their work), or
-    where only it lays the model out; ``None`` where the runtime would refuse both (a named dim
-    ``tensor`` does not divide: 2 key-value heads over 4 devices)."""
+    """Of the base plan's ``tensor.rules`` and, for a model not written with tensor blocks (whose
+    block code does not decide its own splits), Megatron's split by shape (``"auto"``): the one
+    that splits more of a layer's weights, the base's on a tie; ``None`` where the runtime would
+    refuse both (a named dim ``tensor`` does not divide, 2 key-value heads over 4 devices; no
+    parameter split at all)."""
     if sizes["tensor"] == 1:
         return base.tensor.rules
-    auto = _split_layer_elements(shape, replace(base, tensor=replace(base.tensor, rules="auto")), sizes)
-    if base.tensor.rules == "auto":
-        return None if auto is None else "auto"
-    named = _split_layer_elements(shape, base, sizes)
-    if named is None:
-        return None if auto is None else "auto"
-    return "auto" if auto is not None and auto > named else base.tensor.rules
+    tried = [base.tensor.rules] if shape.tensor_blocks else list(dict.fromkeys([base.tensor.rules, "auto"]))
+    laid = replace(base, pipeline=PipelineSpec())  # which weights the rules split: not the schedule's
+    under = lambda rules: laid.replace(tensor=replace(base.tensor, rules=rules))
+    split = {rules: _split_layer_elements(shape, under(rules), sizes) for rules in tried}
+    runnable = {rules: n for rules, n in split.items() if n is not None}
+    return max(runnable, key=runnable.get) if runnable else None
 
 
 def _split_layer_elements(shape: ModelShape, plan: ParallelPlan, sizes) -> int | None:
     """Elements of one layer ``plan`` splits over ``tensor`` (all of them for a shape without
-    parameter paths); ``None`` where its rules cannot lay the model out on these sizes."""
+    parameter paths); ``None`` where the runtime refuses its layout: a dim its rules split that
+    ``tensor`` does not divide, or no parameter split at all (unless ``tensor.allow_replicated``)."""
     try:
         found = tensor_split_elements(shape, plan, sizes)
     except ShardingError:
         return None
-    return shape.layer_params if found is None else found.layer
+    if found is None:
+        return shape.layer_params
+    if found.layer == found.shared == 0 and not plan.tensor.allow_replicated:
+        return None
+    return found.layer
 
 
 def _remats(space: Space, sizes, zero_stage: int) -> tuple[bool, ...]:
