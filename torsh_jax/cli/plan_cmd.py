@@ -23,8 +23,6 @@ TARGET_VERIFY = 3
 #: ``plan`` answers within 2 minutes on a slow host too.
 VERIFY_SECONDS = 90
 
-#: The mesh axes in the table's order, each with a column for its communication where a plan has it.
-AXES = ("data", "fsdp", "tensor", "stage")
 
 #: Said when a target's plans are predicted but not compiled, with the reason.
 UNVERIFIED = "memory predicted, not compiled: {}"
@@ -299,13 +297,12 @@ def _plans_table(plans: list[dict]):
     from rich import box
     from rich.table import Table
 
+    from torsh_jax.plan.spec import AXES
     from torsh_jax.units import format_bytes
 
-    axes = [a for a in AXES if any(a in p["comm_s"] for p in plans)]
-    rule = box.Box(
-        "    \n    \n -- \n    \n    \n    \n    \n    \n", ascii=True
-    )  # a dashed line under the head
-    table = Table(box=rule, show_edge=False, pad_edge=False)
+    axes = [a for a in AXES if any(a in p["comm_s"] for p in plans)]  # in the plan's order
+    dashed_head = box.Box("    \n    \n -- \n    \n    \n    \n    \n    \n", ascii=True)
+    table = Table(box=dashed_head, show_edge=False, pad_edge=False)
     table.add_column("plan", no_wrap=True)
     for name in ("step", "compute", "bubble", *(f"{a} comm" for a in axes), "exposed", "memory"):
         table.add_column(name, justify="right", no_wrap=True)

@@ -26,11 +26,10 @@ import math
 from typing import NamedTuple
 
 from torsh_jax.plan import ParallelPlan, PipelineSpec, TensorSpec
+from torsh_jax.plan.spec import AXES
 from torsh_jax.planner.shape import ModelShape
 
 __all__ = ["compressed_buffers", "tensor_replicated_elements", "tensor_split_elements", "TensorSplit"]
-
-AXES = ("data", "fsdp", "tensor", "stage")
 
 
 def compressed_buffers(

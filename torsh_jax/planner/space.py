@@ -59,12 +59,11 @@ from torsh_jax.plan import (
 )
 from torsh_jax.plan.factor import factorisations
 from torsh_jax.plan.roles import compose
+from torsh_jax.plan.spec import AXES
 from torsh_jax.planner.buffers import tensor_split_elements
 from torsh_jax.planner.shape import ModelShape
 
 __all__ = ["Candidate", "Space", "candidates"]
-
-AXES = ("data", "fsdp", "tensor", "stage")
 
 
 @dataclass(frozen=True)
