@@ -812,12 +812,13 @@ def _small_model_machine() -> Machine:
 def test_calibrate_compiles_each_memory_program_once_all_before_any_is_read():
     import jax
 
-    from torsh_jax.planner.calibrate import _gradient_temp_bytes, _memory_programs, compiled_memory
+    from torsh_jax.planner.calibrate import _memory_programs, compiled_memory
+    from torsh_jax.planner.gradients import gradient_temp_bytes
 
     shape = parse_model("demo:d_model=32,layers=2,vocab=64,seq_len=8")
-    _gradient_temp_bytes.cache_clear()
+    gradient_temp_bytes.cache_clear()
     compiled_memory(shape, jax.devices()[0], lengths=(1, 2))
-    assert _gradient_temp_bytes.cache_info().misses == len(_memory_programs(shape, (1, 2)))
+    assert gradient_temp_bytes.cache_info().misses == len(_memory_programs(shape, (1, 2)))
 
 
 #: ``ddp data=8`` with int8 gradients over ``data``; and ZeRO-2 recomputing each layer.

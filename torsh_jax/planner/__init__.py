@@ -35,6 +35,8 @@ _EXPORTS: dict[str, str] = {
     "Verified": "torsh_jax.planner.rank",
     "verify": "torsh_jax.planner.rank",
     "model_step_builder": "torsh_jax.planner.steps",
+    "ModelGradients": "torsh_jax.planner.gradients",
+    "compiled_memory": "torsh_jax.planner.calibrate",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -42,7 +44,9 @@ __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports("torsh_jax.planner", _EXPORTS, globals())
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torsh_jax.planner.calibrate import compiled_memory
     from torsh_jax.planner.cost import Prediction, predict
+    from torsh_jax.planner.gradients import ModelGradients
     from torsh_jax.planner.machine import Link, Machine
     from torsh_jax.planner.rank import Verified, search, search_verified, verify
     from torsh_jax.planner.shape import ModelShape, parse_model

@@ -54,10 +54,16 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
-from functools import lru_cache, partial
+from functools import partial
 
 import numpy as np
 
+from torsh_jax.planner.gradients import (
+    DemoGradients,
+    GradientSource,
+    check_tokens_per_example,
+    gradient_temp_bytes,
+)
 from torsh_jax.planner.host_load import HostMeter, warn_if_busy
 from torsh_jax.planner.machine import Link, Machine
 from torsh_jax.planner.shape import ModelShape
@@ -385,7 +391,9 @@ def _update_bytes_per_s(mesh, repeats: int, elements: int = 1 << 20) -> float:
     return update_bytes(elements, param_bytes=4, opt_factor=2) / seconds
 
 
-def activation_scales(shape: ModelShape, device, /) -> tuple[float, float]:
+def activation_scales(
+    shape: ModelShape, device, /, *, gradients: GradientSource | None = None
+) -> tuple[float, float]:
     """``(activation_scale, recompute_scale)``: the compiler's bytes per token over the cost model's
     per-layer formula (:func:`~torsh_jax.planner.memory.full_layer_bytes_per_token`) of a layer's
     activations, and of the working set while one layer is recomputed in the backward pass.
@@ -396,8 +404,9 @@ def activation_scales(shape: ModelShape, device, /) -> tuple[float, float]:
     ``S``: its saved input, ``W``: the working set), ``W = recomputed(2) - plain(2) + 2 F - 2 S``."""
     from torsh_jax.planner.memory import full_layer_bytes_per_token
 
-    plain = [_gradient_temp_bytes(shape, n, False, _ROWS, device) for n in (2, 4)]
-    recomputed = [_gradient_temp_bytes(shape, n, True, _ROWS, device) for n in (2, 4)]
+    source = gradients or DemoGradients(shape)
+    plain = [gradient_temp_bytes(source, n, False, _ROWS, device) for n in (2, 4)]
+    recomputed = [gradient_temp_bytes(source, n, True, _ROWS, device) for n in (2, 4)]
     full, saved = (plain[1] - plain[0]) / 2, (recomputed[1] - recomputed[0]) / 2
     working = recomputed[0] - plain[0] + 2 * full - 2 * saved
     bits32 = 2  # float32 activations: twice the formula's 16-bit bytes
@@ -405,12 +414,21 @@ def activation_scales(shape: ModelShape, device, /) -> tuple[float, float]:
     return max(full, 0) / formula, max(working, 0) / formula
 
 
-def compiled_memory(shape: ModelShape, device, /, lengths: tuple[int, ...] | None = None) -> dict:
+def compiled_memory(
+    shape: ModelShape,
+    device,
+    /,
+    lengths: tuple[int, ...] | None = None,
+    *,
+    gradients: GradientSource | None = None,
+) -> dict:
     """The :class:`Machine` fields the cost model's memory reads, from programs compiled for
     ``device`` only (nothing runs: a target's compile-only device too): ``activation_scale``,
     ``recompute_scale`` (:func:`activation_scales`), ``chunk_gradient_bytes``,
     ``remat_gradient_bytes`` and ``compiled_for`` (the model they are of); ``lengths``: the chunk
-    lengths compiled (:func:`chunk_gradient_bytes`).
+    lengths compiled (:func:`chunk_gradient_bytes`); ``gradients``: the model compiled, the demo
+    model of ``shape`` unless given (:class:`~torsh_jax.planner.gradients.ModelGradients`: your
+    own, of which ``shape`` is the shape).
 
     Example (a machine that predicts the memory of the model's plans as this device compiles them;
     about ten small programs, so skipped here: tests/test_planner.py runs it):
@@ -421,17 +439,22 @@ def compiled_memory(shape: ModelShape, device, /, lengths: tuple[int, ...] | Non
         >>> machine = dataclasses.replace(Machine.from_target("v5e-8"), **found)  # doctest: +SKIP
         >>> sorted(machine.chunk_gradient_bytes)  # doctest: +SKIP
         [1, 2]
+
+    Raises:
+        PlanError: ``gradients``' examples are not ``shape.seq_len`` tokens long, or its model has
+            no stacked layers.
     """
+    source = gradients or DemoGradients(shape)
+    check_tokens_per_example(source, shape.seq_len)
     lengths = lengths or _stage_chunk_lengths(shape)
-    in_parallel(
-        {key: partial(_gradient_temp_bytes, shape, *key, device) for key in _memory_programs(shape, lengths)}
-    )
-    activations, recomputed = activation_scales(shape, device)  # the programs are compiled: cached
+    programs = _memory_programs(shape, lengths)
+    in_parallel({key: partial(gradient_temp_bytes, source, *key, device) for key in programs})
+    activations, recomputed = activation_scales(shape, device, gradients=source)  # compiled: cached
     return {
         "activation_scale": activations,
         "recompute_scale": recomputed,
-        "chunk_gradient_bytes": chunk_gradient_bytes(shape, device, lengths),
-        "remat_gradient_bytes": remat_gradient_bytes(shape, device),
+        "chunk_gradient_bytes": chunk_gradient_bytes(shape, device, lengths, gradients=source),
+        "remat_gradient_bytes": remat_gradient_bytes(shape, device, gradients=source),
         "compiled_for": shape.signature,
     }
 
@@ -446,14 +469,20 @@ def _memory_programs(shape: ModelShape, lengths: tuple[int, ...]) -> set[tuple[i
 
 
 def chunk_gradient_bytes(
-    shape: ModelShape, device, /, lengths: tuple[int, ...] | None = None
+    shape: ModelShape,
+    device,
+    /,
+    lengths: tuple[int, ...] | None = None,
+    *,
+    gradients: GradientSource | None = None,
 ) -> dict[int, tuple[float, float]]:
     """``{k: (fixed, per token)}``: the compiler's temporaries of the model's gradient with ``k``
     layers on ``device`` (``lengths``; by default 1 and :func:`chunk_lengths`), as a line through
     ``_ROWS / 2`` and ``_ROWS`` examples. A pipeline stage's backward is this program on one
     micro-batch: it recomputes its chunk of ``k`` layers from the stashed input, with the
     embedding and head."""
-    return {k: _temp_line(shape, k, device) for k in lengths or _stage_chunk_lengths(shape)}
+    source = gradients or DemoGradients(shape)
+    return {k: _temp_line(shape, source, k, device) for k in lengths or _stage_chunk_lengths(shape)}
 
 
 def _stage_chunk_lengths(shape: ModelShape) -> tuple[int, ...]:
@@ -462,48 +491,23 @@ def _stage_chunk_lengths(shape: ModelShape) -> tuple[int, ...]:
     return (1, *chunk_lengths(shape.layers))
 
 
-def remat_gradient_bytes(shape: ModelShape, device, /) -> tuple[float, float]:
+def remat_gradient_bytes(
+    shape: ModelShape, device, /, *, gradients: GradientSource | None = None
+) -> tuple[float, float]:
     """``(fixed, per token)``: the compiler's temporaries of the model's gradient with every layer
     recomputed from its saved input, on ``device``: what ZeRO-3 gathering each layer on use runs."""
-    return _temp_line(shape, shape.layers, device, remat=True)
+    return _temp_line(shape, gradients or DemoGradients(shape), shape.layers, device, remat=True)
 
 
-def _temp_line(shape: ModelShape, layers: int, device, *, remat: bool = False) -> tuple[float, float]:
+def _temp_line(
+    shape: ModelShape, source: GradientSource, layers: int, device, *, remat: bool = False
+) -> tuple[float, float]:
     """``(fixed, per token)`` of the gradient's temporaries through ``_ROWS / 2`` and ``_ROWS``
     examples."""
     rows = _LINE_ROWS
-    fewer, more = (_gradient_temp_bytes(shape, layers, remat, r, device) for r in rows)
+    fewer, more = (gradient_temp_bytes(source, layers, remat, r, device) for r in rows)
     per_token = (more - fewer) / ((rows[1] - rows[0]) * shape.seq_len)
     return fewer - per_token * rows[0] * shape.seq_len, per_token
-
-
-@lru_cache(maxsize=64)
-def _gradient_temp_bytes(shape: ModelShape, layers: int, remat: bool, rows: int, device) -> int:
-    """The compiler's temporaries of the model's gradient with ``layers`` layers on ``rows``
-    examples on ``device`` (cached: :func:`activation_scales`, :func:`chunk_gradient_bytes` and
-    :func:`remat_gradient_bytes` read some of the same programs)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import AxisType
-    from jax.sharding import PartitionSpec as P
-
-    from torsh_jax.analysis.memory import memory_report
-    from torsh_jax.demo.model import init_params, layered_model
-    from torsh_jax.runtime.layered import layered_loss
-
-    cfg = shape.demo_config(layers=layers)
-    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    tokens = jax.ShapeDtypeStruct((rows, shape.seq_len), jnp.int32)
-    mesh = jax.make_mesh((1, 1), ("devices", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=[device])
-    grads = jax.shard_map(
-        jax.grad(layered_loss(layered_model(cfg, remat=remat))),
-        mesh=mesh,
-        in_specs=(P(), P()),
-        out_specs=P(),
-        check_vma=False,
-    )
-    compiled = jax.jit(grads).lower(params, {"inputs": tokens, "targets": tokens}).compile()
-    return memory_report(compiled).temp_bytes
 
 
 def _pass_seconds(

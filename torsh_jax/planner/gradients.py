@@ -1,0 +1,130 @@
+"""The gradient programs ``calibrate`` compiles to read a model's memory: the model's loss and
+gradient on one device, its stack ``layers`` deep, each layer recomputed in the backward pass or
+not, on ``rows`` examples.
+
+Two sources: :class:`DemoGradients`, the demo model of a :class:`~torsh_jax.planner.shape.ModelShape`
+(what ``torsh-jax calibrate`` compiles), and :class:`ModelGradients`, a
+:class:`~torsh_jax.runtime.layered.LayeredModel` of your own (a flax model converted with
+``from_linen`` or ``from_nnx`` too), so the cost model's compiled gradients are that model's: its
+activations, what it keeps recomputing a layer, what ZeRO-3 and a pipeline stage hold.
+
+Example (the demo model of a shape, four layers deep on three examples; nothing is allocated;
+:class:`ModelGradients` takes your model, its parameters and an example batch instead):
+    >>> from torsh_jax.planner.shape import parse_model
+    >>> source = DemoGradients(parse_model("demo:d_model=64,layers=2,vocab=64,seq_len=16"))
+    >>> loss, shapes, batch = source.program(4, remat=True, rows=3)
+    >>> shapes["layers"]["w_in"].shape, batch["inputs"].shape
+    ((4, 64, 256), (3, 16))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Protocol
+
+from torsh_jax.errors import PlanError
+from torsh_jax.typing import PyTree
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torsh_jax.planner.shape import ModelShape
+    from torsh_jax.runtime.layered import LayeredModel
+
+__all__ = ["GradientSource", "DemoGradients", "ModelGradients", "gradient_temp_bytes"]
+
+
+class GradientSource(Protocol):
+    """Where the gradient programs come from: ``program(layers, remat=, rows=)`` gives the loss
+    (``(params, batch) -> scalar``), the parameters' and the batch's shapes."""
+
+    def program(self, layers: int, /, *, remat: bool, rows: int) -> tuple: ...
+
+
+@dataclass(frozen=True)
+class DemoGradients:
+    """The demo model of ``shape``'s widths (``shape.demo_config``) at ``layers`` layers."""
+
+    shape: ModelShape
+
+    def program(self, layers: int, /, *, remat: bool, rows: int) -> tuple:
+        import jax
+        import jax.numpy as jnp
+
+        from torsh_jax.demo.model import init_params, layered_model
+        from torsh_jax.runtime.layered import layered_loss
+
+        cfg = self.shape.demo_config(layers=layers)
+        params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+        tokens = jax.ShapeDtypeStruct((rows, self.shape.seq_len), jnp.int32)
+        return layered_loss(layered_model(cfg, remat=remat)), params, {"inputs": tokens, "targets": tokens}
+
+
+@dataclass(frozen=True, eq=False)
+class ModelGradients:
+    """``model`` with ``params`` (arrays or their shapes) on batches shaped like ``example`` (any
+    leading dim), its stack ``layers`` deep (fewer layers than its own, or more: only shapes are
+    compiled, each layer's like the stack's).
+
+    Raises (from :meth:`program`):
+        PlanError: ``model`` has no stacked layers.
+    """
+
+    model: LayeredModel
+    params: PyTree
+    example: PyTree
+
+    def program(self, layers: int, /, *, remat: bool, rows: int) -> tuple:
+        import jax
+
+        from torsh_jax.runtime.layered import layered_loss
+
+        key = self.model.layers_key
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.params)
+        if key is None or key not in shapes:
+            raise PlanError(
+                "the model has no stacked layers to compile a few of",
+                key=f"params[{key!r}]" if key else "model.layers_key",
+                fix="give a LayeredModel whose params hold its layers stacked under its layers_key",
+            )
+        depth = lambda s: jax.ShapeDtypeStruct((layers, *s.shape[1:]), s.dtype)
+        shapes = {**shapes, key: jax.tree.map(depth, shapes[key])}
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), self.example)
+        return layered_loss(self.model._replace(remat=remat)), shapes, batch
+
+
+def check_tokens_per_example(source: GradientSource, seq_len: int, /) -> None:
+    """One-line error unless an example of ``source`` holds ``seq_len`` tokens (a leaf whose dim 1
+    is ``seq_len``): the compiled bytes are read per token at that length.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> check_tokens_per_example(ModelGradients(None, {}, {"tokens": jnp.zeros((1, 8))}), 8)
+    """
+    if not isinstance(source, ModelGradients):
+        return
+    import jax
+
+    dims = {x.shape[1] for x in jax.tree.leaves(source.example) if len(x.shape) >= 2}
+    if seq_len not in dims:
+        raise PlanError(
+            f"the example batch's examples hold {sorted(dims)} positions, the shape {seq_len} tokens",
+            key="seq_len",
+            fix=f"give an example batch of {seq_len} tokens per example, or the shape its length",
+        )
+
+
+@lru_cache(maxsize=64)
+def gradient_temp_bytes(source: GradientSource, layers: int, remat: bool, rows: int, device) -> int:
+    """The compiler's temporaries of ``source``'s gradient with ``layers`` layers on ``rows``
+    examples, compiled for ``device`` (one of a target's compile-only devices too: nothing runs;
+    cached: ``calibrate``'s readings share programs)."""
+    import jax
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    from torsh_jax.analysis.memory import memory_report
+
+    loss, params, batch = source.program(layers, remat=remat, rows=rows)
+    mesh = jax.make_mesh((1, 1), ("devices", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=[device])
+    grads = jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+    return memory_report(jax.jit(grads).lower(params, batch).compile()).temp_bytes
