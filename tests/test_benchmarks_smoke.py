@@ -266,3 +266,22 @@ def test_planner_memory_benchmark_sorts_the_candidates_into_kinds_and_counts_wit
     found = bench.summary([{"error": e} for e in (0.01, -0.05, 0.2, -0.08)], "k")
     assert (found["plans"], found["within_5pct"]) == (4, 2)
     assert found["max_abs_error"] == pytest.approx(0.2) and found["mean_abs_error"] == pytest.approx(0.085)
+
+
+def test_bench_planner_models_quick_predicts_a_converted_models_plans_with_its_own_gradients():
+    """The GPT-2-style flax model's recomputing plans, predicted with its own compiled gradients,
+    come within 5 % of the compiled peak; the summary counts both predictions."""
+    rows = [json.loads(line) for line in _run_lines("bench_planner_models.py", "--quick", "--model", "gpt2")]
+    plans = [r for r in rows if r["name"] == "planner_model_memory"]
+    assert len(plans) == 3 and all(abs(r["error_own"]) <= 0.05 for r in plans), plans
+    [total] = [r for r in rows if r["name"] == "planner_model_memory_summary" and r["model"] == "all"]
+    assert total["plans"] == 3 and total["within_5pct_own"] == 3
+    assert total["within_5pct_demo"] == sum(abs(r["error_demo"]) <= 0.05 for r in plans)
+
+
+def _run_lines(script: str, *args: str) -> list[str]:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.splitlines()

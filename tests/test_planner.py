@@ -140,6 +140,27 @@ def test_the_planners_collectives_are_the_ones_inspect_compares(tiny, label):
     assert planned == pytest.approx(expected, rel=0.02)  # the stage's shared gradients: norms rounded
 
 
+@pytest.mark.parametrize(
+    "label", ["pp tensor=2 stage=4 1f1b m=4 acc=2", "pp tensor=2 stage=4 zb_h1 m=8 acc=1"]
+)
+def test_tensor_under_a_pipeline_is_charged_the_stages_blocks_for_each_micro_batch(tiny, label):
+    """A stage runs Megatron's collectives of its own blocks (``layers / stage``) for every
+    micro-batch of every accumulation pass: 4 all-reduces per block and one more where its forward
+    runs again (a stage recomputes its chunk), the embedding's and the head's, and the loss's three
+    per-token ones. Before, a pipeline's ``tensor`` axis cost nothing: on ``demo:7b`` over v5e-256
+    the best pipeline over ``tensor`` was one with ``tensor = 8``."""
+    by_label = {c.label: c for c in candidates(tiny, devices=8, global_batch=64)}
+    c = by_label[label]
+    [blocks] = [t for t in theories(c, tiny) if t.collectives[0].axes == ("tensor",)]
+    runs = c.plan.pipeline.microbatches * c.plan.batch.accumulation_steps
+    activations = (
+        c.plan.batch.micro_batch_size // c.plan.pipeline.microbatches * tiny.seq_len * tiny.d_model * 4
+    )
+    counts = {x.payload_bytes: x.count for x in blocks.collectives}
+    assert counts[activations] == (tiny.layers // c.sizes["stage"] * 5 + 2) * runs
+    assert predict(c, tiny, CPU8).comm_s["tensor"] > 0
+
+
 def test_the_ranking_puts_fitting_plans_first_by_predicted_step_time(tiny):
     ranked = search(tiny, CPU8, global_batch=64)
     fits = [p.fits for p in ranked]

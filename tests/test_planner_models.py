@@ -141,17 +141,17 @@ def test_every_plan_preset_is_a_base_the_candidates_are_made_from(model):
 RECOMPUTING_PLANS = ("zero3 fsdp=8 acc=1", "zero1 fsdp=8 remat acc=1", "zero3 fsdp=4 tensor=2 auto acc=1")
 
 
-@pytest.mark.parametrize("name", ["gpt2-tied", "nnx-llama-scanned"])
-def test_a_models_own_compiled_gradients_predict_its_recomputing_plans_within_5_percent(name):
+def test_a_models_own_compiled_gradients_predict_its_recomputing_plans_within_5_percent():
     """``compiled_memory(..., gradients=ModelGradients(model, params, example))`` reads the model's
     own activations and recomputing working set (its stack compiled 1, 2 and 4 layers deep), not
-    the demo model's of the same widths: on these models the demo model's put the Llama-style
-    model's ZeRO-3 and remat 7-14 % under and the GPT-2-style 4-7 % over (measured at these sizes)."""
+    the demo model's of the same widths: on the nnx Llama-style model (its scanned stack) the demo
+    model's put ZeRO-3 and remat 7-14 % under at these sizes. The GPT-2-style linen model:
+    benchmarks/bench_planner_models.py (tests/test_benchmarks_smoke.py)."""
     from torsh_jax.planner import ModelGradients, compiled_memory
     from torsh_jax.planner.cost import optimizer_state_factor
     from torsh_jax.planner.rank import verify
 
-    layered, example, _, shape, found = _planned(name)
+    layered, example, _, shape, found = _planned("nnx-llama-scanned")
     gradients = ModelGradients(layered.model, layered.params, example)
     own = compiled_memory(shape, jax.devices()[0], gradients=gradients)
     machine = replace(_machine(), memory_bytes=2**34, **own)
@@ -192,3 +192,73 @@ def test_a_plain_loss_has_no_stack_to_compile_a_few_layers_of():
     with pytest.raises(PlanError, match="no stacked layers") as refused:
         plain.program(2, remat=False, rows=2)
     assert refused.value.key == "model.layers_key"
+
+
+#: A module of the user's: the GPT-2-style model as a PlannedModel, for ``plan --model MODULE:NAME``.
+PLANNED_MODULE = """
+import jax
+from flax_blocks import GPT2, next_token_loss
+from torsh_jax import from_linen
+from torsh_jax.demo.model import LMConfig, synthetic_tokens
+from torsh_jax.planner import PlannedModel
+
+def planned():
+    module = GPT2(vocab=256, d_model=64, heads=4, layers=2, max_len=32)
+    example = synthetic_tokens(LMConfig(vocab=256, seq_len=32), batch_size=2, seed=0)
+    params = module.init(jax.random.key(0), example["inputs"])["params"]
+    layered = from_linen(module, params, example, loss=next_token_loss, blocks="blocks")
+    return PlannedModel.of(layered.model, layered.params, example, name="gpt2-tiny",
+                           d_model=64, seq_len=32, vocab=256, heads=4, mlp=256)
+
+not_planned = 3
+"""
+
+
+def test_plan_cli_plans_a_users_model_named_module_colon_name_and_compiles_it_as_itself(
+    tmp_path, monkeypatch, capsys
+):
+    """``--model MODULE:NAME`` from the working directory: the ranking is of that model, the
+    machine's compiled memory is read from its own gradient, and ``--verify`` compiles its own step
+    (the pick's compiled peak is the one its step builder gives)."""
+    import json
+
+    from torsh_jax.cli.main import main
+    from torsh_jax.planner.cost import optimizer_state_factor
+    from torsh_jax.planner.machine import Link, Machine
+    from torsh_jax.planner.own_model import load_planned_model
+    from torsh_jax.planner.rank import verify
+
+    (tmp_path / "users_gpt2.py").write_text(PLANNED_MODULE)
+    machine = Machine("cpu-8", 8, 1, 1e9, 2**30, {"ici": Link(20e-6, 1e9)}, overlaps=False, platform="cpu")
+    (tmp_path / "machine.json").write_text(replace(machine, compiled_for="another model").to_json())
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", "--model", "users_gpt2:planned", "--machine", "machine.json", "--global-batch", "32"]
+    assert main([*args, "--verify", "1", "--json", "--top", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    planned = load_planned_model("users_gpt2:planned")
+    assert report["model"]["name"] == "gpt2-tiny" and report["model"]["params"] == planned.shape.param_count
+    assert report["machine"]["compiled_gradients"]  # of this model now
+    [pick] = [p for p in report["plans"] if p["label"] == report["pick"]]
+    found = {c.label: c for c in candidates(planned.shape, devices=8, global_batch=32)}
+    c = found[pick["label"]]
+    own = predict(c, planned.shape, machine, opt_factor=optimizer_state_factor(c.plan))
+    peak = verify(own, planned.shape, require_devices(8), build=planned.step_builder())["peak"]
+    assert pick["compiled"]["peak"] == peak
+
+
+@pytest.mark.parametrize(
+    "spec, says",
+    [("no_such_module:planned", "cannot import no_such_module"),
+     ("users_gpt2:not_planned", "not a PlannedModel"),
+     ("users_gpt2:missing", "has no missing")],
+)  # fmt: skip
+def test_plan_cli_says_in_one_line_what_is_wrong_with_a_users_model(
+    tmp_path, monkeypatch, capsys, spec, says
+):
+    from torsh_jax.cli.main import main
+
+    (tmp_path / "users_gpt2.py").write_text(PLANNED_MODULE)
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--model", spec, "--target", "v5e-8", "--global-batch", "32"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert says in err and "--model" in err and len(err.splitlines()) == 1, err

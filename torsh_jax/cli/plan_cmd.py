@@ -5,6 +5,7 @@ Example:
     $ torsh-jax plan --model demo:150m --target v5e-16 --global-batch 128 --verify 1 --json -o plan.toml
     $ torsh-jax plan --model demo:d_model=128,layers=4 --machine machine.json --global-batch 64
     $ torsh-jax plan --model demo:1b --machine node.json --devices 64 --memory-limit 70GiB --global-batch 512
+    $ torsh-jax plan --model my_model:planned --machine machine.json --global-batch 64 --verify 1
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--model",
         default="demo:150m",
-        help="demo:150m, demo:1b, ... or demo:d_model=N,layers=N[,vocab=N,seq_len=N,heads=N,mlp=N]"
-        " [demo:150m]",
+        help="demo:150m, demo:1b, ... or demo:d_model=N,layers=N[,vocab=N,seq_len=N,heads=N,mlp=N]; "
+        "your model: MODULE:NAME, a PlannedModel (docs/planner.md) [demo:150m]",
     )
     parser.add_argument(
         "--global-batch",
@@ -102,12 +103,11 @@ def run(args: argparse.Namespace) -> int:
     from torsh_jax.errors import TargetError
     from torsh_jax.plan.io import load_plan, save_plan
     from torsh_jax.planner.rank import rules_of_thumb, search_verified
-    from torsh_jax.planner.shape import parse_model
 
-    shape = parse_model(args.model)
     machine, target = _machine(args)
+    shape, build, machine = _model(args.model, machine)
     base = load_plan(args.base, key="--base") if args.base else None
-    check = lambda p: _verify(p, shape, target, machine)
+    check = lambda p: _verify(p, shape, target, machine, build)
     budget, unverified = _verify_budget(args.verify, target)
     search = lambda n: search_verified(
         shape,
@@ -244,20 +244,45 @@ def _verify_budget(verify: int | None, target) -> tuple[int, str | None]:
     return (0, UNVERIFIED.format(missing)) if missing else (TARGET_VERIFY, None)
 
 
-def _verify(prediction, shape, target, machine) -> dict:
+def _model(spec: str, machine):
+    """``(shape, step builder, machine)`` of ``--model``: the demo model's shape (its step built by
+    ``verify``: no builder), or your model's (``MODULE:NAME``,
+    :mod:`~torsh_jax.planner.own_model`) with its own step and, where the machine file's compiled
+    gradients are of this host's kind of device, the compiled memory of its own gradient."""
+    from torsh_jax.planner.own_model import load_planned_model, names_own_model
+    from torsh_jax.planner.shape import parse_model
+
+    if not names_own_model(spec):
+        return parse_model(spec), None, machine
+    planned = load_planned_model(spec)
+    if machine.compiled_for:
+        import dataclasses
+
+        import jax
+
+        from torsh_jax.planner.calibrate import compiled_memory
+
+        device = jax.devices()[0]
+        if device.platform == machine.platform:
+            own = compiled_memory(planned.shape, device, gradients=planned.gradients())
+            machine = dataclasses.replace(machine, **own)
+    return planned.shape, planned.step_builder(), machine
+
+
+def _verify(prediction, shape, target, machine, build=None) -> dict:
     from torsh_jax.planner.rank import verify
 
     if target is None:
         from torsh_jax.demo.devices import select_devices
 
-        return verify(prediction, shape, select_devices(machine.devices))
+        return verify(prediction, shape, select_devices(machine.devices), build=build)
     from torsh_jax.errors import TargetError
     from torsh_jax.targets import missing_compiler, target_devices
 
     missing = missing_compiler(target.name)
     if missing is not None:
         raise TargetError(missing, key="--verify", fix="install it, or drop --verify")
-    return verify(prediction, shape, target_devices(target), target=target)
+    return verify(prediction, shape, target_devices(target), target=target, build=build)
 
 
 def _table(report: dict) -> str:

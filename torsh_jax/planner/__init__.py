@@ -37,6 +37,7 @@ _EXPORTS: dict[str, str] = {
     "model_step_builder": "torsh_jax.planner.steps",
     "ModelGradients": "torsh_jax.planner.gradients",
     "compiled_memory": "torsh_jax.planner.calibrate",
+    "PlannedModel": "torsh_jax.planner.own_model",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -48,6 +49,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torsh_jax.planner.cost import Prediction, predict
     from torsh_jax.planner.gradients import ModelGradients
     from torsh_jax.planner.machine import Link, Machine
+    from torsh_jax.planner.own_model import PlannedModel
     from torsh_jax.planner.rank import Verified, search, search_verified, verify
     from torsh_jax.planner.shape import ModelShape, parse_model
     from torsh_jax.planner.space import Candidate, Space, candidates

@@ -18,7 +18,8 @@
   time (1F1B and GPipe ``(p - 1) / m``, interleaved ``(p - 1) / v m``, ZB-H1 ``(p - 1) / 3 m``;
   none where the devices share the host's cores: an idle stage's core works for the others);
 * communication per axis: the plan theory's collectives (:mod:`torsh_jax.analysis.theory`: the
-  same bytes ``inspect`` compares with the compiled program), each ``steps × α + wire bytes / β``
+  same bytes ``inspect`` compares with the compiled program; over ``tensor`` Megatron's per block,
+  under a pipeline the stage's blocks for each of its micro-batches), each ``steps × α + wire bytes / β``
   on the axis's link (DCN when the axis crosses slices), ring steps ``2 (n - 1)`` for an
   all-reduce (or a tree's ``2 ceil(log2 n)`` with the ring's bytes times ``n / (n - 1)``, where the
   link's library runs trees and that is faster: NCCL across GPU nodes), ``n - 1`` for a gather or
@@ -324,7 +325,8 @@ def theories(c: Candidate, shape: ModelShape, *, compressed: bool = True) -> lis
     out = [data]
     cb = DTYPE_BYTES[plan.precision.compute_dtype]
     micro_tokens = tokens_per_micro_step(c, shape)
-    if sizes["tensor"] > 1 and sizes["stage"] == 1:
+    if sizes["tensor"] > 1:  # under a pipeline: the stage's blocks, once per micro-batch
+        micro_batches = plan.pipeline.microbatches if sizes["stage"] > 1 else 1
         out.append(
             megatron_blocks(
                 micro_tokens * shape.d_model * cb,
@@ -334,7 +336,7 @@ def theories(c: Candidate, shape: ModelShape, *, compressed: bool = True) -> lis
                 token_bytes=micro_tokens * 4,
                 replicated_grad_bytes=_replicated_bytes(c, shape) if plan.tensor.sequence_parallel else 0,
                 recomputed=recomputed(c),
-                micro_steps=plan.batch.accumulation_steps,
+                micro_steps=plan.batch.accumulation_steps * micro_batches,
             )
         )
     if sizes["stage"] > 1:
