@@ -153,6 +153,8 @@ def test_a_models_own_compiled_gradients_predict_its_recomputing_plans_within_5_
 
     layered, example, _, shape, found = _planned("nnx-llama-scanned")
     gradients = ModelGradients(layered.model, layered.params, example)
+    held = jax.tree.leaves((gradients.params, gradients.example))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in held)  # cached: it must not keep the arrays
     own = compiled_memory(shape, jax.devices()[0], gradients=gradients)
     machine = replace(_machine(), memory_bytes=2**34, **own)
     build = model_step_builder(layered.model, layered.params, example)

@@ -73,13 +73,22 @@ class ModelGradients:
     params: PyTree
     example: PyTree
 
+    def __post_init__(self):
+        """Keeps shapes only: the compiled programs are cached, and with them this source, which must
+        not hold a model's arrays alive."""
+        import jax
+
+        as_shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+        object.__setattr__(self, "params", jax.tree.map(as_shape, self.params))
+        object.__setattr__(self, "example", jax.tree.map(as_shape, self.example))
+
     def program(self, layers: int, /, *, remat: bool, rows: int) -> tuple:
         import jax
 
         from torsh_jax.runtime.layered import layered_loss
 
         key = self.model.layers_key
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.params)
+        shapes = self.params
         if key is None or key not in shapes:
             raise PlanError(
                 "the model has no stacked layers to compile a few of",
