@@ -250,9 +250,11 @@ def test_plan_cli_plans_a_users_model_named_module_colon_name_and_compiles_it_as
 
 @pytest.mark.parametrize(
     "spec, says",
-    [("no_such_module:planned", "cannot import no_such_module"),
+    [("no_such_module:planned", "cannot import 'no_such_module'"),
      ("users_gpt2:not_planned", "not a PlannedModel"),
-     ("users_gpt2:missing", "has no missing")],
+     ("users_gpt2:missing", "has no missing"),
+     (":planned", "cannot import ''"),
+     ("./users_gpt2.py:planned", "name a module, not a file")],
 )  # fmt: skip
 def test_plan_cli_says_in_one_line_what_is_wrong_with_a_users_model(
     tmp_path, monkeypatch, capsys, spec, says

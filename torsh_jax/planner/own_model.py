@@ -94,10 +94,17 @@ def load_planned_model(spec: str, /) -> PlannedModel:
         PlanError: the module does not import, has no such name, or it is not a PlannedModel.
     """
     module_name, _, name = spec.strip().partition(":")
-    found = getattr(_imported(module_name, spec), name, None)
-    if found is None:
-        raise PlanError(f"{module_name} has no {name}", key="--model", fix=f"define {name} in {module_name}")
-    planned = found if isinstance(found, PlannedModel) else found() if callable(found) else found
+    searched = [os.getcwd(), *sys.path]
+    sys.path, given = searched, sys.path  # the working directory, while the model is made too
+    try:
+        found = getattr(_imported(module_name, spec), name, None)
+        if found is None:
+            raise PlanError(
+                f"{module_name} has no {name}", key="--model", fix=f"define {name} in {module_name}"
+            )
+        planned = found if isinstance(found, PlannedModel) else found() if callable(found) else found
+    finally:
+        sys.path = given
     if not isinstance(planned, PlannedModel):
         raise PlanError(
             f"{spec} is a {type(planned).__name__}, not a PlannedModel",
@@ -109,16 +116,13 @@ def load_planned_model(spec: str, /) -> PlannedModel:
 
 
 def _imported(module_name: str, spec: str):
-    """``module_name`` imported, the working directory searched first (for the import only)."""
-    searched = [os.getcwd(), *sys.path]
-    sys.path, given = searched, sys.path
+    """``module_name`` imported (the caller puts the working directory first on the path)."""
     try:
         return importlib.import_module(module_name)
-    except ImportError as error:
+    except (ImportError, ValueError, TypeError) as error:  # also an empty or relative name
         raise PlanError(
-            f"cannot import {module_name} for {spec}: {error}",
+            f"cannot import {module_name!r} for {spec}: {error}",
             key="--model",
-            fix=f"run from the directory holding {module_name}.py, or install it; the form is {FORM}",
+            fix=f"run from the directory holding it and name a module, not a file (my_model:planned for "
+            f"my_model.py); the form is {FORM}",
         ) from None
-    finally:
-        sys.path = given

@@ -223,7 +223,7 @@ def parse_model(text: str, /) -> ModelShape:
         raise PlanError(
             f"cannot read model {text!r}",
             key="model",
-            fix="write demo:150m, demo:1b or demo:d_model=1024,layers=8; your model: MODULE:NAME",
+            fix="write demo:150m, demo:1b or demo:d_model=1024,layers=8 (plan also takes MODULE:NAME)",
         )
     spec = match.group(1)
     if "=" not in spec:
