@@ -89,6 +89,14 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def cpu_machine():
+    """The 8 simulated devices the memory benchmarks compile for, before their compiled memory is
+    read: memory is compiled, not timed, so the link and rate are placeholders."""
+    from torsh_jax.planner.machine import Link, Machine
+
+    return Machine("cpu-8", 8, 1, 1e9, 2**34, {"ici": Link(20e-6, 1e9)}, overlaps=False, platform="cpu")
+
+
 def kind_of(candidate) -> str:
     """The candidate's kind: ZeRO stage or pipeline schedule, with tensor, remat, accumulation."""
     plan, sizes = candidate.plan, candidate.sizes
@@ -187,13 +195,12 @@ def main() -> int:
     import jax
 
     from torsh_jax.planner.calibrate import compiled_memory
-    from torsh_jax.planner.machine import Link, Machine
     from torsh_jax.planner.shape import parse_model
     from torsh_jax.planner.space import candidates
 
     name, every, offset = ("tiny", 40, 0) if args.quick else (args.model, args.every, args.offset)
     shape, devices = parse_model(MODELS[name]), jax.devices()[:8]
-    machine = Machine("cpu-8", 8, 1, 1e9, 2**34, {"ici": Link(20e-6, 1e9)}, overlaps=False, platform="cpu")
+    machine = cpu_machine()
     machine = dataclasses.replace(machine, **compiled_memory(shape, devices[0]))
     found = [c for c in candidates(shape, devices=8, global_batch=GLOBAL_BATCH) if args.match in c.label]
     sample = found[offset::every]

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import common
+from bench_planner_memory import cpu_machine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the flax models
 
@@ -94,13 +95,12 @@ def model_rows(name: str, quick: bool) -> list[dict]:
 
     from torsh_jax.planner import ModelGradients, compiled_memory, model_step_builder
     from torsh_jax.planner.cost import optimizer_state_factor, predict
-    from torsh_jax.planner.machine import Link, Machine
     from torsh_jax.planner.rank import verify
     from torsh_jax.planner.space import candidates
 
     layered, example, shape = converted(name, quick)
     devices = jax.devices()[:8]
-    base = Machine("cpu-8", 8, 1, 1e9, 2**34, {"ici": Link(20e-6, 1e9)}, overlaps=False, platform="cpu")
+    base = cpu_machine()
     gradients = ModelGradients(layered.model, layered.params, example)
     machines = {
         "demo": dataclasses.replace(base, **compiled_memory(shape, devices[0])),

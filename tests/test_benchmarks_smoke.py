@@ -40,8 +40,13 @@ TEMP_KEYS = {"name", "ratio", "baseline_ratio", "layers", "ours_temp_bytes", "ba
 
 def run_quick(script: str, *extra: str) -> dict[str, dict]:
     """Rows of ``script --quick`` by name; fails on a non-zero exit or a non-JSON line."""
+    return {row["name"]: row for row in script_rows(script, "--quick", *extra)}
+
+
+def script_rows(script: str, *args: str) -> list[dict]:
+    """Every row ``script`` prints, in order; fails on a non-zero exit or a non-JSON line."""
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--quick", *extra],
+        [sys.executable, str(BENCHMARKS / script), *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -51,7 +56,7 @@ def run_quick(script: str, *extra: str) -> dict[str, dict]:
     assert lines, done.stderr[-3000:]
     rows = [json.loads(line) for line in lines]
     assert all(isinstance(row, dict) for row in rows)
-    return {row["name"]: row for row in rows}
+    return rows
 
 
 def assert_keys(row: dict, keys: set[str]) -> None:
@@ -271,17 +276,9 @@ def test_planner_memory_benchmark_sorts_the_candidates_into_kinds_and_counts_wit
 def test_bench_planner_models_quick_predicts_a_converted_models_plans_with_its_own_gradients():
     """The GPT-2-style flax model's recomputing plans, predicted with its own compiled gradients,
     come within 5 % of the compiled peak; the summary counts both predictions."""
-    rows = [json.loads(line) for line in _run_lines("bench_planner_models.py", "--quick", "--model", "gpt2")]
+    rows = script_rows("bench_planner_models.py", "--quick", "--model", "gpt2")
     plans = [r for r in rows if r["name"] == "planner_model_memory"]
     assert len(plans) == 3 and all(abs(r["error_own"]) <= 0.05 for r in plans), plans
     [total] = [r for r in rows if r["name"] == "planner_model_memory_summary" and r["model"] == "all"]
     assert total["plans"] == 3 and total["within_5pct_own"] == 3
     assert total["within_5pct_demo"] == sum(abs(r["error_demo"]) <= 0.05 for r in plans)
-
-
-def _run_lines(script: str, *args: str) -> list[str]:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.splitlines()

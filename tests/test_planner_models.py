@@ -143,7 +143,7 @@ RECOMPUTING_PLANS = ("zero3 fsdp=8 acc=1", "zero1 fsdp=8 remat acc=1", "zero3 fs
 
 def test_a_models_own_compiled_gradients_predict_its_recomputing_plans_within_5_percent():
     """``compiled_memory(..., gradients=ModelGradients(model, params, example))`` reads the model's
-    own activations and recomputing working set (its stack compiled 1, 2 and 4 layers deep), not
+    own activations and recomputing working set (its stack compiled at several depths), not
     the demo model's of the same widths: on the nnx Llama-style model (its scanned stack) the demo
     model's put ZeRO-3 and remat 7-14 % under at these sizes. The GPT-2-style linen model:
     benchmarks/bench_planner_models.py (tests/test_benchmarks_smoke.py)."""
@@ -226,12 +226,11 @@ def test_plan_cli_plans_a_users_model_named_module_colon_name_and_compiles_it_as
 
     from torsh_jax.cli.main import main
     from torsh_jax.planner.cost import optimizer_state_factor
-    from torsh_jax.planner.machine import Link, Machine
     from torsh_jax.planner.own_model import load_planned_model
     from torsh_jax.planner.rank import verify
 
     (tmp_path / "users_gpt2.py").write_text(PLANNED_MODULE)
-    machine = Machine("cpu-8", 8, 1, 1e9, 2**30, {"ici": Link(20e-6, 1e9)}, overlaps=False, platform="cpu")
+    machine = _machine()
     (tmp_path / "machine.json").write_text(replace(machine, compiled_for="another model").to_json())
     monkeypatch.chdir(tmp_path)
     args = ["plan", "--model", "users_gpt2:planned", "--machine", "machine.json", "--global-batch", "32"]

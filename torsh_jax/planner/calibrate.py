@@ -404,7 +404,7 @@ def activation_scales(
     ``S``: its saved input, ``W``: the working set), ``W = recomputed(2) - plain(2) + 2 F - 2 S``."""
     from torsh_jax.planner.memory import full_layer_bytes_per_token
 
-    source = gradients or DemoGradients(shape)
+    source = _source(shape, gradients)
     plain = [gradient_temp_bytes(source, n, False, _ROWS, device) for n in (2, 4)]
     recomputed = [gradient_temp_bytes(source, n, True, _ROWS, device) for n in (2, 4)]
     full, saved = (plain[1] - plain[0]) / 2, (recomputed[1] - recomputed[0]) / 2
@@ -444,7 +444,7 @@ def compiled_memory(
         PlanError: ``gradients``' examples are not ``shape.seq_len`` tokens long, or its model has
             no stacked layers.
     """
-    source = gradients or DemoGradients(shape)
+    source = _source(shape, gradients)
     check_tokens_per_example(source, shape.seq_len)
     lengths = lengths or _stage_chunk_lengths(shape)
     programs = _memory_programs(shape, lengths)
@@ -457,6 +457,11 @@ def compiled_memory(
         "remat_gradient_bytes": remat_gradient_bytes(shape, device, gradients=source),
         "compiled_for": shape.signature,
     }
+
+
+def _source(shape: ModelShape, gradients: GradientSource | None) -> GradientSource:
+    """The gradient programs read: ``gradients``, else the demo model of ``shape``."""
+    return gradients or DemoGradients(shape)
 
 
 def _memory_programs(shape: ModelShape, lengths: tuple[int, ...]) -> set[tuple[int, bool, int]]:
@@ -481,7 +486,7 @@ def chunk_gradient_bytes(
     ``_ROWS / 2`` and ``_ROWS`` examples. A pipeline stage's backward is this program on one
     micro-batch: it recomputes its chunk of ``k`` layers from the stashed input, with the
     embedding and head."""
-    source = gradients or DemoGradients(shape)
+    source = _source(shape, gradients)
     return {k: _temp_line(shape, source, k, device) for k in lengths or _stage_chunk_lengths(shape)}
 
 
@@ -496,7 +501,7 @@ def remat_gradient_bytes(
 ) -> tuple[float, float]:
     """``(fixed, per token)``: the compiler's temporaries of the model's gradient with every layer
     recomputed from its saved input, on ``device``: what ZeRO-3 gathering each layer on use runs."""
-    return _temp_line(shape, gradients or DemoGradients(shape), shape.layers, device, remat=True)
+    return _temp_line(shape, _source(shape, gradients), shape.layers, device, remat=True)
 
 
 def _temp_line(
