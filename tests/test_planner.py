@@ -117,6 +117,9 @@ def test_a_batch_no_plan_divides_is_one_error(tiny):
         "pp data=2 stage=4 1f1b m=4 acc=1",
         "pp data=4 stage=2 interleaved v=2 m=4 acc=1",
         "pp data=2 stage=4 zb_h1 m=4 acc=1",
+        "pp tensor=2 stage=4 1f1b m=4 acc=2",
+        "pp data=2 tensor=2 stage=2 zb_h1 m=4 acc=1",
+        "pp data=2 tensor=2 stage=2 interleaved v=2 m=2 acc=1",
     ],
 )
 def test_the_planners_collectives_are_the_ones_inspect_compares(tiny, label):
@@ -140,25 +143,13 @@ def test_the_planners_collectives_are_the_ones_inspect_compares(tiny, label):
     assert planned == pytest.approx(expected, rel=0.02)  # the stage's shared gradients: norms rounded
 
 
-@pytest.mark.parametrize(
-    "label", ["pp tensor=2 stage=4 1f1b m=4 acc=2", "pp tensor=2 stage=4 zb_h1 m=8 acc=1"]
-)
-def test_tensor_under_a_pipeline_is_charged_the_stages_blocks_for_each_micro_batch(tiny, label):
-    """A stage runs Megatron's collectives of its own blocks (``layers / stage``) for every
-    micro-batch of every accumulation pass: 4 all-reduces per block and one more where its forward
-    runs again (a stage recomputes its chunk), the embedding's and the head's, and the loss's three
-    per-token ones. Before, a pipeline's ``tensor`` axis cost nothing: on ``demo:7b`` over v5e-256
-    the best pipeline over ``tensor`` was one with ``tensor = 8``."""
+def test_tensor_under_a_pipeline_costs_time(tiny):
+    """The first stage's Megatron collectives (``theories`` equal to inspect's, above, which
+    tests/test_pipeline.py compares with the compiled program). Before, a pipeline's ``tensor``
+    axis cost nothing: on ``demo:7b`` over v5e-256 the best pipeline over ``tensor`` was one with
+    ``tensor = 8``."""
     by_label = {c.label: c for c in candidates(tiny, devices=8, global_batch=64)}
-    c = by_label[label]
-    [blocks] = [t for t in theories(c, tiny) if t.collectives[0].axes == ("tensor",)]
-    runs = c.plan.pipeline.microbatches * c.plan.batch.accumulation_steps
-    activations = (
-        c.plan.batch.micro_batch_size // c.plan.pipeline.microbatches * tiny.seq_len * tiny.d_model * 4
-    )
-    counts = {x.payload_bytes: x.count for x in blocks.collectives}
-    assert counts[activations] == (tiny.layers // c.sizes["stage"] * 5 + 2) * runs
-    assert predict(c, tiny, CPU8).comm_s["tensor"] > 0
+    assert predict(by_label["pp tensor=2 stage=4 zb_h1 m=8 acc=1"], tiny, CPU8).comm_s["tensor"] > 0
 
 
 def test_the_ranking_puts_fitting_plans_first_by_predicted_step_time(tiny):
@@ -830,16 +821,20 @@ def _small_model_machine() -> Machine:
     )
 
 
-def test_calibrate_compiles_each_memory_program_once_all_before_any_is_read():
+def test_calibrate_compiles_each_memory_program_once_all_before_any_is_read(monkeypatch):
     import jax
 
+    from torsh_jax.planner import gradients
     from torsh_jax.planner.calibrate import _memory_programs, compiled_memory
-    from torsh_jax.planner.gradients import gradient_temp_bytes
 
+    compiled = []
+    compile_once = gradients.compiled_temp_bytes
+    monkeypatch.setattr(
+        gradients, "compiled_temp_bytes", lambda *a: compiled.append(a[1:4]) or compile_once(*a)
+    )
     shape = parse_model("demo:d_model=32,layers=2,vocab=64,seq_len=8")
-    gradient_temp_bytes.cache_clear()
     compiled_memory(shape, jax.devices()[0], lengths=(1, 2))
-    assert gradient_temp_bytes.cache_info().misses == len(_memory_programs(shape, (1, 2)))
+    assert sorted(compiled) == sorted(_memory_programs(shape, (1, 2)))
 
 
 #: ``ddp data=8`` with int8 gradients over ``data``; and ZeRO-2 recomputing each layer.

@@ -180,6 +180,58 @@ def test_a_models_gradients_must_be_compiled_at_the_shapes_length():
     assert wrong.value.key == "seq_len"
 
 
+def test_reading_an_nnx_models_compiled_gradients_keeps_none_of_its_arrays():
+    """``from_nnx``'s loss closes over the model's arrays, and a source's compiled readings are kept
+    while it lives: once the model and the source are gone, so are the arrays (before, a cache keyed
+    on the source held them, 13 MB on a small Llama). Two sources of the same model compile the
+    same programs: the second reads what the first compiled."""
+    import gc
+    import weakref
+
+    from torsh_jax.planner import ModelGradients, gradients
+
+    example = synthetic_tokens(CFG, batch_size=2, seed=0)
+    model = NNX_LLAMA(rngs=nnx.Rngs(0))
+    kept = weakref.ref(jax.tree.leaves(nnx.state(model, nnx.Param))[0])
+    layered = from_nnx(model, example, loss=next_token_loss, blocks="layers")
+    source = ModelGradients(layered.model, layered.params, example)
+    temp = gradients.gradient_temp_bytes(source, 1, False, 2, jax.devices()[0])
+    again = ModelGradients(layered.model, layered.params, example)
+    assert again == source and gradients._READ[again] == {(1, False, 2, jax.devices()[0]): temp}
+    del model, layered, source, again
+    gc.collect()
+    assert kept() is None
+
+
+def test_a_model_without_a_sequence_dim_compiles_its_gradients_at_one_token_per_example():
+    """An MLP's batch (``x [B, 16]``, ``y [B]``) has no sequence dim: at ``seq_len`` 1 its own
+    gradients are compiled (before, every ``seq_len`` was refused, so a machine file of the host's
+    kind of device could not plan it); at 2 it is still one error."""
+    import jax.numpy as jnp
+
+    from torsh_jax.errors import PlanError
+    from torsh_jax.planner import ModelGradients, compiled_memory
+    from torsh_jax.runtime.layered import LayeredModel
+
+    mlp = LayeredModel(
+        lambda p, b: b["x"] @ p["w_in"],
+        lambda w, h: h + jnp.tanh(h @ w["w"]),
+        lambda p, h, b: jnp.mean(((h @ p["w_out"])[:, 0] - b["y"]) ** 2),
+        embed_keys=("w_in",), head_keys=("w_out",), layers_key="layers",
+    )  # fmt: skip
+    params = {
+        "w_in": jnp.zeros((16, 32)),
+        "layers": {"w": jnp.zeros((4, 32, 32))},
+        "w_out": jnp.zeros((32, 1)),
+    }
+    gradients = ModelGradients(mlp, params, {"x": jnp.zeros((2, 16)), "y": jnp.zeros((2,))})
+    shape = ModelShape.from_model(mlp, params, d_model=32, seq_len=1, vocab=1, heads=1, mlp=32)
+    own = compiled_memory(shape, jax.devices()[0], gradients=gradients)
+    assert own["compiled_for"] == shape.signature and own["activation_scale"] > 0
+    with pytest.raises(PlanError, match="2 tokens"):
+        compiled_memory(replace(shape, seq_len=2), jax.devices()[0], gradients=gradients)
+
+
 def test_a_plain_loss_has_no_stack_to_compile_a_few_layers_of():
     """A plain loss (no stacked layers) cannot give the per-layer programs: one error saying so."""
     import jax.numpy as jnp

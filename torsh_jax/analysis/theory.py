@@ -55,6 +55,7 @@ __all__ = [
     "hsdp",
     "pipeline_stages",
     "megatron_blocks",
+    "pipelined_megatron_blocks",
     "plan_theory",
     "MemoryTheory",
     "theoretical_memory_per_device",
@@ -406,6 +407,65 @@ def megatron_blocks(
     sp = " with sequence parallelism" if sequence_parallel else ""
     described = f"Megatron blocks over tensor={t}{sp} ({layers} layers)"
     return Theory(described, tuple(c for c in out if c.payload_bytes))
+
+
+def pipelined_megatron_blocks(
+    activation_bytes: int,
+    /,
+    *,
+    tensor_size: int,
+    layers: int,
+    microbatches: int,
+    passes: int = 1,
+    virtual_stages: int = 1,
+    splits_backward: bool = False,
+) -> Theory:
+    """Tensor-axis collectives of the first pipeline stage's ``layers`` Megatron blocks (attention +
+    MLP, no sequence parallelism), for every micro-batch of every pass.
+
+    A stage's backward recomputes its chunk from the stashed input (``jax.vjp``), so each block's two
+    forward all-reduces run again before its two backward ones; the first stage also sums the
+    embedding's output, in the forward and in the recomputed forward. The recomputed chunk's output
+    is not used, but its last all-reduce runs all the same inside the loop over the chunk's layers;
+    a chunk of one layer has no loop and drops it. A split backward (ZB-H1) runs that
+    input-gradient pass as it is, and its ``W`` slot recomputes each block's forward once more with
+    the MLP's input-gradient all-reduce (the attention's weight gradients need the gradient at its
+    output). Per micro-batch, for ``k`` layers: ``6 k + 2`` all-reduces of the activations,
+    ``9 k + 2`` with ``W`` slots, one fewer per one-layer chunk. (The last stage runs one fewer: the
+    head's input gradient for the embedding's two sums, plus the loss's per-token reductions, a
+    few bytes per token.)
+
+    Args:
+        activation_bytes: one micro-batch's activations ``[b, T, D]`` in the compute dtype.
+        tensor_size: devices along ``tensor``.
+        layers: the stage's blocks (over all its chunks when interleaved).
+        microbatches: micro-batches per pass.
+        passes: accumulation passes per optimizer step.
+        virtual_stages: chunks per stage.
+        splits_backward: the schedule has ``W`` slots.
+
+    Example:
+        >>> pipelined_megatron_blocks(1024, tensor_size=2, layers=4, microbatches=2).count_by_kind
+        {'all-reduce': 52}
+        >>> one_layer_chunks = pipelined_megatron_blocks(
+        ...     1024, tensor_size=2, layers=2, microbatches=2, virtual_stages=2
+        ... )
+        >>> one_layer_chunks.count_by_kind
+        {'all-reduce': 24}
+    """
+    _check_sizes(
+        tensor_size=tensor_size, layers=layers, microbatches=microbatches, passes=passes,
+        virtual_stages=virtual_stages,
+    )  # fmt: skip
+    per_block = 9 if splits_backward else 6
+    one_layer_chunks = virtual_stages if layers == virtual_stages else 0
+    runs = (per_block * layers + 2 - one_layer_chunks) * microbatches * passes
+    reductions = TheoryCollective("all-reduce", ("tensor",), activation_bytes, tensor_size, runs)
+    split = ", W slots" if splits_backward else ""
+    described = (
+        f"Megatron blocks over tensor={tensor_size} in the first pipeline stage ({layers} layers{split})"
+    )
+    return Theory(described, (reductions,))
 
 
 def plan_theory(

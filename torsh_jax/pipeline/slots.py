@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -36,7 +37,17 @@ import numpy as np
 
 from torsh_jax.pipeline.schedule import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule
 
-__all__ = ["SlotPlan", "slot_plan", "BRANCHES", "Segment", "tick_segments"]
+__all__ = [
+    "SlotPlan",
+    "slot_plan",
+    "BRANCHES",
+    "Segment",
+    "tick_segments",
+    "executor_segments",
+    "segment_ticks",
+    "slot_scope",
+    "scoped_branch",
+]
 
 #: Branch names; ``F_first`` embeds, ``F_last`` / ``B_last`` run the head and the loss, ``W`` makes a
 #: chunk's weight gradients when the schedule splits backwards.
@@ -160,3 +171,41 @@ def tick_segments(plan: SlotPlan, *, periods: tuple[int, ...] = (1, 2)) -> list[
         out.append(best)
         tick += best.period * best.repeats
     return out
+
+
+def executor_segments(plan: SlotPlan, schedule: Schedule) -> list[Segment]:
+    """The segments the executor runs for ``schedule``: blocks of 1 or 2 ticks (and 3 with ``W``
+    slots, a steady ``B, W, F`` repeating every 3), or a whole round of ``2 p v`` ticks."""
+    periods = (1, 2, 3) if schedule.splits_backward else (1, 2)
+    return tick_segments(plan, periods=(*periods, 2 * schedule.stages * schedule.virtual_stages))
+
+
+def segment_ticks(segment: Segment) -> list[list[int]]:
+    """Per tick of the segment's block, the ticks it stands for (itself and its repeats): what one
+    traced tick of the executor runs as.
+
+    Example:
+        >>> segment_ticks(Segment(3, 2, 3))
+        [[3, 5, 7], [4, 6, 8]]
+    """
+    start, period, repeats = segment
+    return [list(range(start + j, start + period * repeats, period)) for j in range(period)]
+
+
+def slot_scope(branch: str) -> str:
+    """The name scope of ``branch``'s operations: the compiled program's ``op_name`` names the slot.
+
+    Example:
+        >>> scoped_branch("jit(step)/shard_map/cond/branch_1_fun/" + slot_scope("B_first") + "/psum")
+        'B_first'
+    """
+    return f"pipeline_slot_{branch}"
+
+
+_SCOPED = re.compile(r"(?:^|/)pipeline_slot_(" + "|".join(BRANCHES) + r")(?:/|$)")
+
+
+def scoped_branch(op_name: str) -> str | None:
+    """The branch whose scope (:func:`slot_scope`) ``op_name`` is in, or ``None``."""
+    match = _SCOPED.search(op_name)
+    return match.group(1) if match else None

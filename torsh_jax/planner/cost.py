@@ -56,6 +56,7 @@ from torsh_jax.analysis.theory import (
     compressed_reduction,
     megatron_blocks,
     pipeline_stages,
+    pipelined_megatron_blocks,
     plan_theory,
 )
 from torsh_jax.plan import CompressorSpec
@@ -325,20 +326,8 @@ def theories(c: Candidate, shape: ModelShape, *, compressed: bool = True) -> lis
     out = [data]
     cb = DTYPE_BYTES[plan.precision.compute_dtype]
     micro_tokens = tokens_per_micro_step(c, shape)
-    if sizes["tensor"] > 1:  # under a pipeline: the stage's blocks, once per micro-batch
-        micro_batches = plan.pipeline.microbatches if sizes["stage"] > 1 else 1
-        out.append(
-            megatron_blocks(
-                micro_tokens * shape.d_model * cb,
-                tensor_size=sizes["tensor"],
-                layers=local_layers,
-                sequence_parallel=plan.tensor.sequence_parallel,
-                token_bytes=micro_tokens * 4,
-                replicated_grad_bytes=_replicated_bytes(c, shape) if plan.tensor.sequence_parallel else 0,
-                recomputed=recomputed(c),
-                micro_steps=plan.batch.accumulation_steps * micro_batches,
-            )
-        )
+    if sizes["tensor"] > 1:
+        out.append(_tensor_theory(c, shape, micro_tokens * shape.d_model * cb, local_layers))
     if sizes["stage"] > 1:
         shared_grads = shared * DTYPE_BYTES[plan.precision.param_dtype] + 4
         out.append(
@@ -352,6 +341,26 @@ def theories(c: Candidate, shape: ModelShape, *, compressed: bool = True) -> lis
             )
         )
     return _as_sent(out, c, shape) if compressed else out
+
+
+def _tensor_theory(c: Candidate, shape: ModelShape, activation_bytes: int, layers: int) -> Theory:
+    """``tensor``'s Megatron collectives: of the device's ``layers`` blocks per micro-step, or under a
+    pipeline of the first stage's per micro-batch."""
+    plan, common = c.plan, {"tensor_size": c.sizes["tensor"], "layers": layers}
+    if c.sizes["stage"] > 1:
+        pipe = plan.pipeline
+        return pipelined_megatron_blocks(
+            activation_bytes, **common, microbatches=pipe.microbatches,
+            passes=plan.batch.accumulation_steps, virtual_stages=pipe.virtual_stages,
+            splits_backward=schedule_figures(c).splits_backward,
+        )  # fmt: skip
+    sp = plan.tensor.sequence_parallel
+    return megatron_blocks(
+        activation_bytes, **common, sequence_parallel=sp,
+        token_bytes=tokens_per_micro_step(c, shape) * 4,
+        replicated_grad_bytes=_replicated_bytes(c, shape) if sp else 0,
+        recomputed=recomputed(c), micro_steps=plan.batch.accumulation_steps,
+    )  # fmt: skip
 
 
 def _as_sent(plain: list[Theory], c: Candidate, shape: ModelShape) -> list[Theory]:

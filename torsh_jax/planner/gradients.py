@@ -19,8 +19,9 @@ Example (the demo model of a shape, four layers deep on three examples; nothing 
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING, Protocol
 
 from torsh_jax.errors import PlanError
@@ -30,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torsh_jax.planner.shape import ModelShape
     from torsh_jax.runtime.layered import LayeredModel
 
-__all__ = ["GradientSource", "DemoGradients", "ModelGradients", "gradient_temp_bytes"]
+__all__ = ["GradientSource", "DemoGradients", "ModelGradients", "gradient_temp_bytes", "compiled_temp_bytes"]
 
 
 class GradientSource(Protocol):
@@ -63,7 +64,8 @@ class DemoGradients:
 class ModelGradients:
     """``model`` with ``params`` (arrays or their shapes) on batches shaped like ``example`` (any
     leading dim), its stack ``layers`` deep (fewer layers than its own, or more: only shapes are
-    compiled, each layer's like the stack's).
+    compiled, each layer's like the stack's). Two are equal when they compile the same programs
+    (the same model's functions, the same shapes).
 
     Raises (from :meth:`program`):
         PlanError: ``model`` has no stacked layers.
@@ -81,6 +83,18 @@ class ModelGradients:
         as_shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
         object.__setattr__(self, "params", jax.tree.map(as_shape, self.params))
         object.__setattr__(self, "example", jax.tree.map(as_shape, self.example))
+
+    def _compiled(self) -> tuple:
+        import jax
+
+        flat = lambda tree: (jax.tree.structure(tree), tuple(jax.tree.leaves(tree)))
+        return self.model, flat(self.params), flat(self.example)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ModelGradients) and self._compiled() == other._compiled()
+
+    def __hash__(self) -> int:
+        return hash(self._compiled())
 
     def program(self, layers: int, /, *, remat: bool, rows: int) -> tuple:
         import jax
@@ -103,13 +117,16 @@ class ModelGradients:
 
 def check_tokens_per_example(source: GradientSource, seq_len: int, /) -> None:
     """One-line error unless an example of ``source`` holds ``seq_len`` tokens (a leaf whose dim 1
-    is ``seq_len``): the compiled bytes are read per token at that length.
+    is ``seq_len``): the compiled bytes are read per token at that length. A model without a
+    sequence dim has one token per example (``seq_len`` 1), whatever its leaves' dims.
 
     Example:
         >>> import jax.numpy as jnp
         >>> check_tokens_per_example(ModelGradients(None, {}, {"tokens": jnp.zeros((1, 8))}), 8)
+        >>> mlp_batch = {"x": jnp.zeros((1, 16)), "y": jnp.zeros(1)}  # no sequence dim
+        >>> check_tokens_per_example(ModelGradients(None, {}, mlp_batch), 1)
     """
-    if not isinstance(source, ModelGradients):
+    if not isinstance(source, ModelGradients) or seq_len == 1:
         return
     import jax
 
@@ -118,15 +135,35 @@ def check_tokens_per_example(source: GradientSource, seq_len: int, /) -> None:
         raise PlanError(
             f"the example batch's examples hold {sorted(dims)} positions, the shape {seq_len} tokens",
             key="seq_len",
-            fix=f"give an example batch of {seq_len} tokens per example, or the shape its length",
+            fix=f"give an example batch of {seq_len} tokens per example, or the shape its length "
+            "(seq_len=1 for a model without a sequence dim)",
         )
 
 
-@lru_cache(maxsize=64)
+#: Per gradient source, the temporaries read so far by ``(layers, remat, rows, device)``: held while
+#: the source is (a source's model may close over its arrays, e.g. ``from_nnx``'s loss).
+_READ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_READ_LOCK = threading.Lock()
+
+
 def gradient_temp_bytes(source: GradientSource, layers: int, remat: bool, rows: int, device) -> int:
     """The compiler's temporaries of ``source``'s gradient with ``layers`` layers on ``rows``
-    examples, compiled for ``device`` (one of a target's compile-only devices too: nothing runs;
-    cached: ``calibrate``'s readings share programs)."""
+    examples, compiled for ``device`` (one of a target's compile-only devices too: nothing runs).
+    Kept while ``source`` (or one equal to it) lives: ``calibrate``'s readings share programs, and
+    a model's arrays are not kept alive."""
+    key = (layers, remat, rows, device)
+    with _READ_LOCK:
+        read = _READ.setdefault(source, {})
+        if key in read:
+            return read[key]
+    temp = compiled_temp_bytes(source, *key)
+    with _READ_LOCK:
+        read[key] = temp
+    return temp
+
+
+def compiled_temp_bytes(source: GradientSource, layers: int, remat: bool, rows: int, device) -> int:
+    """:func:`gradient_temp_bytes`, compiled every time."""
     import jax
     from jax.sharding import AxisType
     from jax.sharding import PartitionSpec as P

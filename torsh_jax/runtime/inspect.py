@@ -27,11 +27,19 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from torsh_jax.analysis import summarize
-from torsh_jax.analysis.report import widening_note
-from torsh_jax.analysis.theory import Theory, megatron_blocks, pipeline_stages, plan_theory
+from torsh_jax.analysis.overlap import collectives_once
+from torsh_jax.analysis.report import axis_theory_section, widening_note
+from torsh_jax.analysis.theory import (
+    Theory,
+    megatron_blocks,
+    pipeline_stages,
+    pipelined_megatron_blocks,
+    plan_theory,
+)
 from torsh_jax.runtime.layered import split_params
 from torsh_jax.runtime.mesh import default_num_slices
 from torsh_jax.runtime.pipeline import schedule_for
+from torsh_jax.runtime.pipeline.measured import stage_collectives
 from torsh_jax.runtime.specs import entry_axes, path_str
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.runtime.step import TrainStep
@@ -71,20 +79,23 @@ def _layer_fraction(train: TrainStep) -> float:
     return sum(jax.tree.leaves(counts[train.loss.layers_key])) / sum(jax.tree.leaves(counts))
 
 
-#: Why a pipelined step has no tensor-axis theory.
+#: Why a pipelined step's tensor-axis theory and measurement are the first stage's.
 PIPELINED_TENSOR_NOTE = (
-    "tensor: the collectives run inside the pipeline's per-tick branches (a device runs one per tick) and "
-    "the compiled program's count takes every branch as run, so theory.other_axes_wire_bytes['tensor'] "
-    "is an upper bound and no theory is compared"
+    "tensor: the collectives run inside the pipeline's per-tick branches and a device runs one branch "
+    "per tick, so theory.axes.tensor (theory and measured) is the first stage's, each branch's "
+    "collectives counted once per slot that stage runs; totals count every branch as run"
 )
 
 
 def tensor_theory(train: TrainStep, batch: Any) -> Theory | None:
-    """The tensor axis's theory for a layered model built from the tensor blocks (else ``None``; also
-    under a pipeline, see :data:`PIPELINED_TENSOR_NOTE`)."""
+    """The tensor axis's theory for a layered model built from the tensor blocks (else ``None``);
+    under a pipeline the first stage's (:data:`PIPELINED_TENSOR_NOTE`), without sequence
+    parallelism or remat (else ``None``)."""
     roles, model, plan = train.layout.roles, train.loss, train.plan
-    if not _megatron_tensor(train) or roles.stage_axis is not None:
+    if not _megatron_tensor(train):
         return None
+    if roles.stage_axis is not None:
+        return _pipelined_tensor_theory(train, batch)
     compute = jnp.dtype(plan.precision.compute_dtype)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute), train.layout.abstract.params)
     embed_params = split_params(model, params)[0]
@@ -107,6 +118,24 @@ def tensor_theory(train: TrainStep, batch: Any) -> Theory | None:
         replicated_grad_bytes=replicated,
         recomputed=model.remat or zero3_regathers,
         micro_steps=plan.batch.accumulation_steps,
+    )
+
+
+def _pipelined_tensor_theory(train: TrainStep, batch: Any) -> Theory | None:
+    """The first stage's tensor collectives (:func:`pipelined_megatron_blocks`); ``None`` with
+    sequence parallelism or remat, which it does not count."""
+    roles, plan = train.layout.roles, train.plan
+    if roles.sequence_parallel or train.loss.remat:
+        return None
+    schedule = schedule_for(plan, roles)
+    return pipelined_megatron_blocks(
+        _pipeline_activation_bytes(train, batch),
+        tensor_size=roles.size(roles.tensor_axis),
+        layers=_layers(train) // schedule.stages,
+        microbatches=schedule.microbatches,
+        passes=plan.batch.accumulation_steps,
+        virtual_stages=schedule.virtual_stages,
+        splits_backward=schedule.splits_backward,
     )
 
 
@@ -198,12 +227,17 @@ def inspect_step(train: TrainStep, state: TrainState, batch: Any, *, compiled: A
     """
     if compiled is None:  # given: compiled already (for an accelerator target, torsh_jax.targets)
         compiled = train.lower(state, batch).compile()
-    theory = data_theory(train)
-    axis_theories = {"tensor": tensor_theory(train, batch), "stage": stage_theory(train, batch)}
+    theory, pipelined = data_theory(train), train.layout.roles.stage_axis is not None
+    tensor = tensor_theory(train, batch)
+    axis_theories = {"tensor": None if pipelined else tensor, "stage": stage_theory(train, batch)}
     axis_theories = {axis: t for axis, t in axis_theories.items() if t is not None} or None
     summary = summarize(compiled, train.mesh, theory=theory, axis_theories=axis_theories)
-    if train.layout.roles.stage_axis is not None:
-        summary["pipeline"] = schedule_for(train.plan, train.layout.roles).to_json()
+    if pipelined:
+        schedule = schedule_for(train.plan, train.layout.roles)
+        summary["pipeline"] = schedule.to_json()
+        if tensor is not None:
+            first = stage_collectives(collectives_once(compiled, train.mesh), schedule, 0)
+            summary["theory"].setdefault("axes", {})["tensor"] = axis_theory_section(tensor, first, "tensor")
     summary["param_count"] = _param_count(state.params)
     summary["shard_param_count"] = _shard_param_count(train)
     summary["plan"] = train.plan.name
@@ -212,7 +246,7 @@ def inspect_step(train: TrainStep, state: TrainState, batch: Any, *, compiled: A
     summary["notes"] = list(train.notes)
     if train.layout.roles.tensor_axis is not None:
         summary["tensor_split"] = tensor_split(train)
-    if _megatron_tensor(train) and train.layout.roles.stage_axis is not None:
+    if tensor is not None and pipelined:
         summary["notes"].append(PIPELINED_TENSOR_NOTE)
     widened = widening_note(summary["collectives"])
     summary["notes"] += [widened] if widened else []

@@ -17,13 +17,14 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from torsh_jax.pipeline.schedule import Schedule
-from torsh_jax.pipeline.slots import BRANCHES
+from torsh_jax.pipeline.slots import BRANCHES, slot_scope
 from torsh_jax.runtime.accumulate import split_micro_batches
 from torsh_jax.runtime.layered import LayeredModel, scan_layers, split_params
 from torsh_jax.runtime.pipeline.varying import cotangent_like
@@ -90,8 +91,9 @@ class StagePass:
         return scan_layers(self.layer_of(micro), chunk_params, hidden, remat=self.model.remat)
 
     def branches(self) -> dict[str, Callable]:
-        """``name -> (carry, ints) -> (carry, sent forward, sent backward)``."""
-        return {name: getattr(self, name) for name in BRANCHES}
+        """``name -> (carry, ints) -> (carry, sent forward, sent backward)``, each run in its slot's
+        name scope (:func:`~torsh_jax.pipeline.slots.slot_scope`)."""
+        return {name: partial(_in_scope, name, getattr(self, name)) for name in BRANCHES}
 
     def idle(self, carry: Carry, ints):
         return carry, self.zeros, self.zeros
@@ -199,6 +201,11 @@ class StagePass:
         *grads, g_outs = vjp(cotangent_like(seed, out))
         saved = jnp.stack([inputs, g_outs.astype(inputs.dtype)])
         return carry._replace(wstash=_put(carry.wstash, ints["weight_stash"], saved)), tuple(grads)
+
+
+def _in_scope(name: str, branch: Callable, carry: Carry, ints):
+    with jax.named_scope(slot_scope(name)):
+        return branch(carry, ints)
 
 
 def _counted(carry: Carry, which: int) -> Carry:

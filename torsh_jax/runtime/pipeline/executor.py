@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from torsh_jax.pipeline.schedule import Schedule
-from torsh_jax.pipeline.slots import BRANCHES, Segment, SlotPlan, slot_plan, tick_segments
+from torsh_jax.pipeline.slots import BRANCHES, Segment, SlotPlan, executor_segments, segment_ticks, slot_plan
 from torsh_jax.plan.roles import STAGE_AXIS
 from torsh_jax.runtime.layered import LayeredModel, join_params
 from torsh_jax.runtime.pipeline.branches import Carry, StagePass
@@ -132,8 +132,7 @@ def pipeline_gradients(
                        loss_sum=jnp.float32(0.0), counts=jnp.zeros(3, jnp.int32))  # fmt: skip
         branches = one.branches()
         ticks = _Ticks(stage, plan, branches, axis, p, types={}, gated=_gated(branches))
-        periods = (1, 2, 3) if schedule.splits_backward else (1, 2)  # a steady B, W, F repeats every 3
-        for segment in tick_segments(plan, periods=(*periods, 2 * p * schedule.virtual_stages)):
+        for segment in executor_segments(plan, schedule):
             carry = _segment(carry, segment, ticks.run)
         g_embed, g_chunks, g_head = carry.grads
         g_layers = g_chunks if schedule.virtual_stages > 1 else jax.tree.map(lambda x: x[0], g_chunks)
@@ -154,14 +153,13 @@ def reduce_over_stage(grads: dict, loss: jax.Array, layers_key: str, axis: str =
 def _segment(carry, segment: Segment, run_tick: Callable):
     """The ticks of ``segment``: one tick in line, or a ``lax.scan`` over the repeats of its block."""
     start, period, repeats = segment
+    ticks = segment_ticks(segment)
     if repeats == 1:
-        return run_tick(carry, start, [start])
+        return run_tick(carry, start, ticks[0])
 
     def block(carry, r):
-        for j in range(period):
-            carry = run_tick(
-                carry, start + r * period + j, range(start + j, start + period * repeats, period)
-            )
+        for j, like in enumerate(ticks):
+            carry = run_tick(carry, start + r * period + j, like)
         return carry, None
 
     block, carry = settled(block, carry, jnp.int32(0))

@@ -1,0 +1,56 @@
+"""One stage's share of a compiled pipelined step's collectives.
+
+The compiled step holds every branch of every tick (:mod:`~torsh_jax.runtime.pipeline.executor`),
+and a device runs one branch per tick, so counting every branch as run overstates what any device
+sends. Each branch runs in its slot's name scope (:func:`~torsh_jax.pipeline.slots.slot_scope`), so
+the program's collectives say which branch they belong to. A branch's traced copies (one per tick
+the executor traces, run once in line or once per repeat when scanned) run as often as the ticks
+they stand for; a stage runs the branch as often as its row of the table says. So a collective of
+branch ``X`` runs on stage ``s`` its executions times ``X``'s slots on ``s`` over the executions of
+``X``'s traced copies. Collectives outside every branch keep their executions.
+
+Example:
+    >>> from torsh_jax.pipeline.schedule import build_pipeline_schedule
+    >>> sites = branch_sites(build_pipeline_schedule("1f1b", stages=2, microbatches=2))
+    >>> sites["F_first"], sites["B_last"]
+    (2, 2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+from torsh_jax.analysis.hlo import Collective
+from torsh_jax.pipeline.schedule import Schedule
+from torsh_jax.pipeline.slots import BRANCHES, executor_segments, scoped_branch, segment_ticks, slot_plan
+
+__all__ = ["branch_sites", "stage_collectives"]
+
+
+def branch_sites(schedule: Schedule) -> Counter:
+    """Per branch: how often the executor's traced copies of it run (every tick it stands for whose
+    block has some stage running the branch)."""
+    plan = slot_plan(schedule)
+    sites: Counter = Counter()
+    for segment in executor_segments(plan, schedule):
+        for ticks in segment_ticks(segment):
+            for branch in set(plan.branch[ticks].ravel().tolist()):
+                sites[BRANCHES[branch]] += len(ticks)
+    return sites
+
+
+def stage_collectives(found: list[Collective], schedule: Schedule, stage: int) -> list[Collective]:
+    """``found`` (the step's collectives, every branch counted as run) with the executions stage
+    ``stage`` runs: a branch's collectives scaled by its slots on that stage over its sites."""
+    plan = slot_plan(schedule)
+    runs = Counter(BRANCHES[b] for b in plan.branch[:, stage].tolist())
+    sites = branch_sites(schedule)
+
+    def on_stage(c: Collective) -> Collective:
+        branch = scoped_branch(c.op_name)
+        if branch is None:
+            return c
+        return dataclasses.replace(c, executions=c.executions * runs[branch] / sites[branch])
+
+    return [on_stage(c) for c in found]
