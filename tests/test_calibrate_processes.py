@@ -80,16 +80,16 @@ def test_the_compile_threads_share_the_host_cores_with_the_jobs_other_processes(
     """A process compiles on the cores it may use over the job's processes on its host: 2
     ``torsh-jax launch`` processes on 8 usable cores get 4 threads each, 1 alone all 8, and each of
     torchrun's 8 processes per node 1."""
-    from torsh_jax.planner import calibrate
+    from torsh_jax.planner import cores
 
-    monkeypatch.setattr(calibrate.os, "sched_getaffinity", lambda _: set(range(8)), raising=False)
-    assert calibrate._cpu_share({}) == 8
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda _: set(range(8)), raising=False)
+    assert cores.cpu_share({}) == 8
     launched = {
         "TORSH_JAX_NUM_PROCESSES": "2",
         "TORSH_JAX_PROCESS_ID": "1",
         "TORSH_JAX_COORDINATOR": "127.0.0.1:1234",
     }
-    assert calibrate._cpu_share(launched) == 4
+    assert cores.cpu_share(launched) == 4
     torchrun = {"WORLD_SIZE": "16", "RANK": "9", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8"}
     torchrun |= {"MASTER_ADDR": "h0", "MASTER_PORT": "29500"}
-    assert calibrate._cpu_share(torchrun) == 1
+    assert cores.cpu_share(torchrun) == 1

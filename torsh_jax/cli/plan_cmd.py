@@ -105,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
     from torsh_jax.planner.rank import rules_of_thumb, search_verified
 
     machine, target = _machine(args)
-    shape, build, machine = _model(args.model, machine)
     base = load_plan(args.base, key="--base") if args.base else None
+    shape, build, machine = _model(args, machine, target, base)
     check = lambda p: _verify(p, shape, target, machine, build)
     budget, unverified = _verify_budget(args.verify, target)
     search = lambda n: search_verified(
@@ -136,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
             "params": shape.param_count,
             "layers": shape.layers,
             "d_model": shape.d_model,
+            "tensor_collectives": _tensor_collectives(shape),
         },
         "activation_scale": machine.activation_scale,
         "machine": {
@@ -244,17 +245,31 @@ def _verify_budget(verify: int | None, target) -> tuple[int, str | None]:
     return (0, UNVERIFIED.format(missing)) if missing else (TARGET_VERIFY, None)
 
 
-def _model(spec: str, machine):
+def _model(args: argparse.Namespace, machine, target, base):
     """``(shape, step builder, machine)`` of ``--model``: the demo model's shape (its step built by
     ``verify``: no builder), or your model's (``MODULE:NAME``,
-    :mod:`~torsh_jax.planner.own_model`) with its own step and, where the machine file's compiled
-    gradients are of this host's kind of device, the compiled memory of its own gradient."""
+    :mod:`~torsh_jax.planner.own_model`) with its own step, its collectives over ``tensor`` read
+    from its compiled step where the compiler partitions it and devices to compile on exist
+    (:func:`_count_devices`), and, where the machine file's compiled gradients are of this host's
+    kind of device, the compiled memory of its own gradient."""
     from torsh_jax.planner.own_model import load_planned_model, names_own_model
     from torsh_jax.planner.shape import parse_model
+    from torsh_jax.planner.space import candidates
 
+    spec = args.model
     if not names_own_model(spec):
         return parse_model(spec), None, machine
     planned = load_planned_model(spec)
+    devices = None if planned.shape.tensor_blocks else _count_devices(machine, target)
+    if devices:
+        found = candidates(
+            planned.shape,
+            devices=machine.devices,
+            global_batch=args.global_batch,
+            slices=machine.slices,
+            base=base,
+        )
+        planned = planned.with_tensor_counts(found, devices)
     if machine.compiled_for:
         import dataclasses
 
@@ -267,6 +282,33 @@ def _model(spec: str, machine):
             own = compiled_memory(planned.shape, device, gradients=planned.gradients())
             machine = dataclasses.replace(machine, **own)
     return planned.shape, planned.step_builder(), machine
+
+
+def _count_devices(machine, target) -> list | None:
+    """Devices to compile a model's step on to read its collectives over ``tensor``: the target's
+    (with its compiler installed), or this host's where the machine file is of its kind of device;
+    else ``None`` (Megatron's count stands)."""
+    import jax
+
+    if target is not None:
+        from torsh_jax.targets import missing_compiler, target_devices
+
+        return None if missing_compiler(target.name) else target_devices(target)
+    if jax.devices()[0].platform != machine.platform:
+        return None
+    from torsh_jax.demo.devices import select_devices
+
+    return select_devices(machine.devices)
+
+
+def _tensor_collectives(shape) -> str:
+    """How the plans' collectives over ``tensor`` are counted (the report's ``model`` entry)."""
+    if shape.tensor_blocks:
+        return "Megatron's (the model's tensor blocks)"
+    if not shape.tensor_counts:
+        return "Megatron's (no devices of the machine's kind to compile the model's step on)"
+    sizes = sorted({key[0] for key, _ in shape.tensor_counts})
+    return "compiled: the model's step over tensor=" + ",".join(map(str, sizes))
 
 
 def _verify(prediction, shape, target, machine, build=None) -> dict:

@@ -47,6 +47,7 @@ __all__ = [
     "segment_ticks",
     "slot_scope",
     "scoped_branch",
+    "MIXED",
 ]
 
 #: Branch names; ``F_first`` embeds, ``F_last`` / ``B_last`` run the head and the loss, ``W`` makes a
@@ -205,7 +206,34 @@ def slot_scope(branch: str) -> str:
 _SCOPED = re.compile(r"(?:^|/)pipeline_slot_(" + "|".join(BRANCHES) + r")(?:/|$)")
 
 
+#: What :func:`scoped_branch` says of a collective XLA combined from operations of different
+#: branches, or of a branch and operations outside every branch.
+MIXED = "mixed"
+
+
 def scoped_branch(op_name: str) -> str | None:
-    """The branch whose scope (:func:`slot_scope`) ``op_name`` is in, or ``None``."""
-    match = _SCOPED.search(op_name)
-    return match.group(1) if match else None
+    """The branch whose scope (:func:`slot_scope`) ``op_name`` is in, ``None`` outside every
+    branch, or :data:`MIXED` for a combined collective whose parts disagree.
+
+    Example:
+        >>> scoped_branch("jit(f)/(reduce_sum:shard_map/pipeline_slot_W/psum)")
+        'mixed'
+    """
+    found = {match.group(1) if match else None for match in map(_SCOPED.search, _parts(op_name))}
+    return found.pop() if len(found) == 1 else MIXED
+
+
+def _parts(op_name: str) -> list[str]:
+    """The names a combined collective's ``op_name`` joins (``prefix/(a:b:...)``), else itself."""
+    start = op_name.find("/(")
+    if start < 0 or not op_name.endswith(")"):
+        return [op_name]
+    parts, depth, current = [], 0, ""
+    for char in op_name[start + 2 : -1]:
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == ":" and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    return [*parts, current]

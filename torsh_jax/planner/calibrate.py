@@ -40,7 +40,7 @@ their measured times (benchmarks/README.md, run 14). Nothing here is a constant.
 ``calibrate(jax.devices(), parse_model("demo:150m"))`` runs all of them (50 small
 programs to compile, 12 of them compile-only; tests/test_calibrate_processes.py runs it through
 ``torsh-jax launch -m torsh_jax calibrate``). The programs of one measurement compile on the host's
-cores at once (:func:`in_parallel`), before any is timed.
+cores at once (:func:`~torsh_jax.planner.cores.in_parallel`), before any is timed.
 
 Example:
     >>> [size // 1024 for size in LINK_SIZES]  # KiB per device of the timed collectives
@@ -49,15 +49,14 @@ Example:
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from functools import partial
 
 import numpy as np
 
+from torsh_jax.planner.cores import cpu_share, in_parallel
 from torsh_jax.planner.gradients import (
     DemoGradients,
     GradientSource,
@@ -77,7 +76,6 @@ __all__ = [
     "chunk_gradient_bytes",
     "remat_gradient_bytes",
     "compiled_memory",
-    "in_parallel",
     "LINK_SIZES",
 ]
 
@@ -140,48 +138,18 @@ def _seconds_in_rounds(programs: dict, rounds: int, /) -> dict:
     return {key: statistics.median(found) for key, found in times.items()}
 
 
-def in_parallel(jobs: dict) -> dict:
-    """``{key: job()}``, the jobs run at once on this process's share of the host's cores
-    (:func:`_cpu_share`; XLA compiles outside the GIL).
-
-    Example:
-        >>> in_parallel({n: partial(pow, n, 2) for n in range(4)})
-        {0: 0, 1: 1, 2: 4, 3: 9}
-    """
-    workers = max(1, min(len(jobs), _cpu_share()))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = {key: pool.submit(job) for key, job in jobs.items()}
-        return {key: future.result() for key, future in futures.items()}
-
-
-def _cpu_share(environ=None) -> int:
-    """The cores this process may run on (its affinity), shared with the job's other processes on
-    its host (``local_world_size`` of :func:`~torsh_jax.distributed.env.detect_environment` read
-    from ``environ``, default ``os.environ``: a launcher's processes on one machine, one per GPU
-    under torchrun or Slurm); at least 1.
-
-    Example:
-        >>> _cpu_share() >= 1
-        True
-    """
-    from torsh_jax.distributed.env import detect_environment
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    env = detect_environment(environ)
-    return max(1, cores // (env.local_world_size if env.is_multi_process else 1))
-
-
 def cores_shared(platform: str, devices: int, /, environ=None) -> bool:
     """Whether ``devices`` simulated CPU devices of this process share its cores
-    (:func:`_cpu_share`): more devices than cores, so a device idle in a pipeline bubble gives its
+    (:func:`~torsh_jax.planner.cores.cpu_share`): more devices than cores, so a device idle in a
+    pipeline bubble gives its
     core to the others (:attr:`Machine.shared_cores`). 2 devices on a 2-core host each have a core,
     and their pipelines' bubbles cost time (benchmarks/README.md, run 11).
 
     Example:
-        >>> cores_shared("cpu", _cpu_share() + 1), cores_shared("cpu", 1), cores_shared("tpu", 64)
+        >>> cores_shared("cpu", cpu_share() + 1), cores_shared("cpu", 1), cores_shared("tpu", 64)
         (True, False, False)
     """
-    return platform == "cpu" and devices > _cpu_share(environ)
+    return platform == "cpu" and devices > cpu_share(environ)
 
 
 def _compiled(fn, args: tuple):

@@ -76,6 +76,7 @@ from torsh_jax.planner.per_device import (
 )
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Candidate
+from torsh_jax.planner.tensor_counts import count_key, counted_tensor_theory
 
 __all__ = ["Prediction", "predict", "OVERLAP", "optimizer_state_factor", "scheduled_step"]
 
@@ -344,9 +345,14 @@ def theories(c: Candidate, shape: ModelShape, *, compressed: bool = True) -> lis
 
 
 def _tensor_theory(c: Candidate, shape: ModelShape, activation_bytes: int, layers: int) -> Theory:
-    """``tensor``'s Megatron collectives: of the device's ``layers`` blocks per micro-step, or under a
-    pipeline of the first stage's per micro-batch."""
+    """``tensor``'s collectives: those read from the model's compiled step where the compiler
+    partitions it (:mod:`~torsh_jax.planner.tensor_counts`), else Megatron's: of the device's
+    ``layers`` blocks per micro-step, or under a pipeline of the first stage's per micro-batch."""
     plan, common = c.plan, {"tensor_size": c.sizes["tensor"], "layers": layers}
+    counts = shape.counted(count_key(c)) if c.sizes["stage"] == 1 else None
+    if counts is not None:
+        tokens = tokens_per_micro_step(c, shape)
+        return counted_tensor_theory(counts, tokens, **common, micro_steps=plan.batch.accumulation_steps)
     if c.sizes["stage"] > 1:
         pipe = plan.pipeline
         return pipelined_megatron_blocks(

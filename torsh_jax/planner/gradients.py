@@ -31,7 +31,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from torsh_jax.planner.shape import ModelShape
     from torsh_jax.runtime.layered import LayeredModel
 
-__all__ = ["GradientSource", "DemoGradients", "ModelGradients", "gradient_temp_bytes", "compiled_temp_bytes"]
+__all__ = [
+    "GradientSource",
+    "DemoGradients",
+    "ModelGradients",
+    "gradient_temp_bytes",
+    "compiled_temp_bytes",
+    "stack_at_depth",
+]
 
 
 class GradientSource(Protocol):
@@ -88,7 +95,7 @@ class ModelGradients:
         import jax
 
         flat = lambda tree: (jax.tree.structure(tree), tuple(jax.tree.leaves(tree)))
-        return self.model, flat(self.params), flat(self.example)
+        return id(self.model), flat(self.params), flat(self.example)  # held: no other model has its id
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ModelGradients) and self._compiled() == other._compiled()
@@ -109,8 +116,7 @@ class ModelGradients:
                 key=f"params[{key!r}]" if key else "model.layers_key",
                 fix="give a LayeredModel whose params hold its layers stacked under its layers_key",
             )
-        depth = lambda s: jax.ShapeDtypeStruct((layers, *s.shape[1:]), s.dtype)
-        shapes = {**shapes, key: jax.tree.map(depth, shapes[key])}
+        shapes = stack_at_depth(shapes, key, layers)
         batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), self.example)
         return layered_loss(self.model._replace(remat=remat)), shapes, batch
 
@@ -118,7 +124,8 @@ class ModelGradients:
 def check_tokens_per_example(source: GradientSource, seq_len: int, /) -> None:
     """One-line error unless an example of ``source`` holds ``seq_len`` tokens (a leaf whose dim 1
     is ``seq_len``): the compiled bytes are read per token at that length. A model without a
-    sequence dim has one token per example (``seq_len`` 1), whatever its leaves' dims.
+    sequence dim has one token per example (``seq_len`` 1): its features may have any width, but
+    an integer leaf with a dim 1 (token ids, positions) is a sequence.
 
     Example:
         >>> import jax.numpy as jnp
@@ -126,12 +133,16 @@ def check_tokens_per_example(source: GradientSource, seq_len: int, /) -> None:
         >>> mlp_batch = {"x": jnp.zeros((1, 16)), "y": jnp.zeros(1)}  # no sequence dim
         >>> check_tokens_per_example(ModelGradients(None, {}, mlp_batch), 1)
     """
-    if not isinstance(source, ModelGradients) or seq_len == 1:
+    if not isinstance(source, ModelGradients):
         return
     import jax
+    import jax.numpy as jnp
 
-    dims = {x.shape[1] for x in jax.tree.leaves(source.example) if len(x.shape) >= 2}
-    if seq_len not in dims:
+    leaves = [x for x in jax.tree.leaves(source.example) if len(x.shape) >= 2]
+    if seq_len == 1:
+        leaves = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.integer)]
+    dims = {x.shape[1] for x in leaves}
+    if seq_len not in dims and (seq_len > 1 or dims - {1}):
         raise PlanError(
             f"the example batch's examples hold {sorted(dims)} positions, the shape {seq_len} tokens",
             key="seq_len",
@@ -149,11 +160,15 @@ _READ_LOCK = threading.Lock()
 def gradient_temp_bytes(source: GradientSource, layers: int, remat: bool, rows: int, device) -> int:
     """The compiler's temporaries of ``source``'s gradient with ``layers`` layers on ``rows``
     examples, compiled for ``device`` (one of a target's compile-only devices too: nothing runs).
-    Kept while ``source`` (or one equal to it) lives: ``calibrate``'s readings share programs, and
-    a model's arrays are not kept alive."""
+    Kept while the source it was first read for lives (a source equal to it finds it meanwhile):
+    ``calibrate``'s readings share programs, and a model's arrays are not kept alive. A source no
+    weak reference can be made to is compiled every time."""
     key = (layers, remat, rows, device)
     with _READ_LOCK:
-        read = _READ.setdefault(source, {})
+        try:
+            read = _READ.setdefault(source, {})
+        except TypeError:  # no weak reference to it (a NamedTuple, __slots__)
+            read = {}
         if key in read:
             return read[key]
     temp = compiled_temp_bytes(source, *key)
@@ -174,3 +189,19 @@ def compiled_temp_bytes(source: GradientSource, layers: int, remat: bool, rows: 
     mesh = jax.make_mesh((1, 1), ("devices", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=[device])
     grads = jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
     return memory_report(jax.jit(grads).lower(params, batch).compile()).temp_bytes
+
+
+def stack_at_depth(params, layers_key: str, layers: int):
+    """``params`` (arrays or shapes) as shapes, with the stack under ``layers_key`` ``layers`` deep.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> params = {"layers": {"w": jnp.zeros((4, 3))}, "embed": jnp.zeros(2)}
+        >>> stack_at_depth(params, "layers", 2)["layers"]["w"].shape
+        (2, 3)
+    """
+    import jax
+
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    depth = lambda s: jax.ShapeDtypeStruct((layers, *s.shape[1:]), s.dtype)
+    return {**shapes, layers_key: jax.tree.map(depth, shapes[layers_key])}

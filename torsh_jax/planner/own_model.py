@@ -68,6 +68,21 @@ class PlannedModel(NamedTuple):
 
         return model_step_builder(self.model, self.params, self.example)
 
+    def with_tensor_counts(self, found, devices) -> PlannedModel:
+        """This model with its collectives over ``tensor`` read from its compiled step, for every
+        candidate in ``found`` that ``devices`` hold the ``tensor`` axis of
+        (:func:`~torsh_jax.planner.tensor_counts.with_tensor_counts`; a model written with the
+        tensor blocks keeps Megatron's count)."""
+        from torsh_jax.planner.gradients import stack_at_depth
+        from torsh_jax.planner.steps import model_step_builder
+        from torsh_jax.planner.tensor_counts import with_tensor_counts
+
+        key = self.model.layers_key
+        build = lambda layers: model_step_builder(
+            self.model, stack_at_depth(self.params, key, layers), self.example
+        )
+        return self._replace(shape=with_tensor_counts(self.shape, found, build, devices))
+
     def gradients(self) -> ModelGradients:
         """The gradient programs its compiled memory is read from."""
         from torsh_jax.planner.gradients import ModelGradients

@@ -55,6 +55,8 @@ class ModelShape:
         tensor_blocks: the model is written with :mod:`torsh_jax.tensor` blocks (the demo model), so
             its activations between blocks can be split over ``tensor`` (sequence parallelism); the
             compiler partitions any other model over ``tensor`` on whole activations.
+        tensor_counts: ``((key, counts), ...)``: such a model's collectives over ``tensor`` read
+            from its compiled step (:func:`~torsh_jax.planner.tensor_counts.with_tensor_counts`).
     """
 
     embed_params: int
@@ -71,6 +73,12 @@ class ModelShape:
     layers_key: str = "layers"
     head_keys: tuple[str, ...] = ("head",)
     tensor_blocks: bool = True
+    tensor_counts: tuple = field(default=(), repr=False)
+
+    def counted(self, key) -> tuple | None:
+        """The collectives over ``tensor`` read from the model's compiled step for ``key``
+        (:mod:`~torsh_jax.planner.tensor_counts`), or ``None``."""
+        return dict(self.tensor_counts).get(key)
 
     @property
     def signature(self) -> str:

@@ -39,7 +39,7 @@ from torsh_jax.analysis.theory import (
 from torsh_jax.runtime.layered import split_params
 from torsh_jax.runtime.mesh import default_num_slices
 from torsh_jax.runtime.pipeline import schedule_for
-from torsh_jax.runtime.pipeline.measured import stage_collectives
+from torsh_jax.runtime.pipeline.measured import mixed_collectives, stage_collectives
 from torsh_jax.runtime.specs import entry_axes, path_str
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.runtime.step import TrainStep
@@ -84,6 +84,13 @@ PIPELINED_TENSOR_NOTE = (
     "tensor: the collectives run inside the pipeline's per-tick branches and a device runs one branch "
     "per tick, so theory.axes.tensor (theory and measured) is the first stage's, each branch's "
     "collectives counted once per slot that stage runs; totals count every branch as run"
+)
+
+
+#: Why a pipelined step's tensor axis has no theory (sequence parallelism or remat).
+PIPELINED_TENSOR_UNMODELLED_NOTE = (
+    "tensor: no theory of a pipeline's tensor collectives with sequence parallelism or remat; "
+    "theory.other_axes_wire_bytes['tensor'] counts every branch of every tick as run (an upper bound)"
 )
 
 
@@ -137,6 +144,21 @@ def _pipelined_tensor_theory(train: TrainStep, batch: Any) -> Theory | None:
         virtual_stages=schedule.virtual_stages,
         splits_backward=schedule.splits_backward,
     )
+
+
+def _pipelined_tensor_notes(tensor: Theory | None, compiled, mesh) -> list[str]:
+    """What the report says of a pipeline's tensor axis: counted as its first stage runs it, with
+    the collectives XLA combined across a branch's edge; or not modelled."""
+    if tensor is None:
+        return [PIPELINED_TENSOR_UNMODELLED_NOTE]
+    mixed = [c for c in mixed_collectives(collectives_once(compiled, mesh)) if c.axes == ("tensor",)]
+    if not mixed:
+        return [PIPELINED_TENSOR_NOTE]
+    sent = sum(c.wire_bytes_per_step for c in mixed)
+    combined = (
+        f"; {len(mixed)} combine a branch's and other operations ({sent:.0f} wire bytes), counted as run"
+    )
+    return [PIPELINED_TENSOR_NOTE + combined]
 
 
 def _megatron_tensor(train: TrainStep) -> bool:
@@ -246,8 +268,8 @@ def inspect_step(train: TrainStep, state: TrainState, batch: Any, *, compiled: A
     summary["notes"] = list(train.notes)
     if train.layout.roles.tensor_axis is not None:
         summary["tensor_split"] = tensor_split(train)
-    if tensor is not None and pipelined:
-        summary["notes"].append(PIPELINED_TENSOR_NOTE)
+    if pipelined and _megatron_tensor(train):
+        summary["notes"] += _pipelined_tensor_notes(tensor, compiled, train.mesh)
     widened = widening_note(summary["collectives"])
     summary["notes"] += [widened] if widened else []
     return summary

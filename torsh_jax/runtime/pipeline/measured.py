@@ -7,7 +7,9 @@ the program's collectives say which branch they belong to. A branch's traced cop
 the executor traces, run once in line or once per repeat when scanned) run as often as the ticks
 they stand for; a stage runs the branch as often as its row of the table says. So a collective of
 branch ``X`` runs on stage ``s`` its executions times ``X``'s slots on ``s`` over the executions of
-``X``'s traced copies. Collectives outside every branch keep their executions.
+``X``'s traced copies. Collectives outside every branch keep their executions, and so do those
+XLA combined from operations of a branch and others (:func:`mixed_collectives`), whose share of
+each is not known.
 
 Example:
     >>> from torsh_jax.pipeline.schedule import build_pipeline_schedule
@@ -23,9 +25,16 @@ from collections import Counter
 
 from torsh_jax.analysis.hlo import Collective
 from torsh_jax.pipeline.schedule import Schedule
-from torsh_jax.pipeline.slots import BRANCHES, executor_segments, scoped_branch, segment_ticks, slot_plan
+from torsh_jax.pipeline.slots import (
+    BRANCHES,
+    MIXED,
+    executor_segments,
+    scoped_branch,
+    segment_ticks,
+    slot_plan,
+)
 
-__all__ = ["branch_sites", "stage_collectives"]
+__all__ = ["branch_sites", "stage_collectives", "mixed_collectives"]
 
 
 def branch_sites(schedule: Schedule) -> Counter:
@@ -49,8 +58,14 @@ def stage_collectives(found: list[Collective], schedule: Schedule, stage: int) -
 
     def on_stage(c: Collective) -> Collective:
         branch = scoped_branch(c.op_name)
-        if branch is None:
+        if branch is None or branch == MIXED:
             return c
         return dataclasses.replace(c, executions=c.executions * runs[branch] / sites[branch])
 
     return [on_stage(c) for c in found]
+
+
+def mixed_collectives(found: list[Collective]) -> list[Collective]:
+    """The collectives of ``found`` XLA combined from a branch's operations and others: counted as
+    run by every stage, each stage's true share unknown."""
+    return [c for c in found if scoped_branch(c.op_name) == MIXED]
