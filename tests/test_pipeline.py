@@ -20,7 +20,12 @@ from torsh_jax.demo.model import LMConfig, init_params, layered_model, loss_fn, 
 from torsh_jax.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, build_pipeline_schedule
 from torsh_jax.pipeline.slots import slot_plan, tick_segments
 from torsh_jax.plan import plan_from_dict
-from torsh_jax.runtime.inspect import PIPELINED_TENSOR_NOTE, headline, inspect_step
+from torsh_jax.runtime.inspect import (
+    PIPELINED_TENSOR_NOTE,
+    PIPELINED_TENSOR_UNMODELLED_NOTE,
+    headline,
+    inspect_step,
+)
 from torsh_jax.runtime.mesh import build_mesh
 from torsh_jax.runtime.step import make_train_step
 from torsh_jax.runtime.verify import record_gradients
@@ -352,6 +357,12 @@ def test_the_first_stages_tensor_collectives_are_megatrons_recomputed_under_ever
     the bytes here); a block or slot miscounted moves it by 1 / 14 or more."""
     tensor = _inspect(COMPOSED[name])["theory"]["axes"]["tensor"]
     assert tensor["wire_ratio"] == pytest.approx(1.0, abs=0.01), tensor
+
+
+def test_a_pipelines_tensor_axis_with_sequence_parallelism_is_reported_unmodelled():
+    summary = _inspect(COMPOSED["3d-sequence-parallel"])
+    assert "tensor" not in summary["theory"].get("axes", {})
+    assert PIPELINED_TENSOR_UNMODELLED_NOTE in summary["notes"]
 
 
 @pytest.mark.parametrize(
