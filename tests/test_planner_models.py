@@ -316,17 +316,18 @@ def test_plan_cli_plans_a_users_model_named_module_colon_name_and_compiles_it_as
     (tmp_path / "machine.json").write_text(replace(machine, compiled_for="another model").to_json())
     monkeypatch.chdir(tmp_path)
     args = ["plan", "--model", "users_gpt2:planned", "--machine", "machine.json", "--global-batch", "32"]
+    args += ["--devices", "2"]  # tensor = 2 alone: its collectives read from 8 small compiles
     assert main([*args, "--verify", "1", "--json", "--top", "1"]) == 0
     report = json.loads(capsys.readouterr().out)
     planned = load_planned_model("users_gpt2:planned")
     assert report["model"]["name"] == "gpt2-tiny" and report["model"]["params"] == planned.shape.param_count
     assert report["machine"]["compiled_gradients"]  # of this model now
-    assert report["model"]["tensor_collectives"] == "compiled: the model's step over tensor=2,4"
+    assert report["model"]["tensor_collectives"] == "compiled: the model's step over tensor=2"
     [pick] = [p for p in report["plans"] if p["label"] == report["pick"]]
-    found = {c.label: c for c in candidates(planned.shape, devices=8, global_batch=32)}
+    found = {c.label: c for c in candidates(planned.shape, devices=2, global_batch=32)}
     c = found[pick["label"]]
     own = predict(c, planned.shape, machine, opt_factor=optimizer_state_factor(c.plan))
-    peak = verify(own, planned.shape, require_devices(8), build=planned.step_builder())["peak"]
+    peak = verify(own, planned.shape, require_devices(8)[:2], build=planned.step_builder())["peak"]
     assert pick["compiled"]["peak"] == peak
 
 
