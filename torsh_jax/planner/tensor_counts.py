@@ -4,9 +4,9 @@ A model written with the tensor blocks (the demo model) places Megatron's collec
 (:func:`~torsh_jax.analysis.theory.megatron_blocks`). Any other model is partitioned by the
 compiler from its weights' layout, and it sends something else: flax's attention projects query,
 key and value apart, so the backward pass sums three input gradients (XLA combines them into one
-all-reduce of three activations); key and value heads that ``tensor`` does not divide are
-gathered; a tied embedding left whole needs no sum. So the planner compiles such a model's step
-over ``tensor`` alone, two and three layers deep on two batch sizes, and reads each kind's
+all-reduce of three activations); key and value heads that ``tensor`` does not divide are split
+over part of it, and their sums run within those groups. So the planner compiles such a model's
+step over ``tensor`` alone, two and three layers deep on two batch sizes, and reads each kind's
 executions and bytes per token, per layer and outside the layers. A plan's collectives are those
 counts at its layers and its micro-step's tokens (:func:`counted_tensor_theory`).
 
