@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -299,14 +300,19 @@ not_planned = 3
 
 
 def test_plan_cli_plans_a_users_model_named_module_colon_name_and_compiles_it_as_itself(
-    tmp_path, monkeypatch, capsys
+    tmp_path, monkeypatch
 ):
-    """``--model MODULE:NAME`` from the working directory: the ranking is of that model, the
-    machine's compiled memory is read from its own gradient, and ``--verify`` compiles its own step
-    (the pick's compiled peak is the one its step builder gives)."""
+    """``--model MODULE:NAME`` from the working directory, in a process of its own (the module starts
+    JAX: the CLI asks for the machine's simulated devices before importing it): the ranking is of
+    that model, the machine's compiled memory is read from its own gradient, its collectives over
+    ``tensor`` from its own step, and ``--verify`` compiles its own step (the pick's compiled peak
+    is the one its step builder gives)."""
     import json
+    import subprocess
+    import sys
 
-    from torsh_jax.cli.main import main
+    from test_multiprocess_train import child_environ
+
     from torsh_jax.planner.cost import optimizer_state_factor
     from torsh_jax.planner.own_model import load_planned_model
     from torsh_jax.planner.rank import verify
@@ -317,8 +323,11 @@ def test_plan_cli_plans_a_users_model_named_module_colon_name_and_compiles_it_as
     monkeypatch.chdir(tmp_path)
     args = ["plan", "--model", "users_gpt2:planned", "--machine", "machine.json", "--global-batch", "32"]
     args += ["--devices", "2"]  # tensor = 2 alone: its collectives read from 8 small compiles
-    assert main([*args, "--verify", "1", "--json", "--top", "1"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    cli = [sys.executable, "-m", "torsh_jax.cli.main", *args, "--verify", "1", "--json", "--top", "1"]
+    env = child_environ(tmp_path / "xla") | {"PYTHONPATH": str(Path(__file__).parent)}  # flax_blocks
+    done = subprocess.run(cli, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
     planned = load_planned_model("users_gpt2:planned")
     assert report["model"]["name"] == "gpt2-tiny" and report["model"]["params"] == planned.shape.param_count
     assert report["machine"]["compiled_gradients"]  # of this model now

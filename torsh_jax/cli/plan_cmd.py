@@ -250,8 +250,8 @@ def _model(args: argparse.Namespace, machine, target, base):
     ``verify``: no builder), or your model's (``MODULE:NAME``,
     :mod:`~torsh_jax.planner.own_model`) with its own step, its collectives over ``tensor`` read
     from its compiled step where the compiler partitions it and devices to compile on exist
-    (:func:`_count_devices`), and, where the machine file's compiled gradients are of this host's
-    kind of device, the compiled memory of its own gradient."""
+    (:func:`_target_devices`, :func:`_host_devices`), and, where the machine file's compiled
+    gradients are of this host's kind of device, the compiled memory of its own gradient."""
     from torsh_jax.planner.own_model import load_planned_model, names_own_model
     from torsh_jax.planner.shape import parse_model
     from torsh_jax.planner.space import candidates
@@ -259,8 +259,9 @@ def _model(args: argparse.Namespace, machine, target, base):
     spec = args.model
     if not names_own_model(spec):
         return parse_model(spec), None, machine
+    host = _host_devices(machine) if target is None else None  # before the model's module starts JAX
     planned = load_planned_model(spec)
-    devices = None if planned.shape.tensor_blocks else _count_devices(machine, target)
+    devices = None if planned.shape.tensor_blocks else _target_devices(target) or host
     if devices:
         found = candidates(
             planned.shape,
@@ -270,35 +271,37 @@ def _model(args: argparse.Namespace, machine, target, base):
             base=base,
         )
         planned = planned.with_tensor_counts(found, devices)
-    if machine.compiled_for:
+    if machine.compiled_for and host:
         import dataclasses
-
-        import jax
 
         from torsh_jax.planner.calibrate import compiled_memory
 
-        device = jax.devices()[0]
-        if device.platform == machine.platform:
-            own = compiled_memory(planned.shape, device, gradients=planned.gradients())
-            machine = dataclasses.replace(machine, **own)
+        own = compiled_memory(planned.shape, host[0], gradients=planned.gradients())
+        machine = dataclasses.replace(machine, **own)
     return planned.shape, planned.step_builder(), machine
 
 
-def _count_devices(machine, target) -> list | None:
-    """Devices to compile a model's step on to read its collectives over ``tensor``: the target's
-    (with its compiler installed), or this host's where the machine file is of its kind of device;
-    else ``None`` (Megatron's count stands)."""
+def _target_devices(target) -> list | None:
+    """The target's compile-only devices, with its compiler installed (else ``None``)."""
+    if target is None:
+        return None
+    from torsh_jax.targets import missing_compiler, target_devices
+
+    return None if missing_compiler(target.name) else target_devices(target)
+
+
+def _host_devices(machine) -> list | None:
+    """This host's devices where they are of the machine file's kind (``None`` otherwise): for a
+    CPU machine its ``devices`` simulated ones, requested before JAX starts, as ``--verify`` uses."""
     import jax
 
-    if target is not None:
-        from torsh_jax.targets import missing_compiler, target_devices
+    if machine.platform == "cpu":
+        from torsh_jax.demo.devices import select_devices
 
-        return None if missing_compiler(target.name) else target_devices(target)
-    if jax.devices()[0].platform != machine.platform:
-        return None
-    from torsh_jax.demo.devices import select_devices
-
-    return select_devices(machine.devices)
+        devices = select_devices(machine.devices)
+    else:
+        devices = jax.devices()
+    return devices if devices[0].platform == machine.platform else None
 
 
 def _tensor_collectives(shape) -> str:
