@@ -328,7 +328,7 @@ def theories(c: Candidate, shape: ModelShape, *, compressed: bool = True) -> lis
     cb = DTYPE_BYTES[plan.precision.compute_dtype]
     micro_tokens = tokens_per_micro_step(c, shape)
     if sizes["tensor"] > 1:
-        out.append(_tensor_theory(c, shape, micro_tokens * shape.d_model * cb, local_layers))
+        out.append(_tensor_theory(c, shape, micro_tokens, local_layers))
     if sizes["stage"] > 1:
         shared_grads = shared * DTYPE_BYTES[plan.precision.param_dtype] + 4
         out.append(
@@ -344,15 +344,16 @@ def theories(c: Candidate, shape: ModelShape, *, compressed: bool = True) -> lis
     return _as_sent(out, c, shape) if compressed else out
 
 
-def _tensor_theory(c: Candidate, shape: ModelShape, activation_bytes: int, layers: int) -> Theory:
-    """``tensor``'s collectives: those read from the model's compiled step where the compiler
-    partitions it (:mod:`~torsh_jax.planner.tensor_counts`), else Megatron's: of the device's
-    ``layers`` blocks per micro-step, or under a pipeline of the first stage's per micro-batch."""
+def _tensor_theory(c: Candidate, shape: ModelShape, tokens: int, layers: int) -> Theory:
+    """``tensor``'s collectives for micro-steps (pipeline micro-batches) of ``tokens``: those read
+    from the model's compiled step where the compiler partitions it
+    (:mod:`~torsh_jax.planner.tensor_counts`), else Megatron's: of the device's ``layers`` blocks
+    per micro-step, or under a pipeline of the first stage's per micro-batch."""
     plan, common = c.plan, {"tensor_size": c.sizes["tensor"], "layers": layers}
     counts = shape.counted(count_key(c)) if c.sizes["stage"] == 1 else None
     if counts is not None:
-        tokens = tokens_per_micro_step(c, shape)
         return counted_tensor_theory(counts, tokens, **common, micro_steps=plan.batch.accumulation_steps)
+    activation_bytes = tokens * shape.d_model * DTYPE_BYTES[plan.precision.compute_dtype]
     if c.sizes["stage"] > 1:
         pipe = plan.pipeline
         return pipelined_megatron_blocks(
@@ -363,7 +364,7 @@ def _tensor_theory(c: Candidate, shape: ModelShape, activation_bytes: int, layer
     sp = plan.tensor.sequence_parallel
     return megatron_blocks(
         activation_bytes, **common, sequence_parallel=sp,
-        token_bytes=tokens_per_micro_step(c, shape) * 4,
+        token_bytes=tokens * 4,
         replicated_grad_bytes=_replicated_bytes(c, shape) if sp else 0,
         recomputed=recomputed(c), micro_steps=plan.batch.accumulation_steps,
     )  # fmt: skip

@@ -93,18 +93,17 @@ def measure_tensor_counts(
     layout over ``tensor`` alone (the first ``key[0]`` of ``devices``), 2 and 3 layers deep (each
     a loop over its layers) on ``rows`` and ``2 rows`` examples, and read its collectives over
     ``tensor`` per layer and outside the layers (the four compiled at once)."""
+    from torsh_jax.planner.cores import in_parallel
+
     tensor, rules, remat = key
     alone = replace(
         plan, name="tensor counts", mesh=MeshSpec(data=AxisSize(), tensor=AxisSize(ici=tensor)),
         zero=replace(plan.zero, stage=0), pipeline=PipelineSpec(), compression=(),
         tensor=replace(plan.tensor, rules=rules, sequence_parallel=False),
-        batch=replace(plan.batch, micro_batch_size=rows, accumulation_steps=1),
     )  # fmt: skip
-    from torsh_jax.planner.cores import in_parallel
-
     lowered = {}
     for layers, n in itertools.product((2, 3), (rows, 2 * rows)):
-        sized = replace(alone, batch=replace(alone.batch, micro_batch_size=n))
+        sized = replace(alone, batch=replace(alone.batch, micro_batch_size=n, accumulation_steps=1))
         train, batch = build_at_depth(layers)(sized, list(devices)[:tensor], remat=remat)
         lowered[layers, n] = (train.lower(train.abstract_state(), batch), train.mesh)
     read = in_parallel({at: partial(_tensor_collectives, *program) for at, program in lowered.items()})
