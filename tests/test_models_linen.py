@@ -327,10 +327,12 @@ def test_auto_rules_leave_a_dim_the_tensor_axis_does_not_divide_replicated():
 
 @pytest.mark.slow
 def test_the_pp_1f1b_preset_trains_the_8_block_model_equal_to_its_twin():
-    """The preset itself (data 2 x stage 4, 8 micro-batches) on the model as converted: 2 blocks per
-    stage."""
+    """The preset's mesh and schedule (data 2 x stage 4) on the model as converted: 2 blocks per
+    stage, at 4 micro-batches (its 8 unroll twice the ticks and compile in twice the time; the
+    stage edges and sums are the same)."""
     require_devices(8)
-    assert_matches_twin(_twin_report("gpt2-tied", load_plan("pp_1f1b"), trained=False), params=True)
+    plan = cheaper("pp_1f1b", microbatches=4)
+    assert_matches_twin(_twin_report("gpt2-tied", plan, trained=False), params=True)
 
 
 class _HelperBlock(nn.Module):

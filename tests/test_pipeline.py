@@ -408,13 +408,13 @@ WIDE = LMConfig(vocab=64, d_model=32, heads=2, head_dim=16, mlp=64, layers=2, se
 
 
 def test_1f1b_temporary_memory_is_flat_in_microbatches_and_gpipe_grows():
-    """memory_analysis of the compiled step on 2 stages, m = 4p and 8p micro-batches of 2 examples:
+    """memory_analysis of the compiled step on 2 stages, m = 2p and 4p micro-batches of 2 examples:
     1F1B stashes at most p activations per stage, GPipe all m; ZeRO-3 (fsdp 2) gathering a stage's
     parameters once per step stays flat too, and so does ZB-H1 (at most p activations and W stashes)."""
     temp, shapes = {}, jax.eval_shape(lambda: mlp_params(WIDE, jax.random.key(0)))
     zero3 = {"mesh": {"data": 1, "fsdp": 2}, "zero": {"stage": 3}}
     for schedule, extra in (("1f1b", {}), ("gpipe", {}), ("zero3-1f1b", zero3), ("zb_h1", {})):
-        for m in (8, 16):
+        for m in (4, 8):
             mesh_spec = {"data": 1, **extra.get("mesh", {})}
             plan = pipeline_plan(schedule.removeprefix("zero3-"), stages=2, microbatches=m, mesh=mesh_spec,
                                  batch={"micro_batch_size": 2 * m}, zero=extra.get("zero", {}))  # fmt: skip
@@ -423,11 +423,11 @@ def test_1f1b_temporary_memory_is_flat_in_microbatches_and_gpipe_grows():
             batch = synthetic_tokens(WIDE, batch_size=train.global_batch_size, seed=0)
             lowered = train.lower(train.abstract_state(), batch)
             temp[schedule, m] = lowered.compile().memory_analysis().temp_size_in_bytes
-    assert temp["1f1b", 16] <= 1.10 * temp["1f1b", 8], temp
-    assert temp["zero3-1f1b", 16] <= 1.10 * temp["zero3-1f1b", 8], temp
-    assert temp["zb_h1", 16] <= 1.10 * temp["zb_h1", 8], temp
-    stash = 8 * 2 * 64 * 32 * 4  # 8 more micro-batches held, one activation each
-    assert temp["gpipe", 16] - temp["gpipe", 8] >= 0.9 * stash, temp
+    assert temp["1f1b", 8] <= 1.10 * temp["1f1b", 4], temp
+    assert temp["zero3-1f1b", 8] <= 1.10 * temp["zero3-1f1b", 4], temp
+    assert temp["zb_h1", 8] <= 1.10 * temp["zb_h1", 4], temp
+    stash = 4 * 2 * 64 * 32 * 4  # 4 more micro-batches held, one activation each
+    assert temp["gpipe", 8] - temp["gpipe", 4] >= 0.9 * stash, temp
 
 
 #: a layer's weights (and their gradients) far larger than one micro-batch's activation: a
