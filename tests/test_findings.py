@@ -181,3 +181,27 @@ def test_an_axis_across_slices_is_modelled_on_the_dcn_link(tmp_path):
     run = replace(run, plan_toml=plan_to_toml(replace(plan, mesh=replace(plan.mesh, fsdp=fsdp))))
     comm = communication_share(run)
     assert comm["share"] == pytest.approx((12e-6 + 2.3e6 / 3e7) / 0.101, rel=0.02) and "dcn" in comm["source"]
+
+
+def test_a_pipelines_communication_is_modelled_on_the_stage_that_sends_most(tmp_path):
+    """A device runs only its stage's branches: the modelled seconds are the busiest stage's
+    (``stage_totals``), not the step's every branch counted as run (``totals``)."""
+    link = FAST_LINK["ici"]
+    stages = [
+        {
+            "stage": 0,
+            "wire_bytes": 3e6,
+            "payload_bytes": 3e6,
+            "by_axis": {"tensor": {"count": 4, "wire_bytes": 3e6}},
+        },
+        {
+            "stage": 1,
+            "wire_bytes": 2e6,
+            "payload_bytes": 2e6,
+            "by_axis": {"tensor": {"count": 3, "wire_bytes": 2e6}},
+        },
+    ]
+    every_branch = {"by_axis": {"tensor": {"count": 9, "wire_bytes": 6e6}}}
+    run = _run(tmp_path, totals=every_branch, stage_totals=stages)
+    expected = 4 * link["alpha_s"] + 3e6 / link["bytes_per_s"]
+    assert communication_share(run)["seconds_by_axis"] == pytest.approx({"tensor": expected})

@@ -329,11 +329,14 @@ def test_zero3_per_microbatch_gathers_trade_bytes_for_memory():
     assert each["theory"]["wire_ratio"] > 4 and once["theory"]["wire_ratio"] == pytest.approx(1.0, abs=0.02)
 
 
-def test_headline_compares_each_modelled_axis_the_tensor_axis_of_a_pipeline_as_its_first_stage():
+@pytest.mark.parametrize("name", ["3d-tensor", "interleaved-3d-tensor", "zb_h1-3d-tensor"])
+def test_headline_counts_what_a_stage_sends_against_each_modelled_axis(name):
     """data x stage x tensor: the headline's theory is the data, tensor and stage theories' sum, each
     equal to what is measured; the tensor collectives sit in the pipeline's branches, so the tensor
-    section is the first stage's (the totals count every branch as run), and the report says so."""
-    summary = _inspect(COMPOSED["3d-tensor"])
+    section is the first stage's and the bytes per step are the busiest stage's (each branch counted
+    as that stage runs it, each permute from the devices that send it). The totals count every
+    branch as run, over 1.5 times what a stage sends over ``tensor``."""
+    summary = _inspect(COMPOSED[name])
     line = headline(summary)
     theory = summary["theory"]
     assert set(line["wire_ratio_by_axis"]) == {"data_parallel", "tensor", "stage"}
@@ -342,8 +345,15 @@ def test_headline_compares_each_modelled_axis_the_tensor_axis_of_a_pipeline_as_i
         theory["wire_bytes"] + theory["axes"]["tensor"]["wire_bytes"] + theory["axes"]["stage"]["wire_bytes"]
     )
     assert line["unmodelled_wire_bytes_by_axis"] == {}
+    stages = summary["stage_totals"]
+    assert line["wire_bytes_by_stage"] == [s["wire_bytes"] for s in stages] and len(stages) == 2
+    assert line["wire_bytes_per_step"] == max(line["wire_bytes_by_stage"])
+    # the first stage as the theories count it: within their few scalar reductions outside the model
+    first = stages[0]["wire_bytes"]
+    assert first == pytest.approx(line["theoretical_wire_bytes_per_step"], rel=0.01), (first, line)
+    assert stages[0]["by_axis"]["tensor"]["wire_bytes"] == theory["axes"]["tensor"]["measured_wire_bytes"]
     all_branches = summary["totals"]["by_axis"]["tensor"]["wire_bytes"]
-    assert all_branches > 1.5 * theory["axes"]["tensor"]["measured_wire_bytes"]
+    assert all_branches > 1.5 * max(s["by_axis"]["tensor"]["wire_bytes"] for s in stages)
     assert PIPELINED_TENSOR_NOTE in summary["notes"]
 
 
@@ -554,8 +564,8 @@ def test_combinations_not_built_yet_are_refused(extra, key):
 
 def test_cli_inspect_prints_the_schedule_grid(capsys):
     """``torsh-jax inspect --plan PLAN``: the report ends with the grid (rows stages, columns ticks),
-    the bubble against its formula, the activations each stage holds and the stage bytes against
-    their theory (a 2-stage plan: the pp_1f1b grid is in docs/pipeline.md)."""
+    the bubble against its formula, the activations each stage holds, the stage bytes against
+    their theory and each stage's bytes (a 2-stage plan: the pp_1f1b grid is in docs/pipeline.md)."""
     from torsh_jax.cli.main import main
 
     plan = str(Path(__file__).parent / "scripts" / "pipeline_2x2.toml")
@@ -565,6 +575,8 @@ def test_cli_inspect_prints_the_schedule_grid(capsys):
     assert lines[start + 1 : start + 3] == ["stage 0 | F0 F1 .  B0 .  B1", "stage 1 | .  F0 B0 F1 B1 ."]
     assert lines[start + 3] == "activations held per stage: 2, 1"
     assert lines[start + 4].startswith("stage bytes per device:") and "(ratio 1.00" in lines[start + 4]
+    assert lines[start + 5].startswith("wire bytes per device and step, by stage (its own branches): ")
+    assert len(lines[start + 5].split(": ")[1].split(", ")) == 2, lines[start + 5]
 
 
 # ---------------------------------------------------------------- checkpoints across layer layouts

@@ -38,7 +38,7 @@ from torsh_jax.analysis._hlo_text import (
 from torsh_jax.analysis.theory import ring_wire_bytes
 from torsh_jax.errors import MeshError
 
-__all__ = ["Collective", "KINDS", "check_devices", "collectives", "collectives_from_text"]
+__all__ = ["Collective", "KINDS", "check_devices", "collectives", "collectives_from_text", "mesh_positions"]
 
 #: Collective kinds reported (async ``-start`` forms map to these; ``-done`` is skipped).
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
@@ -351,7 +351,7 @@ def _collective(module, computation, ins, kind, run, axis_sizes, positions) -> C
     )
 
 
-def _mesh_positions(compiled, mesh) -> list[int] | None:
+def mesh_positions(compiled, mesh) -> list[int] | None:
     """``positions[logical id]`` when the executable lists its devices, else ``None``."""
     try:
         devices = list(compiled.runtime_executable().local_devices())
@@ -390,7 +390,7 @@ def program_collectives(module: HloModuleText, compiled, mesh) -> list[Collectiv
     """:func:`collectives` of ``compiled``, whose text is already parsed as ``module``."""
     check_devices(module, mesh)
     axis_sizes = {name: int(size) for name, size in mesh.shape.items()}
-    return _collect(module, axis_sizes, _mesh_positions(compiled, mesh))
+    return _collect(module, axis_sizes, mesh_positions(compiled, mesh))
 
 
 def check_devices(module: HloModuleText, mesh) -> None:

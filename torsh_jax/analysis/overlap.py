@@ -55,8 +55,8 @@ from torsh_jax.analysis.hlo import (
     KINDS,
     Collective,
     _collect,
-    _mesh_positions,
     check_devices,
+    mesh_positions,
     program_collectives,
 )
 
@@ -229,7 +229,7 @@ def _overlap_report(text: str, compiled, mesh, axis_sizes: dict[str, int] | None
         check_devices(module, mesh)
         axis_sizes = {name: int(size) for name, size in mesh.shape.items()}
         if compiled is not None:
-            positions = _mesh_positions(compiled, mesh)
+            positions = mesh_positions(compiled, mesh)
     records = {(c.computation, c.name): c for c in _collect(module, axis_sizes, positions)}
     flops: dict[str, int] = {}  # computation -> FLOPs, filled on use
     scheduled = bool(re.search(r"\bis_scheduled=true\b", text.split("\n", 1)[0]))

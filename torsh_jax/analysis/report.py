@@ -31,7 +31,15 @@ from torsh_jax.analysis.overlap import collectives_once
 from torsh_jax.analysis.theory import Theory, ring_wire_bytes
 from torsh_jax.units import format_bytes
 
-__all__ = ["summarize", "render_text", "axis_key", "axis_theory_section", "widening_note"]
+__all__ = [
+    "summarize",
+    "render_text",
+    "axis_key",
+    "axis_theory_section",
+    "widening_note",
+    "collective_totals",
+    "sent_per_device",
+]
 
 
 def axis_key(axes: tuple[str, ...] | None) -> str:
@@ -80,7 +88,9 @@ def _unwidened_wire(c: Collective) -> float:
     return ring_wire_bytes(c.kind, c.unwidened_payload_bytes, c.group_size) * c.executions
 
 
-def _totals(found: list[Collective]) -> dict:
+def collective_totals(found: list[Collective]) -> dict:
+    """Payload and wire bytes of ``found`` per step (each collective times its executions), in all,
+    per axis and per kind (with the counts and the bytes before any widening)."""
     by_axis: dict[str, dict] = {}
     by_kind: dict[str, dict] = {}
     for c in found:
@@ -99,6 +109,14 @@ def _totals(found: list[Collective]) -> dict:
         "by_axis": by_axis,
         "by_kind": by_kind,
     }
+
+
+def sent_per_device(summary: dict) -> dict:
+    """What one device sends per step, as ``summary["totals"]`` has it (``wire_bytes``,
+    ``payload_bytes``, ``by_axis``); under a pipeline, the stage that sends most
+    (``summary["stage_totals"]``: a device runs only its stage's branches)."""
+    stages = summary.get("stage_totals")
+    return max(stages, key=lambda s: s["wire_bytes"]) if stages else summary["totals"]
 
 
 def _covered(key: str, axes: set[str]) -> bool:
@@ -225,7 +243,7 @@ def summarize(
         (with ``count`` = executions per step).
     """
     found = collectives_once(compiled, mesh)
-    totals = _totals(found)
+    totals = collective_totals(found)
     section = _theory_section(theory, totals, found)
     if section is not None and axis_theories:
         section["axes"] = {

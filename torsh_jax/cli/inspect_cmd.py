@@ -206,6 +206,7 @@ def _pipeline_text(summary: dict) -> str:
     if pipe is None:
         return ""
     from torsh_jax.pipeline.schedule import render_grid
+    from torsh_jax.units import format_bytes
 
     stage = (summary.get("theory") or {}).get("axes", {}).get("stage") or {}
     lines = [
@@ -217,4 +218,6 @@ def _pipeline_text(summary: dict) -> str:
     if stage:
         lines.append(f"stage bytes per device: {stage['measured_wire_bytes']:,.0f} measured, "
                      f"{stage['wire_bytes']:,.0f} theory (ratio {stage['wire_ratio']:.3f})")  # fmt: skip
+    sent = ", ".join(format_bytes(s["wire_bytes"]) for s in summary.get("stage_totals", []))
+    lines += [f"wire bytes per device and step, by stage (its own branches): {sent}"] if sent else []
     return "\n".join(lines) + "\n"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from torsh_jax.analysis.report import sent_per_device
 from torsh_jax.plan.factor import link_kind
 from torsh_jax.runlog.profile import collective_seconds
 from torsh_jax.runlog.read import Run
@@ -97,7 +98,7 @@ def _modelled_share(run: Run) -> dict | None:
     if not links or run.inspect is None or not step_s:
         return None
     dcn, per_step, kinds = _dcn_sizes(run), {}, set()
-    for axes, entry in run.inspect["totals"]["by_axis"].items():
+    for axes, entry in sent_per_device(run.inspect)["by_axis"].items():  # a pipeline: its busiest stage
         if axes == "-":
             continue
         kind = link_kind(axes.split("+"), dcn)

@@ -91,7 +91,7 @@ def _fmt(key: str, value) -> str:
 _HEADLINE_SOURCES = {
     "median_step_time_s": "steady steps (after the first, not compiling, not profiled)",
     "median_mfu": "flops_source and peak_flops_source below",
-    "wire_bytes_per_step": "compiled program (inspect), every axis, per device",
+    "wire_bytes_per_step": "compiled program (inspect), every axis, per device (a pipeline's busiest stage)",
     "theoretical_wire_bytes_per_step": "plan theory of the axes it models (inspect)",
     "wire_ratio_by_axis": "measured / theory per modelled axis (inspect)",
     "peak_memory_bytes": "compiled program's memory_analysis, per device",

@@ -27,8 +27,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from torsh_jax.analysis import summarize
+from torsh_jax.analysis.hlo import mesh_positions
 from torsh_jax.analysis.overlap import collectives_once
-from torsh_jax.analysis.report import axis_theory_section, widening_note
+from torsh_jax.analysis.report import axis_theory_section, sent_per_device, widening_note
 from torsh_jax.analysis.theory import (
     Theory,
     megatron_blocks,
@@ -39,7 +40,7 @@ from torsh_jax.analysis.theory import (
 from torsh_jax.runtime.layered import split_params
 from torsh_jax.runtime.mesh import default_num_slices
 from torsh_jax.runtime.pipeline import schedule_for
-from torsh_jax.runtime.pipeline.measured import mixed_collectives, stage_collectives
+from torsh_jax.runtime.pipeline.measured import mixed_collectives, stage_collectives, stage_totals
 from torsh_jax.runtime.specs import entry_axes, path_str
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.runtime.step import TrainStep
@@ -146,6 +147,14 @@ def _pipelined_tensor_theory(train: TrainStep, batch: Any) -> Theory | None:
     )
 
 
+def _stage_of(compiled, train: TrainStep) -> list[int]:
+    """The pipeline stage of each logical device id of ``compiled`` (its position in the mesh)."""
+    mesh = train.mesh
+    positions = mesh_positions(compiled, mesh) or range(mesh.size)
+    axis = mesh.axis_names.index(train.layout.roles.stage_axis)
+    return np.unravel_index(np.asarray(positions), mesh.devices.shape)[axis].tolist()
+
+
 def _pipelined_tensor_notes(tensor: Theory | None, compiled, mesh) -> list[str]:
     """What the report says of a pipeline's tensor axis: counted as its first stage runs it, with
     the collectives XLA combined across a branch's edge; or not modelled."""
@@ -241,9 +250,11 @@ def inspect_step(train: TrainStep, state: TrainState, batch: Any, *, compiled: A
     Megatron theory of its tensor collectives against the measured ones, per
     kind), ``theory["axes"]["stage"]`` and ``pipeline`` (a pipelined step: the
     stage traffic against its theory, and the schedule table with its bubble
-    and the activations each stage holds), ``tensor_split`` (a ``tensor`` axis: per parameter
-    path, the dims split over it, :func:`tensor_split`), ``state_bytes_per_device`` (from the
-    state layout: ``step``, ``params``, ``opt_state``, ``loss_scale``,
+    and the activations each stage holds; ``stage_totals``: per stage, the bytes one of its
+    devices sends, each branch counted as that stage runs it, where ``totals`` count every branch
+    as run), ``tensor_split`` (a ``tensor`` axis: per parameter path, the dims split over it,
+    :func:`tensor_split`), ``state_bytes_per_device`` (from the state layout: ``step``,
+    ``params``, ``opt_state``, ``loss_scale``,
     ``feedback`` and ``total``) and ``notes``
     (what the step changed about the parameters, e.g. a dtype cast).
     """
@@ -257,8 +268,10 @@ def inspect_step(train: TrainStep, state: TrainState, batch: Any, *, compiled: A
     if pipelined:
         schedule = schedule_for(train.plan, train.layout.roles)
         summary["pipeline"] = schedule.to_json()
+        found = collectives_once(compiled, train.mesh)
+        summary["stage_totals"] = stage_totals(found, schedule, _stage_of(compiled, train))
         if tensor is not None:
-            first = stage_collectives(collectives_once(compiled, train.mesh), schedule, 0)
+            first = stage_collectives(found, schedule, 0)
             summary["theory"].setdefault("axes", {})["tensor"] = axis_theory_section(tensor, first, "tensor")
     summary["param_count"] = _param_count(state.params)
     summary["shard_param_count"] = _shard_param_count(train)
@@ -293,6 +306,9 @@ def headline(summary: dict) -> dict:
     """The few numbers a training log shows: wire bytes (measured over every axis, and the theory of
     every axis it models), measured / theory per modelled axis, and memory.
 
+    Under a pipeline a device sends what its stage runs (``stage_totals``), not every branch of the
+    compiled step: ``wire_bytes_per_step`` and ``payload_bytes_per_step`` are the busiest stage's,
+    ``wire_bytes_by_stage`` each stage's (``None`` without a pipeline).
     ``wire_ratio`` is the data-parallel axes' ratio; ``wire_ratio_by_axis`` adds ``tensor`` and
     ``stage`` where the plan has them and a theory models them; ``unmodelled_wire_bytes_by_axis``
     holds the measured bytes of the axes no theory models (``wire_bytes_per_step`` counts them).
@@ -300,8 +316,10 @@ def headline(summary: dict) -> dict:
     theory = summary.get("theory") or {}
     memory = summary.get("memory") or {}
     modelled = _modelled_axes(theory)
+    stages, sent = summary.get("stage_totals"), sent_per_device(summary)
     return {
-        "wire_bytes_per_step": summary["totals"]["wire_bytes"],
+        "wire_bytes_per_step": sent["wire_bytes"],
+        "wire_bytes_by_stage": [s["wire_bytes"] for s in stages] if stages else None,
         "theoretical_wire_bytes_per_step": sum(s["wire_bytes"] for s in modelled.values())
         if theory
         else None,
@@ -310,7 +328,7 @@ def headline(summary: dict) -> dict:
         "unmodelled_wire_bytes_by_axis": {
             axes: n for axes, n in (theory.get("other_axes_wire_bytes") or {}).items() if axes not in modelled
         },
-        "payload_bytes_per_step": summary["totals"]["payload_bytes"],
+        "payload_bytes_per_step": sent["payload_bytes"],
         "memory_per_device_bytes": memory.get("peak_estimate_bytes"),
     }
 

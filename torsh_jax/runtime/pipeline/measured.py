@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Sequence
 
 from torsh_jax.analysis.hlo import Collective
+from torsh_jax.analysis.report import collective_totals
 from torsh_jax.pipeline.schedule import Schedule
 from torsh_jax.pipeline.slots import (
     BRANCHES,
@@ -34,7 +36,7 @@ from torsh_jax.pipeline.slots import (
     slot_plan,
 )
 
-__all__ = ["branch_sites", "stage_collectives", "mixed_collectives"]
+__all__ = ["branch_sites", "stage_collectives", "stage_totals", "mixed_collectives"]
 
 
 def branch_sites(schedule: Schedule) -> Counter:
@@ -63,6 +65,28 @@ def stage_collectives(found: list[Collective], schedule: Schedule, stage: int) -
         return dataclasses.replace(c, executions=c.executions * runs[branch] / sites[branch])
 
     return [on_stage(c) for c in found]
+
+
+def stage_totals(found: list[Collective], schedule: Schedule, stage_of: Sequence[int]) -> list[dict]:
+    """Per stage, what one of its devices sends per step: its branches' collectives as the stage
+    runs them (:func:`stage_collectives`), and of each permute the pairs whose source is on the
+    stage (``stage_of[i]``: the stage of the device with logical id ``i``). Rows of ``stage``,
+    ``wire_bytes``, ``payload_bytes`` and ``by_axis`` (as the report's ``totals``)."""
+    per_stage = len(stage_of) / schedule.stages
+    rows = []
+    for stage in range(schedule.stages):
+        mine = [_sent_from(c, stage, stage_of, per_stage) for c in stage_collectives(found, schedule, stage)]
+        totals = collective_totals(mine)
+        rows.append({"stage": stage, **{k: totals[k] for k in ("wire_bytes", "payload_bytes", "by_axis")}})
+    return rows
+
+
+def _sent_from(c: Collective, stage: int, stage_of: Sequence[int], per_stage: float) -> Collective:
+    """``c`` as a device of ``stage`` sends it: a permute only from the devices its pairs send from."""
+    if c.kind != "collective-permute" or not c.source_target_pairs:
+        return c
+    senders = sum(stage_of[source] == stage for source, _ in c.source_target_pairs)
+    return dataclasses.replace(c, executions=c.executions * senders / per_stage)
 
 
 def mixed_collectives(found: list[Collective]) -> list[Collective]:
