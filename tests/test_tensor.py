@@ -330,3 +330,35 @@ def test_fsdp_bytes_under_tensor_are_the_1d_plans_for_one_tensor_shard():
     fsdp = {name: r["totals"]["by_axis"]["fsdp"]["wire_bytes"] for name, r in reports.items()}
     assert 0.5 < share < 0.55
     assert fsdp["tp"] == pytest.approx(fsdp["1d"] * share, rel=0.01), (fsdp, share)
+
+
+def _lowered(preset: str, tp):
+    """``preset``'s step of the demo model whose blocks are built with ``tp``, lowered."""
+    from torsh_jax.demo.model import init_params, layered_model, synthetic_tokens
+
+    plan = load_plan(preset)
+    shapes = jax.eval_shape(lambda: init_params(SMALL, jax.random.key(0)))
+    train = make_train_step(layered_model(SMALL, tp=tp), optax.sgd(0.1), plan, build_mesh(plan), shapes)
+    batch = synthetic_tokens(SMALL, batch_size=train.global_batch_size, seed=0)
+    return train.lower(train.abstract_state(), batch)
+
+
+def test_blocks_left_unset_split_the_sequence_as_the_plan_says():
+    """``TensorAxis()`` under ``tp_sp`` reduce-scatters after the split matmuls (sequence
+    parallelism), as ``tensor_axis(plan)``'s blocks do; under ``tp`` it does not."""
+    require_devices(8)
+    assert "reduce_scatter" in _lowered("tp_sp", TensorAxis()).as_text()
+    assert "reduce_scatter" not in _lowered("tp", TensorAxis()).as_text()
+
+
+@pytest.mark.parametrize("preset, built", [("tp_sp", False), ("tp", True)])
+def test_blocks_built_against_the_plans_sequence_parallelism_are_refused(preset, built):
+    """Blocks built with sequence parallelism set one way under a plan that says the other: one
+    error naming the key, not a step without (or with) what the plan says."""
+    from torsh_jax.errors import PlanError
+
+    require_devices(8)
+    said = "off" if built else "on"
+    with pytest.raises(PlanError, match=rf"^tensor\.sequence_parallel: the plan's .* is {said}") as caught:
+        _lowered(preset, TensorAxis(sequence_parallel=built))
+    assert "Fix: build the blocks with tensor_axis(plan)" in str(caught.value)

@@ -46,6 +46,7 @@ from torsh_jax.runtime.precision import cast_tree
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.runtime.sync import sync_gradients
 from torsh_jax.runtime.update import guarded_update, scaler_for
+from torsh_jax.tensor.axis import planned_sequence_parallel
 from torsh_jax.typing import PyTree
 
 __all__ = ["build_program", "gradient_program"]
@@ -176,7 +177,8 @@ def build_program(
         )
         scale = None if scaler is None else state.loss_scale.scale
         feedback = () if state.feedback is None else state.feedback
-        grads, loss_value, feedback, extras = program(state.params, batch, scale, feedback, state.step)
+        with planned_sequence_parallel(roles.sequence_parallel):  # the blocks split as the plan says
+            grads, loss_value, feedback, extras = program(state.params, batch, scale, feedback, state.step)
         # this device's slice of the stored parameters: no communication
         params = jax.lax.with_sharding_constraint(state.params, update_shardings)
         update = guarded_update(

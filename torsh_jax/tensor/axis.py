@@ -17,15 +17,43 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import jax
 
-from torsh_jax.errors import ShardingError
+from torsh_jax.errors import PlanError, ShardingError
 
-__all__ = ["TensorAxis", "tensor_axis", "uses_tensor_blocks", "has_tensor_blocks"]
+__all__ = [
+    "TensorAxis",
+    "tensor_axis",
+    "uses_tensor_blocks",
+    "has_tensor_blocks",
+    "planned_sequence_parallel",
+]
+
+#: the running step's plan's ``tensor.sequence_parallel`` while its program is traced, else ``None``
+_PLANNED_SEQUENCE_PARALLEL: ContextVar[bool | None] = ContextVar("planned_sequence_parallel", default=None)
+
+
+@contextlib.contextmanager
+def planned_sequence_parallel(on: bool) -> Iterator[None]:
+    """Within: the blocks split the sequence as a step's plan says (``on``): a :class:`TensorAxis`
+    left unset follows it, and one set otherwise is refused (the train step traces its program in it).
+
+    Example:
+        >>> with planned_sequence_parallel(True):
+        ...     TensorAxis().splits_sequence()
+        True
+    """
+    token = _PLANNED_SEQUENCE_PARALLEL.set(on)
+    try:
+        yield
+    finally:
+        _PLANNED_SEQUENCE_PARALLEL.reset(token)
 
 
 @dataclass(frozen=True)
@@ -36,12 +64,14 @@ class TensorAxis:
         name: the mesh axis (``tensor``).
         sequence_parallel: activations between blocks are split on the
             sequence dim over the axis (all-gather before a column-parallel
-            matmul, reduce-scatter after a row-parallel one).
+            matmul, reduce-scatter after a row-parallel one). ``None`` (the
+            default): as the plan of the step that runs the blocks says
+            (``tensor.sequence_parallel``; off outside a train step).
         seq_dim: the sequence dim of activations ``[batch, seq, features]``.
     """
 
     name: str = "tensor"
-    sequence_parallel: bool = False
+    sequence_parallel: bool | None = None
     seq_dim: int = 1
 
     def size(self) -> int:
@@ -68,6 +98,28 @@ class TensorAxis:
     def active(self) -> bool:
         return self.size() > 1
 
+    def splits_sequence(self) -> bool:
+        """Whether the activations between blocks are split on the sequence: this axis's setting,
+        else the running step's plan's (:func:`planned_sequence_parallel`).
+
+        Raises:
+            PlanError: the setting differs from the running step's plan: the step would run
+                without the sequence parallelism its plan has, or with what it does not have.
+        """
+        planned = _PLANNED_SEQUENCE_PARALLEL.get()
+        if self.sequence_parallel is None:
+            return bool(planned)
+        if planned is not None and planned != self.sequence_parallel:
+            said, done = ("on", "off") if planned else ("off", "on")
+            raise PlanError(
+                f"the plan's tensor.sequence_parallel is {said}, but these tensor blocks were built "
+                f"with it {done} (TensorAxis(sequence_parallel={self.sequence_parallel}))",
+                key="tensor.sequence_parallel",
+                fix="build the blocks with tensor_axis(plan), or with a TensorAxis whose "
+                "sequence_parallel is left unset (it follows the plan)",
+            )
+        return self.sequence_parallel
+
     def index(self) -> jax.Array | int:
         """This device's position along the axis (0 when inactive)."""
         return jax.lax.axis_index(self.name) if self.active() else 0
@@ -89,7 +141,7 @@ class TensorAxis:
 
     def gather_sequence(self, x: jax.Array) -> jax.Array:
         """``x[B, T/t, ...] -> x[B, T, ...]`` (sequence parallel only)."""
-        if not (self.sequence_parallel and self.active()):
+        if not (self.active() and self.splits_sequence()):
             return x
         return jax.lax.all_gather(x, self.name, axis=self.seq_dim, tiled=True)
 
@@ -97,14 +149,14 @@ class TensorAxis:
         """Partial sums ``x[B, T, ...]`` -> this device's summed chunk ``[B, T/t, ...]`` (or the full sum)."""
         if not self.active():
             return x
-        if not self.sequence_parallel:
+        if not self.splits_sequence():
             return jax.lax.psum(x, self.name)
         self._check_sequence(x.shape[self.seq_dim])
         return jax.lax.psum_scatter(x, self.name, scatter_dimension=self.seq_dim, tiled=True)
 
     def split_sequence(self, x: jax.Array) -> jax.Array:
         """This device's chunk of a replicated ``x[B, T, ...]`` (sequence parallel only; no communication)."""
-        if not (self.sequence_parallel and self.active()):
+        if not (self.active() and self.splits_sequence()):
             return x
         chunk = self._check_sequence(x.shape[self.seq_dim])
         return jax.lax.dynamic_slice_in_dim(x, self.index() * chunk, chunk, axis=self.seq_dim)
