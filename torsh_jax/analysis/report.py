@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -221,7 +222,12 @@ def axis_theory_section(
 
 
 def summarize(
-    compiled, mesh, *, theory: Theory | None = None, axis_theories: dict[str, Theory] | None = None
+    compiled,
+    mesh,
+    *,
+    theory: Theory | None = None,
+    axis_theories: dict[str, Theory] | None = None,
+    as_run: Callable[[list[Collective]], list[Collective]] | None = None,
 ) -> dict:
     """A JSON-able summary of a compiled program's collectives and memory.
 
@@ -232,6 +238,8 @@ def summarize(
             report measured/theory ratios.
         axis_theories: theories of single other axes (``{"tensor": ...}``),
             reported under ``theory["axes"]`` (:func:`axis_theory_section`).
+        as_run: the collectives one device runs, of all the program holds (a pipeline's first
+            stage: it takes one branch of each tick); the theories are measured against them.
 
     Returns:
         ``{"mesh": {axis: size}, "collectives": [...], "totals": {...},
@@ -244,10 +252,11 @@ def summarize(
     """
     found = collectives_once(compiled, mesh)
     totals = collective_totals(found)
-    section = _theory_section(theory, totals, found)
+    run = as_run(found) if as_run else found
+    section = _theory_section(theory, collective_totals(run) if as_run else totals, run)
     if section is not None and axis_theories:
         section["axes"] = {
-            axis: axis_theory_section(t, found, axis, devices=mesh.size) for axis, t in axis_theories.items()
+            axis: axis_theory_section(t, run, axis, devices=mesh.size) for axis, t in axis_theories.items()
         }
     return {
         "mesh": {name: int(size) for name, size in mesh.shape.items()},

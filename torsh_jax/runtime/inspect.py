@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from torsh_jax.analysis import summarize
 from torsh_jax.analysis.hlo import mesh_positions
 from torsh_jax.analysis.overlap import collectives_once
-from torsh_jax.analysis.report import axis_theory_section, sent_per_device, widening_note
+from torsh_jax.analysis.report import sent_per_device, widening_note
 from torsh_jax.analysis.theory import (
     Theory,
     megatron_blocks,
@@ -262,17 +262,15 @@ def inspect_step(train: TrainStep, state: TrainState, batch: Any, *, compiled: A
         compiled = train.lower(state, batch).compile()
     theory, pipelined = data_theory(train), train.layout.roles.stage_axis is not None
     tensor = tensor_theory(train, batch)
-    axis_theories = {"tensor": None if pipelined else tensor, "stage": stage_theory(train, batch)}
+    axis_theories = {"tensor": tensor, "stage": stage_theory(train, batch)}
     axis_theories = {axis: t for axis, t in axis_theories.items() if t is not None} or None
-    summary = summarize(compiled, train.mesh, theory=theory, axis_theories=axis_theories)
+    schedule = schedule_for(train.plan, train.layout.roles) if pipelined else None
+    first_stage = (lambda found: stage_collectives(found, schedule, 0)) if pipelined else None
+    summary = summarize(compiled, train.mesh, theory=theory, axis_theories=axis_theories, as_run=first_stage)
     if pipelined:
-        schedule = schedule_for(train.plan, train.layout.roles)
         summary["pipeline"] = schedule.to_json()
         found = collectives_once(compiled, train.mesh)
         summary["stage_totals"] = stage_totals(found, schedule, _stage_of(compiled, train))
-        if tensor is not None:
-            first = stage_collectives(found, schedule, 0)
-            summary["theory"].setdefault("axes", {})["tensor"] = axis_theory_section(tensor, first, "tensor")
     summary["param_count"] = _param_count(state.params)
     summary["shard_param_count"] = _shard_param_count(train)
     summary["plan"] = train.plan.name
