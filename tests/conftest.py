@@ -76,9 +76,3 @@ def pytest_unconfigure(config) -> None:
     """The session that made the compilation cache removes it."""
     if os.environ.get("TORSH_JAX_TESTS_CACHE_OWNER") == str(os.getpid()):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """The tests marked slow (other processes, whole demo runs, TPU compiles) first, in their order:
-    the workers start on them and end on short tests, not one on a long test while the other waits."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
