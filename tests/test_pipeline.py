@@ -375,6 +375,10 @@ def test_a_pipelines_tensor_axis_with_sequence_parallelism_is_reported_unmodelle
     summary = _inspect(COMPOSED["3d-sequence-parallel"])
     assert "tensor" not in summary["theory"].get("axes", {})
     assert PIPELINED_TENSOR_UNMODELLED_NOTE in summary["notes"]
+    # the first stage's bytes over tensor, below every branch counted as run
+    first = summary["stage_totals"][0]["by_axis"]["tensor"]["wire_bytes"]
+    assert summary["theory"]["other_axes_wire_bytes"]["tensor"] == pytest.approx(first)
+    assert first < 0.75 * summary["totals"]["by_axis"]["tensor"]["wire_bytes"]
 
 
 @pytest.mark.parametrize(

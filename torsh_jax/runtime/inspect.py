@@ -91,7 +91,8 @@ PIPELINED_TENSOR_NOTE = (
 #: Why a pipelined step's tensor axis has no theory (sequence parallelism or remat).
 PIPELINED_TENSOR_UNMODELLED_NOTE = (
     "tensor: no theory of a pipeline's tensor collectives with sequence parallelism or remat; "
-    "theory.other_axes_wire_bytes['tensor'] counts every branch of every tick as run (an upper bound)"
+    "theory.other_axes_wire_bytes['tensor'] is the first stage's, each branch's collectives counted "
+    "once per slot that stage runs"
 )
 
 
