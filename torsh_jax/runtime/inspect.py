@@ -156,12 +156,12 @@ def _stage_of(compiled, train: TrainStep) -> list[int]:
     return np.unravel_index(np.asarray(positions), mesh.devices.shape)[axis].tolist()
 
 
-def _pipelined_tensor_notes(tensor: Theory | None, compiled, mesh) -> list[str]:
+def _pipelined_tensor_notes(tensor: Theory | None, found: list) -> list[str]:
     """What the report says of a pipeline's tensor axis: counted as its first stage runs it, with
     the collectives XLA combined across a branch's edge; or not modelled."""
     if tensor is None:
         return [PIPELINED_TENSOR_UNMODELLED_NOTE]
-    mixed = [c for c in mixed_collectives(collectives_once(compiled, mesh)) if c.axes == ("tensor",)]
+    mixed = [c for c in mixed_collectives(found) if c.axes == ("tensor",)]
     if not mixed:
         return [PIPELINED_TENSOR_NOTE]
     sent = sum(c.wire_bytes_per_step for c in mixed)
@@ -281,7 +281,7 @@ def inspect_step(train: TrainStep, state: TrainState, batch: Any, *, compiled: A
     if train.layout.roles.tensor_axis is not None:
         summary["tensor_split"] = tensor_split(train)
     if pipelined and _megatron_tensor(train):
-        summary["notes"] += _pipelined_tensor_notes(tensor, compiled, train.mesh)
+        summary["notes"] += _pipelined_tensor_notes(tensor, found)
     widened = widening_note(summary["collectives"])
     summary["notes"] += [widened] if widened else []
     return summary
