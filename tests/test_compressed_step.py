@@ -456,9 +456,13 @@ def _run_straddle(plan, steps: int = 2):
                      id="zero3-int4-gathers-int8-reduce-scatter"),
     ],
 )  # fmt: skip
-def test_pallas_step_equals_the_reference_step_bit_for_bit(mesh, section, zero):
+def test_pallas_step_equals_the_reference_step_bit_for_bit(mesh, section, zero, fusion_emitters):
     """``compression.implementation = "pallas"`` runs the kernels in every compressed collective (in
-    the Pallas interpreter on CPU); two steps give the reference step's parameters and feedback bits."""
+    the Pallas interpreter on CPU); two steps give the reference step's parameters and feedback bits,
+    with XLA:CPU's default code (with the legacy emitters the suite compiles with, some residuals
+    differ in the last bit: they contract other multiplies and adds into FMAs)."""
+    if fusion_emitters:  # passed in a process of its own
+        return
     require_devices(8)
     states, texts = {}, {}
     for implementation in ("reference", "pallas"):

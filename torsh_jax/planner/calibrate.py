@@ -596,7 +596,9 @@ def calibrate(
     ``devices`` of several processes (a job ``torsh-jax launch``, Slurm or Ray started, joined by
     :func:`torsh_jax.distributed.initialize`; every process calls this): each process measures its
     own devices as above, the ``ici`` link among them, and all together the ``dcn`` link across
-    the processes (:func:`_process_link`); a process is a slice of the machine.
+    the processes (:func:`_process_link`); a process is a slice of the machine. Process 0 alone
+    compiles the memory programs (compile-only, the same in every process; its machine is the
+    job's): the others' machines have none (``compiled_for`` empty).
 
     One process alone meters the host while it measures (:attr:`Machine.host_load`) and warns
     (:class:`~torsh_jax.errors.BusyHostWarning`) where other work took a share of it that slows
@@ -660,7 +662,7 @@ def _measured(
         codec_s_per_element_by_method={
             m: _codec_seconds_per_element(mesh, repeats, 1 << 18, method=m) for m in CODEC_METHODS
         },
-        **compiled_memory(shape, local[0]),
+        **(compiled_memory(shape, local[0]) if jax.process_index() == 0 else {}),
         platform=platform,
         source=f"torsh-jax calibrate on {len(devices)} {platform} devices{across} with {shape.name}",
     )
