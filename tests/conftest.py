@@ -87,7 +87,8 @@ def fusion_emitters(request) -> bool:
         return False
     function = request.node.nodeid.split("[")[0]
     if function not in _RAN_WITH_FUSION_EMITTERS:
-        env = os.environ | {"TORSH_JAX_TESTS_FUSION_EMITTERS": "1"}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
+        env["TORSH_JAX_TESTS_FUSION_EMITTERS"] = "1"
         env["XLA_FLAGS"] = " ".join(f for f in flags if f != LEGACY_EMITTERS)
         cli = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=0", function]
         done = subprocess.run(cli, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
