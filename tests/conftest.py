@@ -14,10 +14,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # optimisation passes (a third less compile time; the numerics are the same, no fast-math either way),
 # and compile with XLA:CPU's legacy loop emitters, not its fusion emitters (a program without a
 # pipeline compiles in a half to a third of the time; the suite took 17m34s against 27m19s, one
-# after the other on one host). The legacy emitters contract other multiplies and adds into FMAs and
-# run a scatter as a loop: a test whose subject is the default code takes the ``fusion_emitters``
-# fixture. The processes tests start inherit the flags. Set TORSH_JAX_TESTS_OPTIMIZED=1 to keep
-# the defaults.
+# after the other on one host). The legacy emitters round some results otherwise (the reference
+# compressors' step is then not the Pallas kernels' bit for bit) and run a scatter as a loop: a test
+# whose subject is the default code takes the ``fusion_emitters`` fixture. The processes tests start
+# inherit the flags. Set TORSH_JAX_TESTS_OPTIMIZED=1 to keep the defaults.
 LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 if not os.environ.get("TORSH_JAX_TESTS_OPTIMIZED"):
     FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
