@@ -72,6 +72,10 @@ def require_devices(n: int) -> list:
     return devices[:n]
 
 
+#: test functions run with the fusion emitters in a process of their own: what failed, or ``""``
+_RAN_WITH_FUSION_EMITTERS: dict[str, str] = {}
+
+
 @pytest.fixture
 def fusion_emitters(request) -> bool:
     """Run the test with XLA:CPU's fusion emitters, its default code, where this process compiles
@@ -98,10 +102,6 @@ def fusion_emitters(request) -> bool:
     failed = _RAN_WITH_FUSION_EMITTERS[function]
     assert not failed, failed
     return True
-
-
-#: test functions run with the fusion emitters in a process of their own: what failed, or ``""``
-_RAN_WITH_FUSION_EMITTERS: dict[str, str] = {}
 
 
 @pytest.fixture
