@@ -313,7 +313,7 @@ def test_a_plan_the_compiler_refused_stays_in_the_ranking_with_its_figures():
     top = search(shape, machine, global_batch=256)[0]
 
     def refuse(p):
-        return {"peak": None, "temp": int(p.memory_limit * 1.3), "fits": False, "memory_error": None}
+        return {"peak": int(p.memory_limit * 1.3), "temp": None, "fits": False, "memory_error": None}
 
     ranked, pick, learned, _ = search_verified(shape, machine, global_batch=256, budget=1, check=refuse)
     family = [p for p in ranked if p.candidate.family == top.candidate.family]
@@ -641,8 +641,9 @@ def test_verify_compiles_down_the_ranking_and_learns_from_a_plan_that_does_not_f
     def check(p):  # the compiler: the first plan needs twice its predicted activations
         seen.append(p.candidate.label)
         if len(seen) == 1:
-            temp = p.memory["gradients"] + 2 * (p.memory["activations"] + p.memory["logits"])
-            return {"peak": None, "temp": temp, "fits": False, "memory_error": None}
+            m = p.memory  # a refusal's figure is the peak it needed, the state included
+            peak = m["state"] + m["gradients"] + m["gathered"] + 2 * (m["activations"] + m["logits"])
+            return {"peak": peak, "temp": None, "fits": False, "memory_error": None}
         return {"peak": p.memory["total"], "temp": 1, "fits": True, "memory_error": 0.0}
 
     ranked, pick, machine, stopped = search_verified(tiny, CPU8, global_batch=64, budget=3, check=check)

@@ -1,9 +1,10 @@
 """Per-device memory of a compiled program, from ``compiled.memory_analysis()``.
 
 XLA reports, for one device's program: argument, output, temporary
-(scratch) and generated-code bytes, and the bytes shared between
-arguments and outputs through donation (alias). Some backends return
-``None`` or leave fields out; those read as ``None`` here.
+(scratch) and generated-code bytes, the bytes shared between
+arguments and outputs through donation (alias), and the compiler's own
+peak. Some backends return ``None`` or leave fields out; those read as
+``None`` here.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["MemoryReport", "memory_report"]
+__all__ = ["MemoryReport", "memory_report", "peak_bytes"]
 
 _FIELDS = {
     "argument_bytes": "argument_size_in_bytes",
@@ -31,6 +32,7 @@ _FIELDS = {
     "host_output_bytes": "host_output_size_in_bytes",
     "host_temp_bytes": "host_temp_size_in_bytes",
     "host_alias_bytes": "host_alias_size_in_bytes",
+    "compiler_peak_bytes": "peak_memory_in_bytes",
 }
 
 
@@ -46,6 +48,10 @@ class MemoryReport:
         alias_bytes: output bytes that reuse donated argument buffers.
         generated_code_bytes: compiled code (0 on CPU).
         host_*: the same for host (pinned) memory, when offloading.
+        compiler_peak_bytes: the compiler's own peak. libtpu's is the most its buffers (the
+            arguments among them) hold at once, the figure its out-of-memory check holds to
+            the chip's HBM; its ``temp`` is more than the temporaries live at that peak
+            (docs/targets.md). XLA:CPU reports ``argument + output + temp``.
     """
 
     argument_bytes: int | None = None
@@ -57,6 +63,7 @@ class MemoryReport:
     host_output_bytes: int | None = None
     host_temp_bytes: int | None = None
     host_alias_bytes: int | None = None
+    compiler_peak_bytes: int | None = None
 
     @property
     def available(self) -> bool:
@@ -78,6 +85,21 @@ class MemoryReport:
     def to_dict(self) -> dict[str, int | None]:
         """Fields plus ``peak_estimate_bytes``, JSON-able."""
         return {**asdict(self), "peak_estimate_bytes": self.peak_estimate_bytes}
+
+
+def peak_bytes(report: MemoryReport, platform: str) -> int | None:
+    """One device's peak on ``platform``: libtpu's own on a TPU, whose ``temp`` counts more than the
+    temporaries live at its peak (docs/targets.md); elsewhere ``argument + output + temp - alias``.
+
+    Example:
+        >>> peak_bytes(MemoryReport(4, 4, 8, 4, compiler_peak_bytes=10), "tpu")
+        10
+        >>> peak_bytes(MemoryReport(4, 4, 8, 4, compiler_peak_bytes=16), "cpu")
+        12
+    """
+    if platform == "tpu" and report.compiler_peak_bytes:
+        return report.compiler_peak_bytes
+    return report.peak_estimate_bytes
 
 
 def _read(stats, attribute: str) -> int | None:

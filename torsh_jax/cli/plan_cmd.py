@@ -404,13 +404,14 @@ def _rendered(table) -> str:
 
 def _compiled_text(compiled: dict | None) -> str:
     """``12.9 GiB (-1%)``, with the step its schedule's overlap gives (a target's: ``; step 143.4
-    ms``), ``refused: temp 16.5 GiB``, or nothing (not compiled)."""
+    ms``); ``16.5 GiB (+3%, does not fit)`` where the compiler found it too large (a refusal's
+    figure is the peak it needed); or nothing (not compiled)."""
     from torsh_jax.units import format_bytes
 
     if not compiled:
         return ""
     if compiled["peak"] is None:
-        return f"refused: temp {format_bytes(compiled['temp'])}" if compiled.get("temp") else "refused"
+        return "refused"
     fits = "" if compiled["fits"] else ", does not fit"
     step = f"; step {_ms(compiled['step_s'])}" if compiled.get("step_s") is not None else ""
     return f"{format_bytes(compiled['peak'])} ({compiled['memory_error']:+.0%}{fits}){step}"

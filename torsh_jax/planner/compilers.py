@@ -2,7 +2,9 @@
 
 The rest of the cost model (:mod:`torsh_jax.planner.cost`) is measured on XLA:CPU's programs. The
 TPU compiler keeps other buffers. Read from its buffer reports (``--xla_dump_to``:
-``*-memory-usage-report.txt``) of the demo transformer's steps in float32, a step holds:
+``*-memory-usage-report.txt``) of the demo transformer's steps in float32, and counted against
+libtpu's own peak (``peak_memory_in_bytes``, :func:`~torsh_jax.analysis.memory.peak_bytes`), a
+step holds:
 
 * its **arguments**: the parameters (ZeRO-3: a ``1/fsdp`` shard) and the optimizer state (ZeRO-1
   and up: a shard); no stored gradients;
@@ -13,7 +15,7 @@ TPU compiler keeps other buffers. Read from its buffer reports (``--xla_dump_to`
   (``22 m / t``) and ``30 d``;
 * where each layer is recomputed (remat, ZeRO-3 gathering on use), each layer's float32 input
   instead (``4 d``, split by sequence parallelism) and one recomputed layer's working set
-  (:attr:`CompilerProfile.recompute`);
+  (:attr:`CompilerProfile.recompute`; gathering on use, ``recompute_on_use``);
 * the **logits** once, in float32 (``4 V / t`` per token): the CPU programs keep their gradient
   beside them;
 * float32 buffers the size of the device's parameters, ``P``, as many as
@@ -36,8 +38,8 @@ Example:
     >>> [plan] = [c for c in candidates(shape, devices=16, global_batch=128)
     ...           if c.label == "zero1 fsdp=16 acc=4"]
     >>> parts = step_memory(plan, shape, TPU, local_params=shape.param_count, opt_factor=2.0)
-    >>> round(sum(parts.values()) / 2**30, 2)  # compiled for v5e-16: 6.61 GiB
-    6.86
+    >>> round(sum(parts.values()) / 2**30, 2)  # compiled for v5e-16: 5.56 GiB (libtpu's peak)
+    5.65
 """
 
 from __future__ import annotations
@@ -64,7 +66,9 @@ class CompilerProfile:
         d_alone: per unit of ``d_model`` without ``tensor``.
         d_split: ``(whole, split)``: with ``tensor = t``, ``whole · d + split · d / t``.
         d_sequence_parallel: the same with sequence parallelism.
-        recompute: ``(attention, mlp, d)`` of one recomputed layer's working set.
+        recompute: ``(attention, mlp, d)`` of one recomputed layer's working set (remat).
+        recompute_on_use: the same where ZeRO-3 gathers each layer on use, or ``None``: as
+            ``recompute``.
         parameter_buffers: float32 buffers of the device's parameters' size beside the state, by
             ``(reduce, recomputed, accumulating)``: ``reduce`` ``per_step`` (DDP, ZeRO-1: the whole
             gradient reduced once) or ``per_micro_step`` (ZeRO-2: each micro-step's
@@ -78,18 +82,19 @@ class CompilerProfile:
     d_split: tuple[float, float]
     d_sequence_parallel: tuple[float, float]
     recompute: tuple[float, float, float]
+    recompute_on_use: tuple[float, float, float] | None = None
     parameter_buffers: dict[tuple[str, bool, bool], float] = field(default_factory=dict)
 
 
-#: libtpu 0.0.42.1: the demo model at 150 M on v5e-16 and 1 B on v5e-256 (read from), 350 M on
-#: v5e-32 and 7 B on v5e-256 (not): 33 of 46 compiled plans within 5 % (11 with the CPU
-#: formulas), the mean absolute error 5 % (26 %); DDP and ZeRO-1 14 of 14, ZeRO-2 8 of 10,
-#: recomputing 7 of 10, ZeRO-3 4 of 12 (up to 29 % under from 350 M up). Parameter buffers, the
-#: median over the compiled plans of each kind with the range: DDP and ZeRO-1 accumulating 4.12
-#: (3.73-4.24, 9 plans); recomputing 1.69 (1.12-1.84, 5), accumulating 2.69 (2.66-2.71, 2); ZeRO-2
-#: accumulating 2.57 (2.31-4.09, 7: 2.31-2.57 on the 1 B model, 2.97-4.09 on the 150 M),
-#: recomputing 1.68 (1); not accumulating without remat one fewer than accumulating, the step's sum
-#: (then compiled: DDP and ZeRO-1 at 150 M, 2.64 and 2.81; ZeRO-2 2.81).
+#: libtpu 0.0.42.1, against its own peak: the demo model at 150 M on v5e-16 and 1 B on v5e-256
+#: (read from), 350 M on v5e-32 and 7 B on v5e-256 (not): 40 of 45 compiled plans within 5 %
+#: (11 with the CPU formulas), the mean absolute error 2.5 % (45 %); DDP and ZeRO-1 21 of 21,
+#: ZeRO-2 10 of 11, remat 10 of 10, ZeRO-3 9 of 13 (-8.7 % to +6.3 %); the plans not read from
+#: 8 of 10. The recomputed working sets were fitted to those peaks. Parameter buffers, the median
+#: over the compiled plans of 150 M and 1 B of each kind, with the range: DDP and ZeRO-1 2.19
+#: accumulating (1.51-2.40, 8 plans), 1.38 not (1.32-1.45, 2); ZeRO-2 1.60 accumulating
+#: (1.38-2.06, 7), 1.45 not (1); recomputing 1.42 (1.37-1.57, 5), accumulating 1.65 (1.50-1.81,
+#: 2); ZeRO-2 recomputing 1.58 (1, accumulating).
 TPU = CompilerProfile(
     name="libtpu 0.0.42.1",
     attention=6,
@@ -97,16 +102,17 @@ TPU = CompilerProfile(
     d_alone=30,
     d_split=(28, 8),
     d_sequence_parallel=(0, 30),
-    recompute=(12, 6, 18),
+    recompute=(4, 6, 18),
+    recompute_on_use=(8, 6, 12),
     parameter_buffers={
-        ("per_step", False, True): 4.12,
-        ("per_step", False, False): 3.12,
-        ("per_step", True, False): 1.69,
-        ("per_step", True, True): 2.69,
-        ("per_micro_step", False, True): 2.57,
-        ("per_micro_step", False, False): 2.57,
-        ("per_micro_step", True, False): 1.68,
-        ("per_micro_step", True, True): 1.68,
+        ("per_step", False, True): 2.19,
+        ("per_step", False, False): 1.38,
+        ("per_step", True, False): 1.42,
+        ("per_step", True, True): 1.65,
+        ("per_micro_step", False, True): 1.6,
+        ("per_micro_step", False, False): 1.45,
+        ("per_micro_step", True, False): 1.58,
+        ("per_micro_step", True, True): 1.58,
     },
 )
 
@@ -154,7 +160,8 @@ def step_memory(
     reduce = "per_step" if roles.reduce == "per_step" else "per_micro_step"
     count, shares = local_params, tensor_shares(c, shape)  # what the plan splits over ``tensor``
     pb, cb = DTYPE_BYTES[plan.precision.param_dtype], DTYPE_BYTES[plan.precision.compute_dtype]
-    per_token = _activation_bytes_per_token(c, shape, profile, recomputed=c.remat or on_use)
+    working = (profile.recompute_on_use or profile.recompute) if on_use else profile.recompute
+    per_token = _activation_bytes_per_token(c, shape, profile, working if c.remat or on_use else None)
     tokens, accumulating = plan.batch.micro_batch_size * shape.seq_len, plan.batch.accumulation_steps > 1
     parts = {
         "state": count * pb / (fsdp if plan.zero.stage == 3 else 1)
@@ -170,17 +177,17 @@ def step_memory(
 
 
 def _activation_bytes_per_token(
-    c: Candidate, shape: ModelShape, profile: CompilerProfile, *, recomputed: bool
+    c: Candidate, shape: ModelShape, profile: CompilerProfile, recomputed: tuple[float, float, float] | None
 ) -> float:
-    """Float32 bytes per token of every layer's residuals, or, recomputed, of every layer's input
-    and one layer's working set; over ``tensor``, of the share of a layer the plan splits at
-    ``tensor``, the rest whole."""
+    """Float32 bytes per token of every layer's residuals, or, each layer ``recomputed`` (the
+    working set's ``(attention, mlp, d)``), of every layer's input and one layer's working set;
+    over ``tensor``, of the share of a layer the plan splits at ``tensor``, the rest whole."""
     t, layer = c.sizes["tensor"], tensor_shares(c, shape).layer
     sp = t > 1 and c.plan.tensor.sequence_parallel
-    if not recomputed:
+    if recomputed is None:
         split = residual_bytes(profile, shape, t, sp)
         return shape.layers * split_part(layer, split, residual_bytes(profile, shape))
-    attention, mlp, d = profile.recompute
+    attention, mlp, d = recomputed
     working = lambda t: attention * shape.heads * shape.seq_len / t + mlp * shape.mlp / t + d * shape.d_model
     inputs = shape.layers * 4 * shape.d_model / (t if sp else 1)
     return inputs + split_part(layer, working(t), working(1))

@@ -160,13 +160,9 @@ def _dropped(tried: dict[str, Prediction], ranked: list[Prediction], shape: Mode
 
 def _activation_ratio(p: Prediction, compiled: dict) -> float:
     """Compiled activation bytes over predicted, from a plan that did not fit: the compiler's peak
-    (or, refused, its temporaries, which hold no state) less the predicted non-activation parts;
-    at least 1.1, so that the next prediction asks for more."""
-    other = p.memory["gradients"] + p.memory["gathered"]
-    if compiled.get("peak") is not None:
-        needed = compiled["peak"] - p.memory["state"] - other
-    else:
-        needed = (compiled.get("temp") or 0) - other
+    (refused: the peak its message states) less the predicted non-activation parts; at least 1.1,
+    so that the next prediction asks for more."""
+    needed = (compiled.get("peak") or 0) - p.memory["state"] - p.memory["gradients"] - p.memory["gathered"]
     predicted = p.memory["activations"] + p.memory["logits"]
     return max(needed / predicted if predicted else 1.1, 1.1)
 

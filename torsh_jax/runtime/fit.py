@@ -19,9 +19,9 @@ loop whose carried hidden state is one buffer, live while the loop runs, next
 to the arguments. Everything else (the residuals kept for the backward pass,
 gradients, optimizer temporaries, XLA's scratch) is left out, so a step this
 refuses cannot fit, and one it passes may still not: after compiling,
-:func:`check_compiled_fits` compares XLA's own figure
-(``argument + output + temp - alias``, :mod:`torsh_jax.analysis.memory`) with
-the same limit before the step runs.
+:func:`check_compiled_fits` compares the compiled step's peak
+(:func:`~torsh_jax.analysis.memory.peak_bytes`) with the same limit before the
+step runs.
 
 The limit (:func:`device_memory_limit`) is ``TORSH_JAX_DEVICE_MEMORY`` when set
 (bytes, or a number with ``KiB``/``MiB``/``GiB``/``TiB``), else the device's
@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 
-from torsh_jax.analysis.memory import MemoryReport, memory_report
+from torsh_jax.analysis.memory import MemoryReport, memory_report, peak_bytes
 from torsh_jax.errors import DeviceMemoryError, PlanError
 from torsh_jax.runtime.layered import split_params
 from torsh_jax.runtime.mesh import mesh_shape_str
@@ -277,11 +277,12 @@ def check_step_fits(
 def check_compiled_fits(
     train: TrainStep, compiled: jax.stages.Compiled, *, limit: MemoryLimit | None = None
 ) -> MemoryReport:
-    """Raise :class:`DeviceMemoryError` when the compiled step's ``argument + output + temp - alias``
-    exceeds the limit; return the memory report (no check when the backend or the limit is silent)."""
+    """Raise :class:`DeviceMemoryError` when the compiled step's peak (libtpu's own on a TPU, else
+    ``argument + output + temp - alias``: :func:`~torsh_jax.analysis.memory.peak_bytes`) exceeds the
+    limit; return the memory report (no check when the backend or the limit is silent)."""
     report = memory_report(compiled)
     limit = _limit_or_none(train, limit)
-    peak = report.peak_estimate_bytes
+    peak = peak_bytes(report, train.mesh.devices.flat[0].platform)
     if limit is None or peak is None or peak <= limit.bytes:
         return report
     part = "activations" if report.temp_bytes >= report.argument_bytes else "state"
