@@ -189,10 +189,10 @@ def verify(
         fits = report.fits and peak <= prediction.memory_limit  # a limit below the chip's, too
         overlap = _overlap_by_axes(report.overlap)
     else:
-        from torsh_jax.analysis.memory import memory_report
+        from torsh_jax.analysis.memory import memory_report, peak_bytes
 
         memory = memory_report(train.lower(train.abstract_state(), batch).compile())
-        peak, temp = memory.peak_estimate_bytes, memory.temp_bytes
+        peak, temp = peak_bytes(memory, devices[0].platform), memory.temp_bytes  # libtpu's on a TPU
         fits, overlap = peak <= prediction.memory_limit, None
     error = prediction.memory["total"] / peak - 1 if peak else None
     return {"peak": peak, "temp": temp, "fits": fits, "memory_error": error, "overlap": overlap}
