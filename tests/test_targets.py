@@ -193,7 +193,7 @@ def test_catalog_usable_hbm_is_what_libtpu_says(name):
 def test_a_tpu_programs_peak_is_libtpus_own_and_its_refusal_counts_the_arguments():
     """libtpu's peak (``peak_memory_in_bytes``) holds the arguments, and so does the figure its
     out-of-memory check states: 8 GiB of arguments compile at a peak of 8 GiB; 20 GiB, with no
-    temporaries, are refused at 20 GiB. The report's ``peak`` and ``margin_bytes`` are those."""
+    temporaries, are refused at 20 GiB. The report's ``peak`` is libtpu's."""
     from torsh_jax.targets.report import _memory
 
     _needs("v5e-4")
