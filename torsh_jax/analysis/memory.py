@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["MemoryReport", "memory_report", "peak_bytes"]
+__all__ = ["MemoryReport", "memory_report", "peak_bytes", "temporaries_at_peak"]
 
 _FIELDS = {
     "argument_bytes": "argument_size_in_bytes",
@@ -100,6 +100,23 @@ def peak_bytes(report: MemoryReport, platform: str) -> int | None:
     if platform == "tpu" and report.compiler_peak_bytes:
         return report.compiler_peak_bytes
     return report.peak_estimate_bytes
+
+
+def temporaries_at_peak(report: MemoryReport, platform: str) -> int | None:
+    """The temporaries in :func:`peak_bytes`: the peak less the arguments and the outputs that do not
+    reuse them (at least 0). Elsewhere than a TPU this is ``temp``; on a TPU, libtpu's ``temp`` is
+    more, so the parts of a peak add up to it only when read this way.
+
+    Example:
+        >>> temporaries_at_peak(MemoryReport(4, 4, 8, 4, compiler_peak_bytes=10), "tpu")
+        6
+        >>> temporaries_at_peak(MemoryReport(4, 4, 8, 4), "cpu")
+        8
+    """
+    peak = peak_bytes(report, platform)
+    if peak is None or report.argument_bytes is None or report.output_bytes is None:
+        return None
+    return max(0, peak - report.argument_bytes - report.output_bytes + (report.alias_bytes or 0))
 
 
 def _read(stats, attribute: str) -> int | None:

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 
-from torsh_jax.analysis.memory import MemoryReport, memory_report, peak_bytes
+from torsh_jax.analysis.memory import MemoryReport, memory_report, peak_bytes, temporaries_at_peak
 from torsh_jax.errors import DeviceMemoryError, PlanError
 from torsh_jax.runtime.layered import split_params
 from torsh_jax.runtime.mesh import mesh_shape_str
@@ -282,17 +282,19 @@ def check_compiled_fits(
     limit; return the memory report (no check when the backend or the limit is silent)."""
     report = memory_report(compiled)
     limit = _limit_or_none(train, limit)
-    peak = peak_bytes(report, train.mesh.devices.flat[0].platform)
+    platform = train.mesh.devices.flat[0].platform
+    peak = peak_bytes(report, platform)
     if limit is None or peak is None or peak <= limit.bytes:
         return report
-    part = "activations" if report.temp_bytes >= report.argument_bytes else "state"
+    temporaries = temporaries_at_peak(report, platform)
+    part = "activations" if temporaries >= report.argument_bytes else "state"
     if part == "state":
         need = step_memory(train)
         part = "batch" if report.argument_bytes - need.state_bytes > need.state_bytes else "state"
     key, fix = _fix(part, train)
     raise DeviceMemoryError(
         f"the compiled step needs {format_bytes(peak)} per device on mesh {mesh_shape_str(train.mesh)} "
-        f"(arguments {format_bytes(report.argument_bytes)}, temporaries {format_bytes(report.temp_bytes)}, "
+        f"(arguments {format_bytes(report.argument_bytes)}, temporaries {format_bytes(temporaries)}, "
         f"outputs {format_bytes(report.output_bytes)}, donated {format_bytes(report.alias_bytes or 0)}) "
         f"but a device has {format_bytes(limit.bytes)} ({limit.source})",
         key=key,
