@@ -10,17 +10,18 @@ Prints one JSON object per plan and program: ``overlap`` (fraction of collective
 whose start and done have compute between them, see :mod:`torsh_jax.analysis.overlap`),
 ``overlap_all_gather`` / ``overlap_reduce`` (the same for gathers and for reductions),
 ``overlap_by_axes`` (per mesh-axis set), ``overlap_by_place`` (collectives in loop bodies, e.g. a layer
-scan's, and outside them),
-``temp_bytes`` (``memory_analysis``), ``wire_bytes`` (ring-algorithm bytes per step of the async
-pairs and synchronous collectives), compile seconds; then per plan and baseline the ratios
-ours / baseline (``temp_ratio``, ``wire_ratio``) and both overlap fractions.
+scan's, and outside them), ``temp_bytes`` (``memory_analysis``), ``peak_bytes`` (on a TPU libtpu's
+own peak, what its check holds to HBM; its ``temp`` is more than the temporaries live then),
+``wire_bytes`` (ring-algorithm bytes per step of the async pairs and synchronous collectives),
+compile seconds; then per plan and baseline the ratios ours / baseline (``temp_ratio``,
+``peak_ratio``, ``wire_ratio``) and both overlap fractions.
 
 ``--every-preset`` compiles every plan preset (``meshes/``) for the first of ``--targets`` its mesh
 resolves for (``v5e-16x2``: two slices over DCN; a preset written for 8 devices resolves for
 ``v5e-8``) through ``torsh-jax inspect --target`` on the demo model at its smallest (``--layers`` as
 the preset needs, ``--d-model 64``) and prints one ``target_preset`` row each: ``compiled``,
-``fits``, ``temp_bytes``, ``overlap``, ``compile_s`` (``error``: the message); the exit code is 1
-if a preset resolves for none of the targets or fails to compile.
+``fits``, ``temp_bytes``, ``peak_bytes``, ``overlap``, ``compile_s`` (``error``: the message); the
+exit code is 1 if a preset resolves for none of the targets or fails to compile.
 
 Usage:
     python benchmarks/bench_target.py [--target v5e-16] [--layers 8] [--d-model 512] [--plans zero3,fsdp_tp]
@@ -85,8 +86,10 @@ def model_config(args):
 def measure(compiled, mesh, seconds: float) -> dict:
     """Overlap, memory and wire figures of one compiled program."""
     from torsh_jax.analysis import memory_report
+    from torsh_jax.analysis.memory import peak_bytes
     from torsh_jax.analysis.overlap import collective_overlap
 
+    memory = memory_report(compiled)
     report = collective_overlap(compiled, mesh)
     kinds = report.by_kind()
     reduce_kinds = [kinds[k] for k in ("all-reduce", "reduce-scatter") if k in kinds]
@@ -102,7 +105,8 @@ def measure(compiled, mesh, seconds: float) -> dict:
         "collectives": len(report.collectives),
         "async": sum(o.is_async for o in report.collectives),
         "wire_bytes": sum(o.collective.wire_bytes_per_step for o in report.collectives),
-        "temp_bytes": memory_report(compiled).temp_bytes,
+        "temp_bytes": memory.temp_bytes,
+        "peak_bytes": peak_bytes(memory, mesh.devices.flat[0].platform),
         "compile_s": round(seconds, 1),
     }
 
@@ -181,6 +185,7 @@ def run_plan(name: str, args, devices, cfg, shapes) -> None:
                 "overlap_ours": ours["overlap"],
                 "overlap_baseline": base["overlap"],
                 "temp_ratio": _ratio(ours["temp_bytes"], base["temp_bytes"]),
+                "peak_ratio": _ratio(ours["peak_bytes"], base["peak_bytes"]),
                 "wire_ratio": _ratio(ours["wire_bytes"], base["wire_bytes"]),
             }
         )
@@ -229,6 +234,7 @@ def compile_preset(name: str, target: str, slices: int) -> dict:
     report = json.loads(out.getvalue())["target"]
     overlap = report["overlap"] or {}
     return {**row, "fits": report["fits"], "temp_bytes": report["memory"]["temp"],
+            "peak_bytes": report["memory"]["peak"],
             "overlap": overlap.get("fraction"), "compiler_message": report["compiler_message"]}  # fmt: skip
 
 
