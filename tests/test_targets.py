@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from torsh_jax.cli.main import main
 from torsh_jax.errors import TargetError
+from torsh_jax.runtime.inspect import headline
 from torsh_jax.targets import (
     CHIPS,
     devices,
@@ -42,9 +43,14 @@ def _needs(target: str) -> None:
 
 
 def _inspect(capsys, *argv: str) -> tuple[int, dict]:
+    """``inspect ... --json``'s exit code and its ``target`` report; the whole summary is the
+    report's ``"summary"``."""
     code = main(["inspect", *argv, "--json"])
     out = capsys.readouterr().out
-    return code, json.loads(out)["target"] if code == 0 else {}
+    if code != 0:
+        return code, {}
+    summary = json.loads(out)
+    return code, {**summary["target"], "summary": summary}
 
 
 @pytest.mark.parametrize(
@@ -133,6 +139,12 @@ def test_zero3_fits_v5e_16_with_the_compilers_memory(capsys):
     memory = target["memory"]
     assert code == 0 and target["chips"] == 16 and target["fits"] is True
     assert memory["peak"] > 0 and memory["temp"] > 0  # the peak is libtpu's own (test below)
+    # the summary's peak is that peak: the headline and the run report read it, not the sum of parts
+    # (libtpu's peak is 34.3 MB here, the sum 2.2 MB)
+    summary = target["summary"]
+    assert summary["memory"]["peak_bytes"] == memory["peak"] == summary["memory"]["compiler_peak_bytes"]
+    parts = memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
+    assert headline(summary)["memory_per_device_bytes"] == memory["peak"] != parts
     assert target["hbm_limit_bytes"] == CHIPS["v5e"].compiler_hbm_bytes
     assert target["margin_bytes"] == target["hbm_limit_bytes"] - memory["peak"]
     assert target["flops"] > 0 and target["roofline_step_s"] >= target["flops"] / CHIPS["v5e"].peak_bf16_flops

@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from torsh_jax.analysis.hlo import Collective
-from torsh_jax.analysis.memory import memory_report
+from torsh_jax.analysis.memory import memory_report, peak_bytes
 from torsh_jax.analysis.overlap import collectives_once
 from torsh_jax.analysis.theory import Theory, ring_wire_bytes
 from torsh_jax.units import format_bytes
@@ -248,7 +248,9 @@ def summarize(
         data's own dtype where the backend widened it, see
         :attr:`~torsh_jax.analysis.Collective.widened_from`) and
         ``wire_bytes``, and the same per ``by_axis`` and ``by_kind`` entry
-        (with ``count`` = executions per step).
+        (with ``count`` = executions per step). ``memory`` holds the
+        :class:`~torsh_jax.analysis.memory.MemoryReport` fields and ``peak_bytes``
+        (:func:`~torsh_jax.analysis.memory.peak_bytes` on the mesh's platform).
     """
     found = collectives_once(compiled, mesh)
     totals = collective_totals(found)
@@ -262,9 +264,17 @@ def summarize(
         "mesh": {name: int(size) for name, size in mesh.shape.items()},
         "collectives": [_row(c) for c in found],
         "totals": totals,
-        "memory": memory_report(compiled).to_dict(),
+        "memory": _memory(compiled, mesh),
         "theory": section,
     }
+
+
+def _memory(compiled, mesh) -> dict[str, int | None]:
+    """The memory report's fields, ``peak_estimate_bytes`` and ``peak_bytes``: the peak the mesh's
+    platform holds to its memory (libtpu's own on a TPU, whose ``temp`` counts more than is live
+    at its peak)."""
+    report = memory_report(compiled)
+    return {**report.to_dict(), "peak_bytes": peak_bytes(report, mesh.devices.flat[0].platform)}
 
 
 def _shapes(shapes: list[str], *, limit: int = 3) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from torsh_jax.analysis.memory import peak_of
 from torsh_jax.analysis.report import sent_per_device
 from torsh_jax.plan.factor import link_kind
 from torsh_jax.runlog.profile import collective_seconds
@@ -179,7 +180,7 @@ def _accumulation_suggestion(run: Run, comm: dict) -> list[str]:
 
 
 def _memory(run: Run) -> Finding | None:
-    peak = ((run.inspect or {}).get("memory") or {}).get("peak_estimate_bytes")
+    peak = peak_of((run.inspect or {}).get("memory") or {})
     capacity = run.header.get("memory_capacity_bytes")
     if not peak or not capacity or peak < 0.8 * capacity:
         return None

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from html import escape
 from pathlib import Path
 
+from torsh_jax.analysis.memory import peak_of
 from torsh_jax.runlog.findings import Finding, communication_share, findings, steady_steps
 from torsh_jax.runlog.profile import HOW_TO_OPEN
 from torsh_jax.runlog.read import Run
@@ -189,8 +190,9 @@ def bytes_table(run: Run) -> str:
 def memory(run: Run) -> str:
     """The compiled step's memory parts and peak against one device's capacity."""
     mem = (run.inspect or {}).get("memory") or {}
-    keys = ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "peak_estimate_bytes")
+    keys = ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes")
     rows = [(k.removesuffix("_bytes"), mem[k]) for k in keys if mem.get(k) is not None]
+    rows += [("peak", peak_of(mem))] if rows and peak_of(mem) is not None else []
     if not rows:
         return "<p>no memory analysis</p>"
     capacity = run.header.get("memory_capacity_bytes")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from torsh_jax.analysis.memory import peak_of
 from torsh_jax.runlog.read import Run
 from torsh_jax.units import format_bytes
 
@@ -104,7 +105,7 @@ def zero_options(run: Run, *, stages: tuple[int, ...]) -> list[ZeroOption]:
     if sharded is None:
         return []
     fsdp = mesh.get("fsdp", 1) if sharded is plan else mesh["data"]
-    peak = (run.inspect.get("memory") or {}).get("peak_estimate_bytes")
+    peak = peak_of(run.inspect.get("memory") or {})
     current_state = _state_bytes(run, plan, plan.zero.stage, mesh.get("fsdp", 1))
     current_bytes = _theory_bytes(run, plan)
     options = []

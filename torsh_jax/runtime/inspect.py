@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from torsh_jax.analysis import summarize
 from torsh_jax.analysis.hlo import mesh_positions
+from torsh_jax.analysis.memory import peak_of
 from torsh_jax.analysis.overlap import collectives_once
 from torsh_jax.analysis.report import sent_per_device, widening_note
 from torsh_jax.analysis.theory import (
@@ -328,7 +329,7 @@ def headline(summary: dict) -> dict:
             axes: n for axes, n in (theory.get("other_axes_wire_bytes") or {}).items() if axes not in modelled
         },
         "payload_bytes_per_step": sent["payload_bytes"],
-        "memory_per_device_bytes": memory.get("peak_estimate_bytes"),
+        "memory_per_device_bytes": peak_of(memory),
     }
 
 
