@@ -118,8 +118,9 @@ def temporaries_at_peak(report: MemoryReport, platform: str) -> int | None:
     """The temporaries in :func:`peak_bytes`: the peak less the arguments and the outputs that do not
     reuse them (at least 0), so that the parts add up to the peak. Elsewhere than a TPU this is
     ``temp``. On a TPU it is what libtpu holds at its peak besides those, which its ``temp`` is not:
-    more than that on large steps, less on small ones (a one-layer ZeRO-3 step on v5e-16: ``temp``
-    2.2 MB, peak 34.3 MB; docs/targets.md).
+    that is more on some steps, less on others (on v5e-16, a one-layer ZeRO-3 step: ``temp`` 2.2 MB,
+    peak 34.3 MB; the ``pp_1f1b`` preset at d_model 64: ``temp`` 36.4 MB, peak 2.5 MB;
+    docs/targets.md).
 
     Example:
         >>> temporaries_at_peak(MemoryReport(4, 4, 8, 4, compiler_peak_bytes=10), "tpu")

@@ -271,8 +271,8 @@ def summarize(
 
 def _memory(compiled, mesh) -> dict[str, int | None]:
     """The memory report's fields, ``peak_estimate_bytes`` and ``peak_bytes``: the peak the mesh's
-    platform holds to its memory (libtpu's own on a TPU, whose ``temp`` counts more than is live
-    at its peak)."""
+    platform holds to its memory (libtpu's own on a TPU, where ``temp`` is not what it holds at
+    its peak)."""
     report = memory_report(compiled)
     return {**report.to_dict(), "peak_bytes": peak_bytes(report, mesh.devices.flat[0].platform)}
 

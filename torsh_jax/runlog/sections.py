@@ -192,7 +192,8 @@ def memory(run: Run) -> str:
     mem = (run.inspect or {}).get("memory") or {}
     keys = ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes")
     rows = [(k.removesuffix("_bytes"), mem[k]) for k in keys if mem.get(k) is not None]
-    rows += [("peak", peak_of(mem))] if rows and peak_of(mem) is not None else []
+    peak = peak_of(mem)
+    rows += [("peak", peak)] if rows and peak is not None else []
     if not rows:
         return "<p>no memory analysis</p>"
     capacity = run.header.get("memory_capacity_bytes")
