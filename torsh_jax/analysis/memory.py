@@ -50,8 +50,8 @@ class MemoryReport:
         host_*: the same for host (pinned) memory, when offloading.
         compiler_peak_bytes: the compiler's own peak. libtpu's is the most its buffers (the
             arguments among them) hold at once, the figure its out-of-memory check holds to
-            the chip's HBM; its ``temp`` is more than the temporaries live at that peak
-            (docs/targets.md). XLA:CPU reports ``argument + output + temp``.
+            the chip's HBM; its ``temp`` is not what is live at that peak (more on large steps,
+            less on some small ones: docs/targets.md). XLA:CPU reports ``argument + output + temp``.
     """
 
     argument_bytes: int | None = None
@@ -88,8 +88,8 @@ class MemoryReport:
 
 
 def peak_bytes(report: MemoryReport, platform: str) -> int | None:
-    """One device's peak on ``platform``: libtpu's own on a TPU, whose ``temp`` counts more than the
-    temporaries live at its peak (docs/targets.md); elsewhere ``argument + output + temp - alias``.
+    """One device's peak on ``platform``: libtpu's own on a TPU, whose ``temp`` is not what is live at
+    its peak (docs/targets.md); elsewhere ``argument + output + temp - alias``.
 
     Example:
         >>> peak_bytes(MemoryReport(4, 4, 8, 4, compiler_peak_bytes=10), "tpu")

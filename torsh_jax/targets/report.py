@@ -6,11 +6,12 @@ What the target's compiler reports for one device (:class:`TargetReport`):
   ``peak``, against the chip's usable HBM (:attr:`~torsh_jax.targets.catalog.Chip.usable_hbm_bytes`):
   ``fits`` and ``margin_bytes`` (negative: over by that much). On a TPU the peak is libtpu's own
   (``peak_memory_in_bytes``): the most its buffers, the arguments among them, hold at once, which
-  its out-of-memory check holds to HBM. libtpu's ``temp`` is more than the temporaries live at that
-  peak (measured: the 150 M demo model's ``zero1 fsdp=16 acc=2`` on v5e-16 at global batch 224,
+  its out-of-memory check holds to HBM. libtpu's ``temp`` is not what is live at that peak: on large
+  steps it is more (measured: the 150 M demo model's ``zero1 fsdp=16 acc=2`` on v5e-16 at global batch 224,
   temp 15.42 GiB and arguments 0.72 GiB, compiled with a peak of 14.62 GiB), so
   ``argument + output + temp - alias``, the peak on other targets
-  (:func:`~torsh_jax.analysis.memory.peak_bytes`), would refuse programs it runs. The TPU compiler
+  (:func:`~torsh_jax.analysis.memory.peak_bytes`), would refuse programs it runs; on some small
+  steps it is less. The TPU compiler
   refuses a program over HBM (``RESOURCE_EXHAUSTED: ... HLO temporaries (16.94G) exceeds available
   HBM (15.75G)``): that is a result, ``fits`` false with the compiler's figures. Its figure is that
   peak, arguments included (a program of one 20 GiB argument is refused at "HLO temporaries
