@@ -9,7 +9,8 @@ machine's memory fields come from :func:`torsh_jax.planner.calibrate.compiled_me
 nothing timed), so the run needs no quiet machine.
 
 ``--tpu SET`` compiles a set of plans for a TPU target instead (:data:`TPU_SETS`: the demo model at
-150 M on v5e-16, 350 M on v5e-32, 1 B and 7 B on v5e-256; needs ``libtpu``, ``pip install
+150 M on v5e-16, 350 M on v5e-32, 1 B and 7 B on v5e-256, and at ``d_model`` 512 with 4 layers on
+v5e-8; needs ``libtpu``, ``pip install
 "torsh-jax[tpu-aot]"``; about half a minute a plan on 2 cores): the TPU compiler's peak against
 the prediction from the target's figures (:mod:`torsh_jax.planner.compilers`), what ``plan
 --target`` ranks by before it compiles. A plan the compiler refuses for memory is printed with no
@@ -25,7 +26,7 @@ Prints one ``planner_memory`` row per candidate (``plan``, ``kind``, ``predicted
 Usage:
     python benchmarks/bench_planner_memory.py [--model small|medium] [--match TEXT] [--every N]
         [--offset K] [--quick]
-    python benchmarks/bench_planner_memory.py --tpu 150m|350m|1b|7b [--match TEXT]
+    python benchmarks/bench_planner_memory.py --tpu 150m|350m|1b|7b|d512 [--match TEXT]
         [--global-batch N] [--scheduler-off]
 """
 
@@ -66,6 +67,11 @@ TPU_SETS = {
     )),
     "7b": ("demo:7b", "v5e-256", 512, (
         "zero3 fsdp=256 acc=1", "zero3 fsdp=128 tensor=2 acc=1", "zero1 fsdp=128 tensor=2 acc=4",
+    )),
+    "d512": ("demo:d_model=512,layers=4", "v5e-8", 32, (
+        "ddp data=8 acc=1", "zero1 fsdp=8 acc=1", "zero1 fsdp=8 acc=2", "zero2 fsdp=8 acc=2",
+        "zero1 fsdp=8 remat acc=1", "zero3 fsdp=8 acc=1", "zero3 fsdp=8 acc=2", "zero1 fsdp=4 tensor=2 acc=1",
+        "zero3 fsdp=4 tensor=2 acc=1", "ddp data=4 tensor=2 sp acc=1",
     )),
 }  # fmt: skip
 

@@ -282,3 +282,17 @@ def test_bench_planner_models_quick_predicts_a_converted_models_plans_with_its_o
     [total] = [r for r in rows if r["name"] == "planner_model_memory_summary" and r["model"] == "all"]
     assert total["plans"] == 3 and total["within_5pct_own"] == 3
     assert total["within_5pct_demo"] == sum(abs(r["error_demo"]) <= 0.05 for r in plans)
+
+
+def test_every_tpu_set_names_plans_its_target_has():
+    """Each plan of the memory benchmark's TPU sets is a candidate of its model, target and global
+    batch, so ``--tpu SET`` compiles every plan it lists (nothing is compiled here)."""
+    from torsh_jax.planner.machine import Machine
+    from torsh_jax.planner.shape import parse_model
+    from torsh_jax.planner.space import candidates
+
+    bench = _load_bench("bench_planner_memory")
+    for name, (model, target, global_batch, labels) in bench.TPU_SETS.items():
+        devices = Machine.from_target(target).devices
+        found = {c.label for c in candidates(parse_model(model), devices=devices, global_batch=global_batch)}
+        assert set(labels) <= found, (name, sorted(set(labels) - found))
