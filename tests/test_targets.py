@@ -281,3 +281,21 @@ def test_plan_on_two_gpu_nodes_compiles_its_pick_with_data_across_the_nodes(caps
     assert code == 0 and report["verify"] == 3 and report["unverified"] is None
     assert pick["compiled"]["fits"] and abs(pick["compiled"]["memory_error"]) < 1  # compiled, over 2 nodes
     assert pick["dcn"] and math.prod(pick["dcn"].values()) == 2
+
+
+def test_a_target_program_compiled_again_with_a_compilation_cache_warns_nothing():
+    """With JAX's persistent compilation cache on (the suite's, as ``JAX_COMPILATION_CACHE_DIR``
+    sets it), a program for compile-only devices is written there, and compiling it again reads an
+    executable their client cannot load: JAX warns and compiles it again. Target compiles say
+    nothing of it, and each compile still gives the program's memory."""
+    import warnings
+
+    _needs("v5e-4")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        one_chip = jax.sharding.SingleDeviceSharding(target_devices("v5e-4")[0])
+        x = jax.ShapeDtypeStruct((512, 512), jnp.float32, sharding=one_chip)
+        peaks = [jax.jit(lambda a: jnp.tanh(a @ a)).lower(x).compile().memory_analysis() for _ in range(2)]
+    assert jax.config.jax_compilation_cache_dir  # the cache this is about is on
+    assert [str(w.message) for w in caught if "compilation cache" in str(w.message)] == []
+    assert all(p.peak_memory_in_bytes >= 512 * 512 * 4 for p in peaks)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from importlib import resources
 
 import jax
@@ -94,6 +95,20 @@ def _quiet_libtpu(target: Target) -> None:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
+#: What JAX warns when its persistent compilation cache (``JAX_COMPILATION_CACHE_DIR``) holds a
+#: program compiled for compile-only devices: their client cannot load an executable, so the read
+#: fails and the program is compiled again, which is all a target compile needs.
+_COMPILE_ONLY_CACHE_READ = (
+    r"Error reading persistent compilation cache entry .*PjRtCompiler must be constructed with a Client"
+)
+
+
+def _quiet_compilation_cache() -> None:
+    """Silence :data:`_COMPILE_ONLY_CACHE_READ`, and it alone: a target compiled again (``plan
+    --target`` run twice) would warn once per program, and nothing can be done about it."""
+    warnings.filterwarnings("ignore", message=_COMPILE_ONLY_CACHE_READ, category=UserWarning)
+
+
 def _gpu_config(file_name: str) -> str:
     return (resources.files("torsh_jax") / "gpu_targets" / file_name).read_text(encoding="utf-8")
 
@@ -126,6 +141,7 @@ def target_devices(name: str | Target, /, *, slices: int = 1) -> list[jax.Device
     missing = missing_compiler(target.name)
     if missing is not None:
         raise TargetError(missing, key=f"target {target.name!r}", fix="install it, then start Python again")
+    _quiet_compilation_cache()
     try:
         return list(_topology(target).devices)
     except NotImplementedError as err:  # the CUDA plugin refused to start without a GPU
