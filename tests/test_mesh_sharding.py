@@ -108,6 +108,26 @@ def test_flax_linen_and_nnx_metadata_give_specs():
     assert param_specs(state, plan, mesh)["w"] == P(None, "tensor")
 
 
+def test_an_nnx_state_unboxes_to_its_pure_dict_with_no_deprecation_warning():
+    """flax 0.12 deprecates ``nnx.State``'s own methods (``State.to_pure_dict`` warns); the runtime
+    takes a user's ``nnx.State`` through ``nnx.to_pure_dict``, so training one warns nothing."""
+    import warnings
+
+    from flax import nnx
+
+    from torsh_jax.runtime.params import unbox
+
+    class Layer(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((16, 32)), out_sharding=("embed", "mlp"), eager_sharding=False)
+
+    state = nnx.state(Layer(), nnx.Param)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        plain, rules = unbox(state)
+    assert jax.tree.map(jnp.shape, plain) == {"w": (16, 32)} and rules
+
+
 def test_flax_metadata_drives_zero3_of_unboxed_params():
     """Annotations carried over with param_dims_from_metadata shard the unboxed parameters."""
     import flax.linen as nn

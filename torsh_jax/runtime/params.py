@@ -47,8 +47,10 @@ class ParamIntake(NamedTuple):
 def unbox(params: PyTree) -> tuple[PyTree, tuple]:
     """``(plain arrays, param_dims rules from flax metadata)`` of linen boxes or an ``nnx.State``."""
     rules = param_dims_from_metadata(params)
-    if callable(getattr(params, "to_pure_dict", None)):  # nnx.State
-        return params.to_pure_dict(), rules
+    if callable(getattr(params, "to_pure_dict", None)):  # nnx.State (its own method is deprecated)
+        from flax import nnx
+
+        return nnx.to_pure_dict(params), rules
     if any(is_boxed(x) for x in jax.tree.leaves(params, is_leaf=is_boxed)):
         from flax.linen import meta
 
