@@ -18,7 +18,8 @@ Example:
     >>> path = hidden_path(outputs, inputs, ["b_0", "b_1"])
     >>> select(outputs[1], path) is x2
     True
-    >>> with_hidden((np.zeros(2), {"c": np.zeros(1)}), (0,), np.full(2, 7.0))[0].tolist()
+    >>> cache = {"c": np.zeros(1, np.float32)}  # a block's outputs are JAX's, float32 by default
+    >>> with_hidden((np.zeros(2), cache), (0,), np.full(2, 7.0))[0].tolist()
     [7.0, 7.0]
 """
 
