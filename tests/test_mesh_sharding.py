@@ -92,19 +92,24 @@ def _linen_params():
     return Mlp(), Mlp().init(jax.random.key(0), jnp.ones((1, 16)))["params"]
 
 
-def test_flax_linen_and_nnx_metadata_give_specs():
+def _nnx_params():
+    """The ``nnx.State`` of one layer whose weight is named ``("embed", "mlp")``."""
     from flax import nnx
-
-    plan = ParallelPlan(mesh=MeshSpec(data=AxisSize(ici=4), tensor=AxisSize(ici=2)))
-    mesh = build_mesh(plan, require_devices(8))
-    _, boxed = _linen_params()
-    assert param_specs(boxed, plan, mesh) == {"w_in": P(None, "tensor"), "w_out": P("tensor", None)}
 
     class Layer(nnx.Module):
         def __init__(self):
             self.w = nnx.Param(jnp.ones((16, 32)), out_sharding=("embed", "mlp"), eager_sharding=False)
 
-    state = nnx.state(Layer(), nnx.Param)
+    return nnx.state(Layer(), nnx.Param)
+
+
+def test_flax_linen_and_nnx_metadata_give_specs():
+    plan = ParallelPlan(mesh=MeshSpec(data=AxisSize(ici=4), tensor=AxisSize(ici=2)))
+    mesh = build_mesh(plan, require_devices(8))
+    _, boxed = _linen_params()
+    assert param_specs(boxed, plan, mesh) == {"w_in": P(None, "tensor"), "w_out": P("tensor", None)}
+
+    state = _nnx_params()
     assert param_specs(state, plan, mesh)["w"] == P(None, "tensor")
 
 
@@ -113,15 +118,9 @@ def test_an_nnx_state_unboxes_to_its_pure_dict_with_no_deprecation_warning():
     takes a user's ``nnx.State`` through ``nnx.to_pure_dict``, so training one warns nothing."""
     import warnings
 
-    from flax import nnx
-
     from torsh_jax.runtime.params import unbox
 
-    class Layer(nnx.Module):
-        def __init__(self):
-            self.w = nnx.Param(jnp.ones((16, 32)), out_sharding=("embed", "mlp"), eager_sharding=False)
-
-    state = nnx.state(Layer(), nnx.Param)
+    state = _nnx_params()
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         plain, rules = unbox(state)

@@ -93,10 +93,9 @@ class CompilerProfile:
 #: 8 of 10; a small model held out (``d_model`` 512, 4 layers, v5e-8) 4 of 10, to +18.7 % (its
 #: ZeRO-3 peak is in the head, where no layer's working set is live). The recomputed working sets
 #: were fitted to those peaks. Parameter buffers, the median over the compiled plans of 150 M and
-#: 1 B of each kind, with the range: DDP and ZeRO-1 2.19
-#: accumulating (1.51-2.40, 8 plans), 1.38 not (1.32-1.45, 2); ZeRO-2 1.60 accumulating
-#: (1.38-2.06, 7), 1.45 not (1); recomputing 1.42 (1.37-1.57, 5), accumulating 1.65 (1.50-1.81,
-#: 2); ZeRO-2 recomputing 1.58 (1, accumulating).
+#: 1 B of each kind, with the range: DDP and ZeRO-1 2.19 accumulating (1.51-2.40, 8 plans), 1.38
+#: not (1.32-1.45, 2); ZeRO-2 1.60 accumulating (1.38-2.06, 7), 1.45 not (1); recomputing 1.42
+#: (1.37-1.57, 5), accumulating 1.65 (1.50-1.81, 2); ZeRO-2 recomputing 1.58 (1, accumulating).
 TPU = CompilerProfile(
     name="libtpu 0.0.42.1",
     attention=6,
