@@ -27,7 +27,7 @@ from torsh_jax.planner.machine import Link, Machine
 from torsh_jax.planner.rank import search, search_verified, verify
 from torsh_jax.planner.shape import ModelShape, demo_config, parse_model
 from torsh_jax.planner.space import candidates
-from torsh_jax.targets import missing_compiler
+from torsh_jax.targets import missing_compiler, parse_target
 
 TINY = "demo:d_model=256,layers=4,vocab=256,seq_len=32"
 #: Smaller still: a target compiles its plans in seconds.
@@ -396,6 +396,42 @@ def test_plan_cli_without_a_machine_or_with_two_is_one_line(tmp_path, capsys):
 def _plan_json(capsys, *args) -> dict:
     assert main(["plan", "--model", TINY, "--global-batch", "64", "--json", "--top", "1000", *args]) == 0
     return json.loads(capsys.readouterr().out)
+
+
+def test_a_gpu_targets_plans_are_held_to_the_memory_jax_allocates_and_no_limit_goes_above_it(
+    capsys, monkeypatch
+):
+    """On a GPU target every plan is held to the share of each GPU's memory JAX's allocator takes
+    (75 % of the device's 79.10 GiB on an H100, said in the header), and ``XLA_CLIENT_MEM_FRACTION``
+    moves it; ``--memory-limit`` may keep headroom below a target's limit but not go above it
+    (one line, before any plan is ranked)."""
+    for variable in (
+        "XLA_CLIENT_MEM_FRACTION",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION",
+        "XLA_PYTHON_CLIENT_ALLOCATOR",
+    ):
+        monkeypatch.delenv(variable, raising=False)
+    device = parse_target("h100-8").chip.compiler_hbm_bytes
+    held = _plan_json(capsys, "--target", "h100-8", "--verify", "0")
+    assert held["machine"]["memory_bytes"] == int(0.75 * device) < 60 * 2**30
+    assert all(p["memory_limit"] == int(0.75 * device) for p in held["plans"])
+    assert "75 % of each GPU's 79.10 GiB" in held["machine"]["memory_source"]
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")
+    assert _plan_json(capsys, "--target", "h100-8", "--verify", "0")["machine"]["memory_bytes"] == int(
+        0.9 * device
+    )
+    for target, limit in (("h100-8", "75GiB"), ("v5e-8", "16GiB")):
+        args = ["--target", target, "--verify", "0", "--memory-limit", limit]
+        assert main(["plan", "--model", TINY, "--global-batch", "64", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert (
+            len(err) == 1 and "--memory-limit" in err[0] and "is above the" in err[0] and "Fix:" in err[0]
+        ), err
+    under = _plan_json(capsys, "--target", "h100-8", "--verify", "0", "--memory-limit", "40GiB")
+    assert (
+        under["machine"]["memory_bytes"] == 40 * 2**30
+        and under["machine"]["memory_source"] == "--memory-limit"
+    )
 
 
 def test_the_plan_table_shows_each_axis_communication_as_the_json_has_it(capsys):

@@ -224,7 +224,7 @@ def test_plan_json_has_the_new_keys_and_a_remat_pick_says_the_model_must_recompu
     assert {p["schedule"] for p in plans} >= {"1f1b", "interleaved", "zb_h1", None}
     assert {m for p in plans for m in p["compression"].values()} == {"int8", "topk", "powersgd"}
     assert any(p["remat"] for p in plans) and any(p["sequence_parallel"] for p in plans)
-    machine = {"name": "x", "devices": 8, "memory_bytes": 1}
+    machine = {"name": "x", "devices": 8, "memory_bytes": 1, "memory_source": "the machine file"}
     report = {"model": {"name": "m", "params": 1e6}, "machine": machine, "global_batch": 8, "candidates": 1,
               "fitting": 1, "pick": "ddp data=8 remat acc=1", "plans": [], "rules_of_thumb": [],
               "output": "plan.toml", "output_remat": True}  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -263,11 +264,61 @@ def _needs_gpu(target: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["h100-8", "a100-8"])
-def test_gpu_target_compiles_and_fits(capsys, name):
+def test_gpu_target_compiles_and_fits(capsys, monkeypatch, name):
+    """Held to the share of each GPU's memory a JAX process's allocator takes (75 % unset)."""
     _needs_gpu(name)
+    for variable in JAX_GPU_MEMORY_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
     code, target = _inspect(capsys, "--plan", "zero3", "--target", name, *SMALL)
     assert code == 0 and target["platform"] == "gpu" and target["chips"] == 8 and target["fits"] is True
-    assert target["hbm_limit_bytes"] == CHIPS[name.split("-")[0]].hbm_bytes
+    assert target["hbm_limit_bytes"] == int(0.75 * CHIPS[name.split("-")[0]].compiler_hbm_bytes)
+
+
+#: What jaxlib reads for the share of a GPU's memory its allocator takes.
+JAX_GPU_MEMORY_VARIABLES = (
+    "XLA_CLIENT_MEM_FRACTION",
+    "XLA_PYTHON_CLIENT_MEM_FRACTION",
+    "XLA_PYTHON_CLIENT_ALLOCATOR",
+)
+
+
+@pytest.mark.parametrize("name", ["h100-8", "a100-8"])
+def test_a_gpus_memory_is_what_its_xla_target_config_states(name):
+    """The device memory the GPU compiler is given, not the datasheet's round 80 GiB (an H100
+    states 79.10 GiB)."""
+    target = parse_target(name)
+    config = devices._gpu_config(target.gpu_config)
+    [stated] = re.findall(r"device_memory_size: (\d+)", config)
+    assert target.chip.compiler_hbm_bytes == int(stated) <= target.chip.hbm_bytes
+
+
+def test_a_gpu_targets_limit_is_the_share_of_its_memory_jax_allocates(monkeypatch):
+    """As jaxlib reads its environment: 75 % unset, the fraction set under either name, the whole
+    memory with the on-demand allocator; both names, or no fraction, is one line naming the
+    variable. A TPU's limit is its compiler's, whatever is set."""
+    for variable in JAX_GPU_MEMORY_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    h100, v5e = parse_target("h100-8"), parse_target("v5e-8")
+    device = h100.chip.compiler_hbm_bytes
+    assert h100.memory_limit_bytes == int(0.75 * device) and "75 %" in h100.memory_limit_source
+    for variable, value, share in (
+        ("XLA_CLIENT_MEM_FRACTION", "0.9", 0.9),
+        ("XLA_PYTHON_CLIENT_MEM_FRACTION", ".5", 0.5),
+        ("XLA_PYTHON_CLIENT_ALLOCATOR", "platform", 1.0),
+    ):
+        with monkeypatch.context() as env:
+            env.setenv(variable, value)
+            assert h100.memory_limit_bytes == int(share * device), variable
+            assert v5e.memory_limit_bytes == v5e.chip.compiler_hbm_bytes
+    for values, says in (({"XLA_CLIENT_MEM_FRACTION": "1.5"}, "not a fraction"),
+                         ({"XLA_CLIENT_MEM_FRACTION": "0.9", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"},
+                          "set together")):  # fmt: skip
+        with monkeypatch.context() as env:
+            for variable, value in values.items():
+                env.setenv(variable, value)
+            with pytest.raises(TargetError, match=says) as refused:
+                _ = h100.memory_limit_bytes
+            assert "XLA_CLIENT_MEM_FRACTION" in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_plan_on_two_gpu_nodes_compiles_its_pick_with_data_across_the_nodes(capsys):

@@ -145,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
             "slices": machine.slices,
             "flops_per_s": machine.flops_per_s,
             "memory_bytes": machine.memory_bytes,
+            "memory_source": _memory_source(args, target),
             "links": {
                 kind: {
                     "medium": link.medium,
@@ -215,9 +216,36 @@ def _machine(args: argparse.Namespace):
         target = parse_target(args.target, slices=args.slices)
         machine = Machine.from_target(args.target, slices=args.slices)
     if args.memory_limit is not None:
+        _check_memory_limit(args.memory_limit, target)
         source = f"{machine.source}; memory per device from --memory-limit"
         machine = replace(machine, memory_bytes=args.memory_limit, source=source)
     return machine, target
+
+
+def _check_memory_limit(limit: int, target) -> None:
+    """``--memory-limit`` keeps headroom below what a target's device may hold, never above it."""
+    from torsh_jax.errors import TargetError
+    from torsh_jax.units import format_bytes
+
+    if target is None or limit <= target.memory_limit_bytes:
+        return
+    held = format_bytes(target.memory_limit_bytes)
+    fix = f"pass at most {held}"
+    if target.platform == "gpu":
+        fix = "set XLA_CLIENT_MEM_FRACTION (e.g. 0.9) here and in the job, or " + fix
+    raise TargetError(
+        f"{format_bytes(limit)} is above the {held} a device of {target.name} may hold "
+        f"({target.memory_limit_source})",
+        key="--memory-limit",
+        fix=fix,
+    )
+
+
+def _memory_source(args: argparse.Namespace, target) -> str:
+    """Where the plan's memory per device comes from, for the report."""
+    if args.memory_limit is not None:
+        return "--memory-limit"
+    return target.memory_limit_source if target is not None else "the machine file"
 
 
 def _say_if_calibrated_busy(machine, path: str) -> None:
@@ -339,7 +367,7 @@ def _table(report: dict) -> str:
     lines = [
         f"{report['model']['name']} ({report['model']['params'] / 1e6:,.0f} M parameters), global batch "
         f"{report['global_batch']}, on {m['name']} ({m['devices']} devices, "
-        f"{format_bytes(m['memory_bytes'])} each)",
+        f"{format_bytes(m['memory_bytes'])} each: {m['memory_source']})",
         f"{report['candidates']} plans considered, {report['fitting']} fit; predicted per step:",
         _rendered(_plans_table(report["plans"])),
     ]

@@ -297,11 +297,11 @@ class Machine:
             flops_per_s=chip.peak_bf16_flops * ASSUMED["compute_efficiency"],
             codec_s_per_element=(4 + 1 + 4) / chip.hbm_bytes_per_s,
             update_bytes_per_s=chip.hbm_bytes_per_s,
-            memory_bytes=chip.usable_hbm_bytes,
+            memory_bytes=target.memory_limit_bytes,
             links={"ici": ici, "dcn": dcn} if slices > 1 or gpu_nodes else {"ici": ici},
             overlaps=True,
             platform=target.platform,
-            source=f"{chip.source}; assumed: {ASSUMED}",
+            source=f"{chip.source}; memory per device: {target.memory_limit_source}; assumed: {ASSUMED}",
         )
 
     def to_json(self) -> str:

@@ -26,8 +26,10 @@ NIC per GPU in a DGX node: 400 Gb/s NDR (H100), 200 Gb/s HDR (A100).
 ``compiler_hbm_bytes`` is what the TPU compiler (libtpu 0.0.42.1) says it may use per chip, read
 from its out-of-memory message ("... exceeds available HBM (15.75G)", binary units): v4 30.75 GiB,
 v5e 15.75 GiB, v5p 95.74 GiB (more than the page's 95 GiB), v6e 31.25 GiB; a test checks them
-against the installed libtpu. A plan fits when its peak is within that figure (the datasheet's
-HBM for GPUs).
+against the installed libtpu. For a GPU it is the device memory its XLA target config states (H100
+79.10 GiB, A100 80 GiB). A plan fits when its peak is within :attr:`Target.memory_limit_bytes`:
+on a TPU that figure; on a GPU the share of it JAX's allocator takes (:func:`jax_gpu_memory_fraction`:
+75 % unless ``XLA_CLIENT_MEM_FRACTION`` says otherwise).
 
 Example:
     >>> target = parse_target("v5e-16")
@@ -37,19 +39,36 @@ Example:
     (16, 'v4:2x2x4')
     >>> parse_target("h100-16").topology
     '2x1x8'
+    >>> parse_target("v5e-16").memory_limit_bytes / 2**30
+    15.75
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torsh_jax.errors import TargetError
 
-__all__ = ["Chip", "Family", "Target", "CHIPS", "FAMILIES", "parse_target", "target_names"]
+__all__ = [
+    "Chip",
+    "Family",
+    "Target",
+    "CHIPS",
+    "FAMILIES",
+    "JAX_GPU_MEMORY_FRACTION",
+    "jax_gpu_memory_fraction",
+    "parse_target",
+    "target_names",
+]
 
 GiB = 2**30
+#: The share of each GPU's memory JAX's allocator takes where nothing says otherwise (JAX's "GPU
+#: memory allocation" page; jaxlib 0.10.2's ``generate_pjrt_gpu_plugin_options``).
+JAX_GPU_MEMORY_FRACTION = 0.75
 
 
 @dataclass(frozen=True)
@@ -63,7 +82,8 @@ class Chip:
         hbm_bytes_per_s: HBM bandwidth.
         ici_bytes_per_s: chip-to-chip bandwidth in a slice or node (ICI, NVLink), bidirectional.
         dcn_bytes_per_s: bandwidth across slices or nodes (DCN, InfiniBand); ``None``: not published.
-        compiler_hbm_bytes: HBM the compiler may use (TPU: libtpu's "available HBM"), else ``None``.
+        compiler_hbm_bytes: HBM the compiler may use (TPU: libtpu's "available HBM"; GPU: the
+            device memory of its XLA target config), else ``None``.
         source: where the figures come from.
     """
 
@@ -91,10 +111,12 @@ CHIPS = {
                 "https://cloud.google.com/tpu/docs/v5p; available HBM from libtpu 0.0.42.1"),
     "v6e": Chip("TPU v6e", 32 * GiB, 918e12, 1640e9, 800e9, 25.6e12 / 8 / 256, round(31.25 * GiB),
                 "https://cloud.google.com/tpu/docs/v6e; available HBM from libtpu 0.0.42.1"),
-    "h100": Chip("NVIDIA H100 SXM 80GB", 80 * GiB, 989.4e12, 3.35e12, 900e9, 400e9 / 8, None,
-                 "NVIDIA H100 Tensor Core GPU datasheet (SXM); DGX H100: one 400 Gb/s NDR NIC per GPU"),
-    "a100": Chip("NVIDIA A100 SXM4 80GB", 80 * GiB, 312e12, 2039e9, 600e9, 200e9 / 8, None,
-                 "NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB); DGX A100: one 200 Gb/s HDR NIC per GPU"),
+    "h100": Chip("NVIDIA H100 SXM 80GB", 80 * GiB, 989.4e12, 3.35e12, 900e9, 400e9 / 8, 84_929_347_584,
+                 "NVIDIA H100 Tensor Core GPU datasheet (SXM); DGX H100: one 400 Gb/s NDR NIC per GPU; "
+                 "device memory from its XLA target config"),
+    "a100": Chip("NVIDIA A100 SXM4 80GB", 80 * GiB, 312e12, 2039e9, 600e9, 200e9 / 8, 85_899_345_920,
+                 "NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB); DGX A100: one 200 Gb/s HDR NIC per GPU; "
+                 "device memory from its XLA target config"),
 }  # fmt: skip
 
 
@@ -177,9 +199,60 @@ class Target:
         return self.spec.gpu_config
 
     @property
+    def memory_limit_bytes(self) -> int:
+        """What one device's program may hold: a TPU chip's usable HBM; on a GPU, the share of its
+        memory JAX's allocator takes (:func:`jax_gpu_memory_fraction`)."""
+        if self.platform == "gpu":
+            return int(self.chip.usable_hbm_bytes * jax_gpu_memory_fraction())
+        return self.chip.usable_hbm_bytes
+
+    @property
+    def memory_limit_source(self) -> str:
+        """Where :attr:`memory_limit_bytes` comes from, for messages."""
+        if self.platform == "gpu":
+            share, whole = jax_gpu_memory_fraction(), self.chip.usable_hbm_bytes / GiB
+            share_text = f"{share * 100:g} % of each GPU's {whole:.2f} GiB"
+            return f"JAX's allocator takes {share_text}; XLA_CLIENT_MEM_FRACTION sets the share"
+        return "the TPU compiler's usable HBM"
+
+    @property
     def accelerator_type(self) -> str:
         """The cloud's name of one slice (``v5litepod-16``), as libtpu's environment spells it."""
         return self.spec.accelerator.format(n=self.chips * self.spec.cores_per_unit)
+
+
+def jax_gpu_memory_fraction(environ: Mapping[str, str] | None = None) -> float:
+    """The share of each GPU's memory a JAX process may use, read as jaxlib reads it:
+    ``XLA_CLIENT_MEM_FRACTION`` (or its older name ``XLA_PYTHON_CLIENT_MEM_FRACTION``), else
+    :data:`JAX_GPU_MEMORY_FRACTION`; all of it with ``XLA_PYTHON_CLIENT_ALLOCATOR=platform``, which
+    allocates on demand. ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` keeps the share as a limit.
+
+    Raises:
+        TargetError: both names set, or a value that is not a fraction in (0, 1].
+
+    Example:
+        >>> jax_gpu_memory_fraction({}), jax_gpu_memory_fraction({"XLA_CLIENT_MEM_FRACTION": ".9"})
+        (0.75, 0.9)
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
+        return 1.0
+    names = [n for n in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION") if environ.get(n)]
+    if len(names) == 2:
+        fix = "unset XLA_PYTHON_CLIENT_MEM_FRACTION (the older name)"
+        raise TargetError("set together with XLA_PYTHON_CLIENT_MEM_FRACTION", key=names[0], fix=fix)
+    if not names:
+        return JAX_GPU_MEMORY_FRACTION
+    text = environ[names[0]]
+    try:
+        share = float(text)
+    except ValueError:
+        share = math.nan
+    if not 0 < share <= 1:
+        raise TargetError(
+            f"{text!r} is not a fraction of a GPU's memory", key=names[0], fix="set it to e.g. 0.9"
+        )
+    return share
 
 
 def target_names() -> list[str]:

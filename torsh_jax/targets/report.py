@@ -3,19 +3,19 @@
 What the target's compiler reports for one device (:class:`TargetReport`):
 
 * **memory** from ``compiled.memory_analysis()``: argument, output, temp and alias bytes, and the
-  ``peak``, against the chip's usable HBM (:attr:`~torsh_jax.targets.catalog.Chip.usable_hbm_bytes`):
-  ``fits`` and ``margin_bytes`` (negative: over by that much). On a TPU the peak is libtpu's own
-  (``peak_memory_in_bytes``): the most its buffers, the arguments among them, hold at once, which
-  its out-of-memory check holds to HBM. libtpu's ``temp`` is not what is live at that peak: on large
-  steps it is more (measured: the 150 M demo model's ``zero1 fsdp=16 acc=2`` on v5e-16 at global batch 224,
-  temp 15.42 GiB and arguments 0.72 GiB, compiled with a peak of 14.62 GiB), so
-  ``argument + output + temp - alias``, the peak on other targets
-  (:func:`~torsh_jax.analysis.memory.peak_bytes`), would refuse programs it runs; on some small
-  steps it is less. The TPU compiler
-  refuses a program over HBM (``RESOURCE_EXHAUSTED: ... HLO temporaries (16.94G) exceeds available
-  HBM (15.75G)``): that is a result, ``fits`` false with the compiler's figures. Its figure is that
-  peak, arguments included (a program of one 20 GiB argument is refused at "HLO temporaries
-  (20.00G)"), and becomes the report's ``peak``.
+  ``peak``, against what a device's program may hold
+  (:attr:`~torsh_jax.targets.catalog.Target.memory_limit_bytes`: a TPU chip's usable HBM, the share
+  of a GPU's memory JAX's allocator takes): ``fits`` and ``margin_bytes`` (negative: over by that
+  much). On a TPU the peak is libtpu's own (``peak_memory_in_bytes``): the most its buffers, the
+  arguments among them, hold at once, which its out-of-memory check holds to HBM. libtpu's ``temp``
+  is not what is live at that peak: on large steps it is more (measured: the 150 M demo model's
+  ``zero1 fsdp=16 acc=2`` on v5e-16 at global batch 224, temp 15.42 GiB and arguments 0.72 GiB,
+  compiled with a peak of 14.62 GiB), so ``argument + output + temp - alias``, the peak on other
+  targets (:func:`~torsh_jax.analysis.memory.peak_bytes`), would refuse programs it runs; on some
+  small steps it is less. The TPU compiler refuses a program over HBM (``RESOURCE_EXHAUSTED: ... HLO
+  temporaries (16.94G) exceeds available HBM (15.75G)``): that is a result, ``fits`` false with the
+  compiler's figures. Its figure is that peak, arguments included (a program of one 20 GiB argument
+  is refused at "HLO temporaries (20.00G)"), and becomes the report's ``peak``.
 * **overlap** from the compiled schedule (:func:`~torsh_jax.analysis.overlap.collective_overlap`):
   which collectives are asynchronous and have compute scheduled between their start and done, by
   bytes, per kind and per mesh-axis set. A multi-slice TPU program's cross-slice collectives are
@@ -197,7 +197,7 @@ def compile_for_target(train: Any, batch: Any, /, *, target: Target) -> TargetRe
     memory, cost, loops = _memory(compiled, target), _cost(compiled), _while_loops(compiled)
     # A multi-slice program is one slice's: its collectives' axes cannot be named from the mesh.
     overlap = collective_overlap(compiled, train.mesh if target.slices == 1 else None).to_dict()
-    limit = target.chip.usable_hbm_bytes
+    limit = target.memory_limit_bytes
     peak = memory["peak"]
     return TargetReport(
         target,
