@@ -272,6 +272,7 @@ def test_gpu_target_compiles_and_fits(capsys, monkeypatch, name):
     code, target = _inspect(capsys, "--plan", "zero3", "--target", name, *SMALL)
     assert code == 0 and target["platform"] == "gpu" and target["chips"] == 8 and target["fits"] is True
     assert target["hbm_limit_bytes"] == int(0.75 * CHIPS[name.split("-")[0]].compiler_hbm_bytes)
+    assert "75 % of each GPU's" in target["hbm_limit_source"]
 
 
 #: What jaxlib reads for the share of a GPU's memory its allocator takes.

@@ -157,7 +157,7 @@ def _target_text(summary: dict) -> str:
     )
     lines = [
         f"target {section['name']}: {section['chips']} x {section['chip']} ({shape}), "
-        f"HBM limit {format_bytes(section['hbm_limit_bytes'])} per chip",
+        f"HBM limit {format_bytes(section['hbm_limit_bytes'])} per chip ({section['hbm_limit_source']})",
         "memory per chip: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in memory.items() if v is not None),
         f"{verdict}: margin {format_bytes(section['margin_bytes'])}",
     ]

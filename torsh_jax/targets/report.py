@@ -114,6 +114,7 @@ class TargetReport:
             "topology": self.target.topology,
             "hbm_bytes_per_chip": chip.hbm_bytes,
             "hbm_limit_bytes": self.hbm_limit_bytes,
+            "hbm_limit_source": self.target.memory_limit_source,
             "memory": self.memory,
             "fits": self.fits,
             "margin_bytes": self.margin_bytes,
