@@ -39,8 +39,9 @@ from torsh_jax.errors import CompressionError
 
 __all__ = ["PLATFORMS", "rows_per_tile", "encode", "decode", "encode_with_feedback"]
 
-#: Values of ``platform`` (``mosaic_gpu``: Pallas' default GPU lowering, which rejects these kernels).
-PLATFORMS = ("tpu", "gpu", "mosaic_gpu", "interpret")
+#: Values of ``platform``. Not Mosaic GPU: ``pallas_call`` is deprecated there (``plgpu.kernel``
+#: replaces it), and in jaxlib 0.10.2 it rejected these kernels ("No support for axes yet").
+PLATFORMS = ("tpu", "gpu", "interpret")
 #: Largest row tile (blocks per grid step).
 MAX_ROWS = 256
 #: Mosaic's row tile is a multiple of this many rows, or all the rows.
@@ -83,8 +84,6 @@ def _call_options(platform: str) -> dict:
         from jax.experimental.pallas import triton as pltriton
 
         return {"compiler_params": pltriton.CompilerParams(num_warps=4)}
-    if platform == "mosaic_gpu":
-        return {}  # Pallas' default GPU lowering
     raise CompressionError(
         f"unknown kernel platform {platform!r}", key="platform", fix=f"use one of {list(PLATFORMS)}"
     )
