@@ -105,6 +105,15 @@ def fusion_emitters(request) -> bool:
 
 
 @pytest.fixture
+def default_gpu_memory(monkeypatch) -> None:
+    """No setting of the share of a GPU's memory JAX's allocator takes: its default, 75 %."""
+    from torsh_jax.targets.catalog import JAX_GPU_MEMORY_VARIABLES
+
+    for variable in JAX_GPU_MEMORY_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+
+
+@pytest.fixture
 def corpus_dir() -> Path:
     """``../shared/corpus``; skips when it is not beside the checkout."""
     if not CORPUS.is_dir():

@@ -399,18 +399,12 @@ def _plan_json(capsys, *args) -> dict:
 
 
 def test_a_gpu_targets_plans_are_held_to_the_memory_jax_allocates_and_no_limit_goes_above_it(
-    capsys, monkeypatch
+    capsys, monkeypatch, default_gpu_memory
 ):
     """On a GPU target every plan is held to the share of each GPU's memory JAX's allocator takes
     (75 % of the device's 79.10 GiB on an H100, said in the header), and ``XLA_CLIENT_MEM_FRACTION``
     moves it; ``--memory-limit`` may keep headroom below a target's limit but not go above it
     (one line, before any plan is ranked)."""
-    for variable in (
-        "XLA_CLIENT_MEM_FRACTION",
-        "XLA_PYTHON_CLIENT_MEM_FRACTION",
-        "XLA_PYTHON_CLIENT_ALLOCATOR",
-    ):
-        monkeypatch.delenv(variable, raising=False)
     device = parse_target("h100-8").chip.compiler_hbm_bytes
     held = _plan_json(capsys, "--target", "h100-8", "--verify", "0")
     assert held["machine"]["memory_bytes"] == int(0.75 * device) < 60 * 2**30

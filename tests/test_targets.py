@@ -264,23 +264,13 @@ def _needs_gpu(target: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["h100-8", "a100-8"])
-def test_gpu_target_compiles_and_fits(capsys, monkeypatch, name):
+def test_gpu_target_compiles_and_fits(capsys, default_gpu_memory, name):
     """Held to the share of each GPU's memory a JAX process's allocator takes (75 % unset)."""
     _needs_gpu(name)
-    for variable in JAX_GPU_MEMORY_VARIABLES:
-        monkeypatch.delenv(variable, raising=False)
     code, target = _inspect(capsys, "--plan", "zero3", "--target", name, *SMALL)
     assert code == 0 and target["platform"] == "gpu" and target["chips"] == 8 and target["fits"] is True
     assert target["hbm_limit_bytes"] == int(0.75 * CHIPS[name.split("-")[0]].compiler_hbm_bytes)
     assert "75 % of each GPU's" in target["hbm_limit_source"]
-
-
-#: What jaxlib reads for the share of a GPU's memory its allocator takes.
-JAX_GPU_MEMORY_VARIABLES = (
-    "XLA_CLIENT_MEM_FRACTION",
-    "XLA_PYTHON_CLIENT_MEM_FRACTION",
-    "XLA_PYTHON_CLIENT_ALLOCATOR",
-)
 
 
 @pytest.mark.parametrize("name", ["h100-8", "a100-8"])
@@ -293,12 +283,10 @@ def test_a_gpus_memory_is_what_its_xla_target_config_states(name):
     assert target.chip.compiler_hbm_bytes == int(stated) <= target.chip.hbm_bytes
 
 
-def test_a_gpu_targets_limit_is_the_share_of_its_memory_jax_allocates(monkeypatch):
+def test_a_gpu_targets_limit_is_the_share_of_its_memory_jax_allocates(monkeypatch, default_gpu_memory):
     """As jaxlib reads its environment: 75 % unset, the fraction set under either name, the whole
-    memory with the on-demand allocator; both names, or no fraction, is one line naming the
-    variable. A TPU's limit is its compiler's, whatever is set."""
-    for variable in JAX_GPU_MEMORY_VARIABLES:
-        monkeypatch.delenv(variable, raising=False)
+    memory with the on-demand allocator; both names, or a value that is not a fraction, is one
+    line naming the variable. A TPU's limit is its compiler's, whatever is set."""
     h100, v5e = parse_target("h100-8"), parse_target("v5e-8")
     device = h100.chip.compiler_hbm_bytes
     assert h100.memory_limit_bytes == int(0.75 * device) and "75 %" in h100.memory_limit_source

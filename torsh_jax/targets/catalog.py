@@ -60,6 +60,7 @@ __all__ = [
     "CHIPS",
     "FAMILIES",
     "JAX_GPU_MEMORY_FRACTION",
+    "JAX_GPU_MEMORY_VARIABLES",
     "jax_gpu_memory_fraction",
     "parse_target",
     "target_names",
@@ -69,6 +70,12 @@ GiB = 2**30
 #: The share of each GPU's memory JAX's allocator takes where nothing says otherwise (JAX's "GPU
 #: memory allocation" page; jaxlib 0.10.2's ``generate_pjrt_gpu_plugin_options``).
 JAX_GPU_MEMORY_FRACTION = 0.75
+#: The environment variables :func:`jax_gpu_memory_fraction` reads, as jaxlib does.
+JAX_GPU_MEMORY_VARIABLES = (
+    "XLA_CLIENT_MEM_FRACTION",
+    "XLA_PYTHON_CLIENT_MEM_FRACTION",
+    "XLA_PYTHON_CLIENT_ALLOCATOR",
+)
 
 
 @dataclass(frozen=True)
@@ -235,9 +242,10 @@ def jax_gpu_memory_fraction(environ: Mapping[str, str] | None = None) -> float:
         (0.75, 0.9)
     """
     environ = os.environ if environ is None else environ
-    if environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
+    *fractions, allocator = JAX_GPU_MEMORY_VARIABLES
+    if environ.get(allocator, "").lower() == "platform":
         return 1.0
-    names = [n for n in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION") if environ.get(n)]
+    names = [n for n in fractions if environ.get(n)]
     if len(names) == 2:
         fix = "unset XLA_PYTHON_CLIENT_MEM_FRACTION (the older name)"
         raise TargetError("set together with XLA_PYTHON_CLIENT_MEM_FRACTION", key=names[0], fix=fix)
