@@ -299,6 +299,8 @@ def test_a_gpu_targets_limit_is_the_share_of_its_memory_jax_allocates(monkeypatc
             env.setenv(variable, value)
             assert h100.memory_limit_bytes == int(share * device), variable
             assert v5e.memory_limit_bytes == v5e.chip.compiler_hbm_bytes
+            # the message names what sets the limit: the fraction, or the allocator with none
+            assert ("FRACTION" in h100.memory_limit_source) == (share < 1), h100.memory_limit_source
     for values, says in (({"XLA_CLIENT_MEM_FRACTION": "1.5"}, "not a fraction"),
                          ({"XLA_CLIENT_MEM_FRACTION": "0.9", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"},
                           "set together")):  # fmt: skip

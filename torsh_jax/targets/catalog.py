@@ -217,9 +217,11 @@ class Target:
     def memory_limit_source(self) -> str:
         """Where :attr:`memory_limit_bytes` comes from, for messages."""
         if self.platform == "gpu":
-            share, whole = jax_gpu_memory_fraction(), self.chip.usable_hbm_bytes / GiB
-            share_text = f"{share * 100:g} % of each GPU's {whole:.2f} GiB"
-            return f"JAX's allocator takes {share_text}; XLA_CLIENT_MEM_FRACTION sets the share"
+            whole = f"each GPU's {self.chip.usable_hbm_bytes / GiB:.2f} GiB"
+            if _platform_allocator(os.environ):
+                return f"all of {whole}: XLA_PYTHON_CLIENT_ALLOCATOR=platform allocates on demand"
+            share = f"{jax_gpu_memory_fraction() * 100:g} %"
+            return f"JAX's allocator takes {share} of {whole}; XLA_CLIENT_MEM_FRACTION sets the share"
         return "the TPU compiler's usable HBM"
 
     @property
@@ -242,8 +244,8 @@ def jax_gpu_memory_fraction(environ: Mapping[str, str] | None = None) -> float:
         (0.75, 0.9)
     """
     environ = os.environ if environ is None else environ
-    *fractions, allocator = JAX_GPU_MEMORY_VARIABLES
-    if environ.get(allocator, "").lower() == "platform":
+    fractions = JAX_GPU_MEMORY_VARIABLES[:-1]
+    if _platform_allocator(environ):
         return 1.0
     names = [n for n in fractions if environ.get(n)]
     if len(names) == 2:
@@ -261,6 +263,11 @@ def jax_gpu_memory_fraction(environ: Mapping[str, str] | None = None) -> float:
             f"{text!r} is not a fraction of a GPU's memory", key=names[0], fix="set it to e.g. 0.9"
         )
     return share
+
+
+def _platform_allocator(environ: Mapping[str, str]) -> bool:
+    """JAX allocates each buffer from the device as it is needed (no share of the memory kept)."""
+    return environ.get(JAX_GPU_MEMORY_VARIABLES[-1], "").lower() == "platform"
 
 
 def target_names() -> list[str]:
