@@ -9,8 +9,8 @@ machine's memory fields come from :func:`torsh_jax.planner.calibrate.compiled_me
 nothing timed), so the run needs no quiet machine.
 
 ``--tpu SET`` compiles a set of plans for a TPU target instead (:data:`TPU_SETS`: the demo model at
-150 M on v5e-16, 350 M on v5e-32, 1 B and 7 B on v5e-256, and at ``d_model`` 512 with 4 layers on
-v5e-8; needs ``libtpu``, ``pip install
+150 M on v5e-16, 350 M on v5e-32, 1 B and 7 B on v5e-256, and at ``d_model`` 512 with 4 layers and
+768 with 6 layers on v5e-8; needs ``libtpu``, ``pip install
 "torsh-jax[tpu-aot]"``; about half a minute a plan on 2 cores): the TPU compiler's peak against
 the prediction from the target's figures (:mod:`torsh_jax.planner.compilers`), what ``plan
 --target`` ranks by before it compiles. A plan the compiler refuses for memory is printed with no
@@ -26,7 +26,7 @@ Prints one ``planner_memory`` row per candidate (``plan``, ``kind``, ``predicted
 Usage:
     python benchmarks/bench_planner_memory.py [--model small|medium] [--match TEXT] [--every N]
         [--offset K] [--quick]
-    python benchmarks/bench_planner_memory.py --tpu 150m|350m|1b|7b|d512 [--match TEXT]
+    python benchmarks/bench_planner_memory.py --tpu 150m|350m|1b|7b|d512|d768 [--match TEXT]
         [--global-batch N] [--scheduler-off]
 """
 
@@ -72,6 +72,10 @@ TPU_SETS = {
         "ddp data=8 acc=1", "zero1 fsdp=8 acc=1", "zero1 fsdp=8 acc=2", "zero2 fsdp=8 acc=2",
         "zero1 fsdp=8 remat acc=1", "zero3 fsdp=8 acc=1", "zero3 fsdp=8 acc=2", "zero1 fsdp=4 tensor=2 acc=1",
         "zero3 fsdp=4 tensor=2 acc=1", "ddp data=4 tensor=2 sp acc=1",
+    )),
+    "d768": ("demo:d_model=768,layers=6", "v5e-8", 32, (
+        "zero1 fsdp=8 acc=2", "ddp data=8 acc=2", "zero2 fsdp=8 acc=2", "zero1 fsdp=8 acc=4",
+        "zero2 fsdp=8 acc=4", "zero1 fsdp=8 remat acc=2", "zero1 fsdp=8 acc=1",
     )),
 }  # fmt: skip
 

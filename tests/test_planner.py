@@ -277,7 +277,10 @@ def test_a_tpu_targets_plans_without_a_pipeline_are_costed_as_the_tpu_compiler_h
     shape, tpu = ModelShape.demo("150m"), Machine.from_target("v5e-16")
     by_label = {c.label: c for c in candidates(shape, devices=16, global_batch=128)}
     zero1, zero2 = by_label["zero1 fsdp=16 acc=4"], by_label["zero2 fsdp=16 acc=4"]
-    parts = step_memory(zero1, shape, TPU, local_params=shape.param_count, opt_factor=2.0)
+    shared = shape.embed_params + shape.head_params
+    parts = step_memory(
+        zero1, shape, TPU, local_params=shape.param_count, shared_params=shared, opt_factor=2.0
+    )
     memory = predict(zero1, shape, tpu).memory
     assert memory == {**parts, "feedback": 0, "total": sum(parts.values())}
     assert parts["logits"] == 4 * shape.vocab * zero1.plan.batch.micro_batch_size * shape.seq_len
@@ -286,6 +289,9 @@ def test_a_tpu_targets_plans_without_a_pipeline_are_costed_as_the_tpu_compiler_h
     ratio = predict(zero2, shape, tpu).memory["gradients"] / memory["gradients"]
     buffers = TPU.parameter_buffers
     assert ratio == pytest.approx(buffers["per_micro_step", False, True] / buffers["per_step", False, True])
+    # accumulating, the embedding and head hold their share of a layer parameter's buffers
+    buffered = shape.param_count - (1 - TPU.shared_accumulating) * shared
+    assert parts["gradients"] == int(buffers["per_step", False, True] * buffered * 4)
     on_cpu = replace(tpu, platform="cpu")
     assert predict(zero1, shape, on_cpu).memory["logits"] == 2 * parts["logits"]  # and their gradient
     [pipeline] = [c for c in by_label.values() if c.sizes["stage"] > 1][:1]
