@@ -88,7 +88,7 @@ def memory_parts(c: Candidate, shape: ModelShape, opt_factor: float, machine: Ma
     layers, shared = local_params(c, shape)
     count = layers + shared
     pb, cb = DTYPE_BYTES[plan.precision.param_dtype], DTYPE_BYTES[plan.precision.compute_dtype]
-    parts = _as_compiled(c, shape, (count, shared), opt_factor, machine)
+    parts = _as_compiled(c, shape, count, shared, opt_factor, machine)
     if parts is not None:
         parts["feedback"] = _feedback_bytes(c, count * pb)
         return {**parts, "total": sum(parts.values())}
@@ -127,16 +127,15 @@ def memory_parts(c: Candidate, shape: ModelShape, opt_factor: float, machine: Ma
 
 
 def _as_compiled(
-    c: Candidate, shape: ModelShape, counts: tuple[int, int], opt_factor: float, machine: Machine
+    c: Candidate, shape: ModelShape, count: int, shared: int, opt_factor: float, machine: Machine
 ) -> dict | None:
     """The parts of the peak as the machine's accelerator compiler holds them
-    (:func:`~torsh_jax.planner.compilers.step_memory`, of the device's ``counts``: all its
-    parameters, its embedding's and head's), where it has a profile and the machine has no compiled
-    gradients of the model; else ``None``: the formulas."""
+    (:func:`~torsh_jax.planner.compilers.step_memory`, of the device's ``count`` parameters,
+    ``shared`` of them its embedding's and head's), where it has a profile and the machine has no
+    compiled gradients of the model; else ``None``: the formulas."""
     profile = PROFILES.get(machine.platform)
     if profile is None or _of_compiled_model(c, shape, machine):
         return None
-    count, shared = counts
     return step_memory(
         c,
         shape,
