@@ -70,12 +70,12 @@ GiB = 2**30
 #: The share of each GPU's memory JAX's allocator takes where nothing says otherwise (JAX's "GPU
 #: memory allocation" page; jaxlib 0.10.2's ``generate_pjrt_gpu_plugin_options``).
 JAX_GPU_MEMORY_FRACTION = 0.75
+#: The names jaxlib reads the share under, the newer first.
+_FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+#: The name jaxlib reads its allocator under (``platform``: on demand, no share kept).
+_ALLOCATOR_VARIABLE = "XLA_PYTHON_CLIENT_ALLOCATOR"
 #: The environment variables :func:`jax_gpu_memory_fraction` reads, as jaxlib does.
-JAX_GPU_MEMORY_VARIABLES = (
-    "XLA_CLIENT_MEM_FRACTION",
-    "XLA_PYTHON_CLIENT_MEM_FRACTION",
-    "XLA_PYTHON_CLIENT_ALLOCATOR",
-)
+JAX_GPU_MEMORY_VARIABLES = (*_FRACTION_VARIABLES, _ALLOCATOR_VARIABLE)
 
 
 @dataclass(frozen=True)
@@ -244,10 +244,9 @@ def jax_gpu_memory_fraction(environ: Mapping[str, str] | None = None) -> float:
         (0.75, 0.9)
     """
     environ = os.environ if environ is None else environ
-    fractions = JAX_GPU_MEMORY_VARIABLES[:-1]
     if _platform_allocator(environ):
         return 1.0
-    names = [n for n in fractions if environ.get(n)]
+    names = [n for n in _FRACTION_VARIABLES if environ.get(n)]
     if len(names) == 2:
         fix = "unset XLA_PYTHON_CLIENT_MEM_FRACTION (the older name)"
         raise TargetError("set together with XLA_PYTHON_CLIENT_MEM_FRACTION", key=names[0], fix=fix)
@@ -267,7 +266,7 @@ def jax_gpu_memory_fraction(environ: Mapping[str, str] | None = None) -> float:
 
 def _platform_allocator(environ: Mapping[str, str]) -> bool:
     """JAX allocates each buffer from the device as it is needed (no share of the memory kept)."""
-    return environ.get(JAX_GPU_MEMORY_VARIABLES[-1], "").lower() == "platform"
+    return environ.get(_ALLOCATOR_VARIABLE, "").lower() == "platform"
 
 
 def target_names() -> list[str]:
