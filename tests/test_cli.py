@@ -141,6 +141,44 @@ def test_output_into_a_missing_directory_is_an_error(capsys, tmp_path):
     assert "--output" in line and "does not exist" in line
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "--model", "demo:tiny", "--target", "v5e-8", "--global-batch", "8"],
+        ["calibrate", "--model", "demo:tiny"],
+        ["report", "RUN"],
+        ["translate", "CONFIG", "--world-size", "8"],
+    ],
+    ids=lambda argv: argv[0],
+)
+@pytest.mark.parametrize(
+    "output, says",
+    [
+        ("no/dir/out.toml", "does not exist. Fix: create it (mkdir -p"),
+        (".", "is a directory. Fix: name a file in it"),
+    ],
+    ids=["missing-directory", "a-directory"],
+)
+def test_every_output_file_is_checked_before_the_command_works(capsys, tmp_path, argv, output, says):
+    """``-o`` of plan, calibrate, report and translate: a path the command could not write at the
+    end is one line when it starts (argparse rejects it: nothing has run)."""
+    config = _write(tmp_path, "ds.json", '{"train_batch_size": 16}')
+    argv = [{"RUN": str(tmp_path), "CONFIG": config}.get(a, a) for a in argv]
+    line = _error_line(capsys, [*argv, "-o", str(tmp_path / output)])
+    assert "--output" in line and says in line, line
+
+
+def test_an_output_file_the_disk_cannot_take_is_one_line():
+    """Written at the end (the path was fine when the command started): a full disk is one line."""
+    from torsh_jax.cli.output import write_output
+    from torsh_jax.errors import OutputError
+
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this system")
+    with pytest.raises(OutputError, match=r"--output: cannot write '/dev/full': No space left on device"):
+        write_output(Path("/dev/full"), "x" * 100_000)
+
+
 def test_batch_size_written_as_an_exact_float_is_accepted(capsys, tmp_path):
     config = _write(tmp_path, "ds.json", '{"train_batch_size": 16.0}')
     assert main(["translate", config, "--world-size", "8", "--format", "toml"]) == 0

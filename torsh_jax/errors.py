@@ -31,6 +31,7 @@ __all__ = [
     "TargetError",
     "ModelStructureError",
     "RunLogError",
+    "OutputError",
     "PrecisionWarning",
     "BusyHostWarning",
 ]
@@ -123,6 +124,10 @@ class ModelStructureError(TorshError, ValueError):
 
 class RunLogError(TorshError, ValueError):
     """A run directory cannot be written or read, or a run-log option is malformed (``--profile``)."""
+
+
+class OutputError(TorshError, OSError):
+    """A file a command was asked to write (``-o``) cannot be written there."""
 
 
 class PrecisionWarning(UserWarning):

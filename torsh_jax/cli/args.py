@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["OneLineParser", "count_type", "MAX_STEPS", "MAX_DEVICES"]
+__all__ = ["OneLineParser", "count_type", "output_file_type", "output_problem", "MAX_STEPS", "MAX_DEVICES"]
 
 #: Most optimizer steps the demo runs in one call (hours of CPU time at the default size).
 MAX_STEPS = 1_000_000
@@ -63,6 +65,48 @@ def bytes_type(*, fix: str) -> Callable[[str], int]:
 
     parse.__name__ = "size"  # argparse names the type in its messages
     return parse
+
+
+def output_file_type(*suffixes: str) -> Callable[[str], Path]:
+    """An argparse ``type`` for a file the command writes when its work is done (``-o``), checked
+    when it starts (:func:`output_problem`), so that no work is lost to a path it cannot write.
+
+    Example:
+        >>> output_file_type(".toml", ".json")("/no/such/dir/plan.toml")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: directory '/no/such/dir' does not exist. Fix: create it ...
+    """
+
+    def parse(text: str) -> Path:
+        path = Path(text)
+        problem = output_problem(path, suffixes)
+        if problem is not None:
+            what, fix = problem
+            raise argparse.ArgumentTypeError(f"{what}. Fix: {fix}")
+        return path
+
+    parse.__name__ = "path"  # argparse names the type in its messages
+    return parse
+
+
+def output_problem(path: Path, suffixes: tuple[str, ...] = ()) -> tuple[str, str] | None:
+    """``(what, fix)`` if ``path`` cannot be written as an output file: a suffix not in
+    ``suffixes`` (any, when empty), a directory, a directory that does not exist or that this
+    process may not write; ``None`` when it can."""
+    parent, name = path.parent, "out" + (suffixes[0] if suffixes else "")
+    if path.is_dir():
+        return f"{str(path)!r} is a directory", f"name a file in it, e.g. {path / name}"
+    if suffixes and path.suffix not in suffixes:
+        return f"{path.name!r} must end in {' or '.join(suffixes)}", f"use {path.with_suffix(suffixes[0])}"
+    if not parent.is_dir():
+        return (
+            f"directory {str(parent)!r} does not exist",
+            f"create it (mkdir -p {parent}) or write elsewhere",
+        )
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return f"cannot write {str(path)!r}: permission denied", "choose a path you can write"
+    return None
 
 
 class OneLineParser(argparse.ArgumentParser):

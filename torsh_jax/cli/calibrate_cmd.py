@@ -17,7 +17,7 @@ import argparse
 import sys
 import warnings
 
-from torsh_jax.cli.args import MAX_DEVICES, count_type
+from torsh_jax.cli.args import MAX_DEVICES, count_type, output_file_type
 from torsh_jax.errors import BusyHostWarning
 
 __all__ = ["register"]
@@ -50,16 +50,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="measure the compute rate at every micro-step size up to this batch over the devices "
         "[1, 2 and 4 examples per device]",
     )
-    parser.add_argument("-o", "--output", default=None, help="write the machine file (JSON) here")
+    parser.add_argument("-o", "--output", type=output_file_type(), default=None,
+                        help="write the machine file (JSON) here")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the machine as JSON")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     import jax
 
+    from torsh_jax.cli.output import write_output
     from torsh_jax.planner.calibrate import calibrate
     from torsh_jax.planner.shape import parse_model
     from torsh_jax.units import format_bytes
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if jax.process_index() > 0:  # process 0 speaks for the job
         return 0
     if args.output:
-        Path(args.output).write_text(machine.to_json() + "\n")
+        write_output(args.output, machine.to_json() + "\n")
     if args.json:
         print(machine.to_json())
         return 0

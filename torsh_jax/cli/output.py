@@ -16,13 +16,14 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress as Display
 
-__all__ = ["json_line", "json_text", "print_json", "Progress", "PLAIN_LINES"]
+__all__ = ["json_line", "json_text", "print_json", "write_output", "Progress", "PLAIN_LINES"]
 
 #: Plain progress lines printed per run when stderr is not a terminal.
 PLAIN_LINES = 20
@@ -51,6 +52,24 @@ def json_text(record: dict) -> str:
 def print_json(record: dict) -> None:
     """Print :func:`json_line` of ``record`` to stdout and flush."""
     print(json_line(record), flush=True)
+
+
+def write_output(path: Path, text: str, *, key: str = "--output") -> Path:
+    """Write ``text`` to the file a command was asked to write (``path``, checked when the command
+    started: :func:`~torsh_jax.cli.args.output_file_type`).
+
+    Raises:
+        OutputError: it cannot be written now (the disk is full, the directory went away).
+    """
+    from torsh_jax.errors import OutputError
+
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as err:
+        raise OutputError(
+            f"cannot write {str(path)!r}: {err.strerror or err}", key=key, fix="choose a path you can write"
+        ) from None
+    return path
 
 
 class Progress:

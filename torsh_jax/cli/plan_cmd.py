@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from torsh_jax.cli.args import MAX_DEVICES, bytes_type, count_type
+from torsh_jax.cli.args import MAX_DEVICES, bytes_type, count_type, output_file_type
 
 __all__ = ["register"]
 
@@ -94,14 +94,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         f"runs [{VERIFY_SECONDS}]",
     )
     parser.add_argument("--json", action="store_true", help="print the ranking as JSON")
-    parser.add_argument("-o", "--output", default=None, help="write the best plan as TOML to this file")
+    parser.add_argument("-o", "--output", type=output_file_type(), default=None,
+                        help="write the best plan to this file (TOML; JSON for a .json file)")  # fmt: skip
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from torsh_jax.cli.output import json_text
+    from torsh_jax.cli.output import json_text, write_output
     from torsh_jax.errors import TargetError
-    from torsh_jax.plan.io import load_plan, save_plan
+    from torsh_jax.plan.io import load_plan, plan_text
     from torsh_jax.planner.rank import rules_of_thumb, search_verified
 
     machine, target = _machine(args)
@@ -127,9 +128,9 @@ def run(args: argparse.Namespace) -> int:
         ranked, pick, machine, stopped = search(0)
     shown = ranked[: max(args.top, ranked.index(pick) + 1 if pick in ranked else 0)]
     shown += [p for p in ranked[len(shown) :] if p.compiled]  # what the compiler refused, too
-    written = args.output if args.output and pick is not None else None
+    written = str(args.output) if args.output and pick is not None else None
     if written:
-        save_plan(pick.candidate.plan, written)
+        write_output(args.output, plan_text(pick.candidate.plan, args.output))
     report = {
         "model": {
             "name": shape.name,

@@ -12,9 +12,9 @@ Example:
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from torsh_jax.cli.output import print_json
+from torsh_jax.cli.args import output_file_type
+from torsh_jax.cli.output import print_json, write_output
 
 __all__ = ["register"]
 
@@ -24,22 +24,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "runs", nargs="+", metavar="DIR", help="run directory (demo --log-dir, RunLog); two to compare"
     )
-    parser.add_argument("-o", "--output", default="report.html", help="HTML file to write [report.html]")
+    parser.add_argument("-o", "--output", type=output_file_type(), default="report.html",
+                        help="HTML file to write [report.html]")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the findings and headline as JSON")
     parser.set_defaults(func=run)
-
-
-def _write(path: Path, html: str) -> None:
-    from torsh_jax.errors import RunLogError
-
-    try:
-        path.write_text(html, encoding="utf-8")
-    except OSError as err:
-        raise RunLogError(
-            f"cannot write {path}: {err.strerror or err}",
-            key="-o",
-            fix="pass a file in a directory you can write",
-        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
             f"{len(args.runs)} run directories given", key="DIR", fix="pass one run, or two to compare"
         )
     runs = [read_run(path, key="DIR") for path in args.runs]
-    output = Path(args.output)
+    output = args.output
     page_dir = output.resolve().parent
     found = {str(r.path): findings(r) for r in runs}
     each = [found[str(r.path)] for r in runs]
@@ -63,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         if len(runs) == 1
         else comparison_html(*runs, page_dir=page_dir, found=tuple(each))
     )
-    _write(output, html)
+    write_output(output, html)
     if args.json:
         print_json(
             {

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from torsh_jax.cli.args import MAX_DEVICES, count_type
+from torsh_jax.cli.args import MAX_DEVICES, count_type, output_file_type
 
 __all__ = ["register", "run"]
 
@@ -46,32 +46,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--format", choices=("text", "json", "toml"), default="text", help="output format [text]"
     )
-    parser.add_argument("-o", "--output", type=Path, default=None, help="write the plan TOML here")
+    parser.add_argument("-o", "--output", type=output_file_type(".toml", ".json"), default=None,
+                        help="write the plan here (TOML, or JSON for .json)")  # fmt: skip
     parser.set_defaults(func=run)
 
 
 def _write(result, path: Path) -> Path:
-    from torsh_jax.errors import TranslationError
+    from torsh_jax.cli.output import write_output
+    from torsh_jax.plan.io import plan_text
     from torsh_jax.translate.report import render_toml
 
-    if path.suffix not in (".toml", ".json"):
-        raise TranslationError(f"plan file must end in .toml or .json, got {path.name!r}", key="--output",
-                               fix=f"use {path.with_suffix('.toml')}")  # fmt: skip
-    if not path.parent.is_dir():
-        raise TranslationError(f"directory {str(path.parent)!r} does not exist", key="--output",
-                               fix=f"create it (mkdir -p {path.parent}) or write elsewhere")  # fmt: skip
-    if path.suffix == ".json":
-        from torsh_jax.plan.io import plan_to_json
-
-        text = plan_to_json(result.plan) + "\n"
-    else:
-        text = render_toml(result)
-    try:
-        path.write_text(text)
-    except OSError as err:
-        raise TranslationError(f"cannot write {str(path)!r}: {err.strerror or err}", key="--output",
-                               fix="choose a writable path") from None  # fmt: skip
-    return path
+    # the suffix and the directory were checked with the arguments (output_file_type)
+    text = plan_text(result.plan, path) + "\n" if path.suffix == ".json" else render_toml(result)
+    return write_output(path, text)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -41,6 +41,7 @@ __all__ = [
     "plan_to_json",
     "load_plan",
     "save_plan",
+    "plan_text",
     "load_compressor",
     "load_param_dims",
 ]
@@ -327,8 +328,13 @@ def load_plan(name_or_path: str | Path, *, key: str = "plan") -> ParallelPlan:
 def save_plan(plan: ParallelPlan, path: str | Path) -> Path:
     """Write ``plan`` as TOML (or JSON for a ``.json`` suffix)."""
     path = Path(path)
-    path.write_text(plan_to_json(plan) if path.suffix == ".json" else plan_to_toml(plan))
+    path.write_text(plan_text(plan, path))
     return path
+
+
+def plan_text(plan: ParallelPlan, path: str | Path) -> str:
+    """``plan`` as the file ``path`` holds it: JSON for a ``.json`` suffix, TOML otherwise."""
+    return plan_to_json(plan) if Path(path).suffix == ".json" else plan_to_toml(plan)
 
 
 def load_compressor(name_or_path: str | Path) -> CompressorSpec:
