@@ -91,9 +91,14 @@ def output_file_type(*suffixes: str) -> Callable[[str], Path]:
 
 
 def output_problem(path: Path, suffixes: tuple[str, ...] = ()) -> tuple[str, str] | None:
-    """``(what, fix)`` if ``path`` cannot be written as an output file: a suffix not in
-    ``suffixes`` (any, when empty), a directory, a directory that does not exist or that this
-    process may not write; ``None`` when it can."""
+    """``(what, fix)`` if ``path`` cannot be written as an output file: it is a directory, its
+    suffix is not one of ``suffixes`` (any, when empty), its directory does not exist or this
+    process may not write it; ``None`` when it can.
+
+    Example:
+        >>> output_problem(Path("/"), (".toml",))
+        ("'/' is a directory", 'name a file in it, e.g. /out.toml')
+    """
     parent, name = path.parent, "out" + (suffixes[0] if suffixes else "")
     if path.is_dir():
         return f"{str(path)!r} is a directory", f"name a file in it, e.g. {path / name}"

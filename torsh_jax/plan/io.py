@@ -333,7 +333,13 @@ def save_plan(plan: ParallelPlan, path: str | Path) -> Path:
 
 
 def plan_text(plan: ParallelPlan, path: str | Path) -> str:
-    """``plan`` as the file ``path`` holds it: JSON for a ``.json`` suffix, TOML otherwise."""
+    """``plan`` as the file ``path`` holds it: JSON for a ``.json`` suffix, TOML otherwise.
+
+    Example:
+        >>> plan = ParallelPlan(name="p")
+        >>> plan_text(plan, "p.json").startswith("{"), plan_text(plan, "p.toml").splitlines()[0]
+        (True, 'name = "p"')
+    """
     return plan_to_json(plan) if Path(path).suffix == ".json" else plan_to_toml(plan)
 
 
