@@ -53,11 +53,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _write(result, path: Path) -> Path:
     from torsh_jax.cli.output import write_output
-    from torsh_jax.plan.io import plan_text
+    from torsh_jax.plan.io import plan_to_json
     from torsh_jax.translate.report import render_toml
 
-    # the suffix and the directory were checked with the arguments (output_file_type)
-    text = plan_text(result.plan, path) + "\n" if path.suffix == ".json" else render_toml(result)
+    # the suffix and the directory were checked with the arguments (output_file_type); a TOML file
+    # is headed by comments naming the source (render_toml)
+    text = plan_to_json(result.plan) + "\n" if path.suffix == ".json" else render_toml(result)
     return write_output(path, text)
 
 
