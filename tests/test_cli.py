@@ -96,6 +96,11 @@ def test_version_and_python_dash_m(tmp_path):
         (["translate", "x.json", "--format", "xml"], "--format"),
         (["inspect", "--plan"], "--plan: expected one argument"),
         (["launch", "-n", "2", "--grace-period", "soon", "x.py"], "--grace-period"),
+        (["demo", "--slices", "2"], "--slices: slices need a TPU target"),
+        (["demo", "--compile-only", "--target", "v5e-16", "--devices", "4"], "--devices: the target decides"),
+        (["demo", "--compile-only", "--steps", "5"], "--steps: --compile-only trains nothing"),
+        (["demo", "--profile", "3:500", "--log-dir", "unmade", "--steps", "10"], "--profile: steps 3 to 500"),
+        (["calibrate", "--global-batch", "3"], "--global-batch: 3 examples are fewer than one per device"),
     ],
 )  # fmt: skip
 def test_bad_arguments_are_one_line_with_a_fix(capsys, argv, where):
@@ -177,6 +182,35 @@ def test_an_output_file_the_disk_cannot_take_is_one_line():
         pytest.skip("no /dev/full on this system")
     with pytest.raises(OutputError, match=r"--output: cannot write '/dev/full': No space left on device"):
         write_output(Path("/dev/full"), "x" * 100_000)
+
+
+def test_a_result_whose_file_cannot_be_written_is_shown_not_lost(capsys):
+    """A search or a measurement that ends on a full disk: its results are printed, the file's text
+    follows on stderr, and the error is the last line."""
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this system")
+    argv = ["plan", "--model", "demo:150m", "--target", "v5e-8", "--global-batch", "64", "--verify", "0"]
+    assert main([*argv, "-o", "/dev/full"]) == 2
+    out, err = capsys.readouterr()
+    assert "pick: " in out and "wrote" not in out
+    *kept, last = err.splitlines()
+    assert last.startswith("torsh-jax plan: error: --output: cannot write '/dev/full'"), err
+    assert kept[0] == "the file --output names could not be written; its text follows:"
+    assert "[batch]" in kept and any(line.startswith("[mesh") for line in kept), err
+
+
+def test_a_machine_file_that_is_not_one_is_refused_before_the_run_directory_is_made(capsys, tmp_path):
+    plan_like = _write(tmp_path, "plan.json", '{"mesh": {"data": 8}}')
+    line = _error_line(capsys, ["demo", "--machine", plan_like, "--log-dir", str(tmp_path / "run")])
+    assert "--machine: cannot read machine file" in line and "it has no 'links' field" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_calibrate_refuses_a_model_whose_copy_per_device_cannot_fit(capsys, monkeypatch):
+    monkeypatch.setenv("TORSH_JAX_DEVICE_MEMORY", "1GiB")
+    line = _error_line(capsys, ["calibrate", "--model", "demo:350m", "--devices", "1"])
+    assert "demo:350m needs at least" in line and "but a device has 1.00 GiB" in line, line
+    assert "demo:d_model=1024,layers=2" in line
 
 
 def test_batch_size_written_as_an_exact_float_is_accepted(capsys, tmp_path):

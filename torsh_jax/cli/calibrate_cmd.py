@@ -59,39 +59,56 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import jax
 
-    from torsh_jax.cli.output import write_output
+    from torsh_jax.cli.output import write_or_show
     from torsh_jax.planner.calibrate import calibrate
     from torsh_jax.planner.shape import parse_model
-    from torsh_jax.units import format_bytes
 
     shape = parse_model(args.model)
     devices = _devices(args.devices)
-    largest = (
-        {} if args.global_batch is None else {"max_examples_per_device": args.global_batch // len(devices)}
-    )
+    largest = {} if args.global_batch is None else {"max_examples_per_device": _per_device(args, devices)}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", BusyHostWarning)
         machine = calibrate(devices, shape, repeats=args.repeats, **largest)
     _show(caught)
     if jax.process_index() > 0:  # process 0 speaks for the job
         return 0
-    if args.output:
-        write_output(args.output, machine.to_json() + "\n")
-    if args.json:
-        print(machine.to_json())
-        return 0
+    # the measurement is not lost to a full disk: the machine file's text is shown instead
+    unwritten = write_or_show(args.output, machine.to_json() + "\n") if args.output else None
+    written = args.output if args.output and unwritten is None else None
+    print(machine.to_json() if args.json else _summary(machine, written))
+    if unwritten is not None:
+        raise unwritten
+    return 0
+
+
+def _summary(machine, written) -> str:
+    """The machine in one line (``; wrote PATH`` when its file was written)."""
+    from torsh_jax.units import format_bytes
+
     link = machine.link("ici")
     chunks = "".join(f", x{v:.2f} by chunks of {k}" for k, v in machine.chunk_recompute_costs.items())
     kinds = "".join(f", {kind} {beta / 1e9:.3f}" for kind, beta in link.bytes_per_s_by_kind.items())
-    print(
+    return (
         f"{machine.name}: {machine.flops_per_s / 1e9:.2f} GFLOP/s per device, link alpha "
         f"{link.alpha_s * 1e6:.1f} us, beta {link.bytes_per_s / 1e9:.3f} GB/s{kinds}{_across(machine)}, "
         f"step overhead "
         f"{machine.step_overhead_s * 1e3:.2f} ms, recompute x{machine.recompute_cost:.2f} per layer"
         f"{chunks}, {format_bytes(machine.memory_bytes)} per device{_busy(machine)}"
-        + (f"; wrote {args.output}" if args.output else "")
+        + (f"; wrote {written}" if written else "")
     )
-    return 0
+
+
+def _per_device(args: argparse.Namespace, devices: list) -> int:
+    """Examples per device at ``--global-batch``; at least one."""
+    from torsh_jax.errors import PlanError
+
+    if args.global_batch < len(devices):
+        raise PlanError(
+            f"{args.global_batch} examples are fewer than one per device on {len(devices)} devices",
+            key="--global-batch",
+            fix=f"pass at least {len(devices)}, or leave it out for 1, 2 and 4 examples per device",
+        )
+    return args.global_batch // len(devices)
 
 
 def _show(caught: list) -> None:

@@ -28,12 +28,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("demo", help="train a small transformer LM on synthetic tokens under a plan")
     parser.add_argument("--plan", default="ddp", help="preset name (meshes/*.toml) or plan file [ddp]")
     parser.add_argument(
-        "--devices", type=count_type(1, MAX_DEVICES, fix="pass --devices 8"), default=8,
-        help="devices; simulated on CPU, bounded by host memory [8]",
+        "--devices", type=count_type(1, MAX_DEVICES, fix="pass --devices 8"), default=None,
+        help="devices; simulated on CPU, bounded by host memory [8; with --target, the target's]",
     )  # fmt: skip
     parser.add_argument(
-        "--steps", type=count_type(0, MAX_STEPS, fix="pass --steps 20"), default=20,
-        help="optimizer steps; 0 compiles and reports without training [20]",
+        "--steps", type=count_type(0, MAX_STEPS, fix="pass --steps 20"), default=None,
+        help="optimizer steps; 0 compiles and reports without training [20; 0 with --compile-only]",
     )  # fmt: skip
     parser.add_argument("--compile-only", action="store_true",
                         help="build and compile the step, train nothing (--steps 0); with --target, "
@@ -145,13 +145,14 @@ def run(args: argparse.Namespace) -> int:
     from torsh_jax.demo.run import DemoConfig, run_demo
     from torsh_jax.plan.io import load_plan
 
+    steps = _steps(args)
     if args.target is not None or args.slices != 1:
         return _compile_for_target(args)
     plan = load_plan(args.plan, key="--plan")  # before any output or JAX start-up
     config = DemoConfig(
         plan=plan,
-        devices=args.devices,
-        steps=0 if args.compile_only else args.steps,
+        devices=8 if args.devices is None else args.devices,
+        steps=steps,
         verify=args.verify,
         seed=args.seed,
         layers=args.layers,
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(run_demo(config, emit=print_json))
         return 0
-    with Progress(f"training ({plan.name})", args.steps) as progress:
+    with Progress(f"training ({plan.name})", steps) as progress:
         emit = lambda record: progress.step(record["step"], _step_text(record))
         summary = run_demo(config, emit=emit, phase=progress.phase)
     _print_summary(summary)
@@ -175,19 +176,35 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _steps(args: argparse.Namespace) -> int:
+    """The steps to train: ``--steps`` (20 unless given), 0 with ``--compile-only``."""
+    from torsh_jax.errors import PlanError
+
+    if not args.compile_only:
+        return 20 if args.steps is None else args.steps
+    if args.steps:
+        raise PlanError(
+            "--compile-only trains nothing",
+            key="--steps",
+            fix="drop --steps, or drop --compile-only to train",
+        )
+    return 0
+
+
 def _compile_for_target(args: argparse.Namespace) -> int:
     """``--compile-only --target``: the demo model's step compiled for the target, reported as
-    ``torsh-jax inspect --target`` reports it (same keys)."""
+    ``torsh-jax inspect --target`` reports it (same keys; inspect refuses ``--devices``: the target
+    decides them)."""
     from torsh_jax.cli import inspect_cmd
     from torsh_jax.errors import TargetError
 
-    if not args.compile_only:
-        raise TargetError(
-            "a target is compiled for, not trained on, here", key="--target", fix="add --compile-only"
-        )
     if args.target is None:
         raise TargetError(
             "slices need a TPU target", key="--slices", fix="add --target v5e-16, or drop --slices"
+        )
+    if not args.compile_only:
+        raise TargetError(
+            "a target is compiled for, not trained on, here", key="--target", fix="add --compile-only"
         )
     run_only = (args.verify, args.checkpoint_dir, args.resume, args.log_dir, args.profile, args.tensorboard,
                 args.machine)  # fmt: skip
@@ -198,7 +215,7 @@ def _compile_for_target(args: argparse.Namespace) -> int:
             fix="drop them with --compile-only --target",
         )
     inspect_args = argparse.Namespace(
-        plan=args.plan, devices=None, target=args.target, slices=args.slices, json=args.json,
+        plan=args.plan, devices=args.devices, target=args.target, slices=args.slices, json=args.json,
         layers=args.layers, d_model=args.d_model, vocab=256, seq_len=32, micro_batch=None,
     )  # fmt: skip
     return inspect_cmd.run(inspect_args)

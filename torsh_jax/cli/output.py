@@ -23,7 +23,9 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress as Display
 
-__all__ = ["json_line", "json_text", "print_json", "write_output", "Progress", "PLAIN_LINES"]
+    from torsh_jax.errors import OutputError
+
+__all__ = ["json_line", "json_text", "print_json", "write_output", "write_or_show", "Progress", "PLAIN_LINES"]
 
 #: Plain progress lines printed per run when stderr is not a terminal.
 PLAIN_LINES = 20
@@ -70,6 +72,28 @@ def write_output(path: Path, text: str, *, key: str = "--output") -> Path:
             f"cannot write {str(path)!r}: {err.strerror or err}", key=key, fix="choose a path you can write"
         ) from None
     return path
+
+
+def write_or_show(path: Path, text: str, *, key: str = "--output") -> OutputError | None:
+    """:func:`write_output`, for a command whose result took long to make (a search, a
+    measurement): when ``path`` cannot be written, ``text`` goes to stderr instead, so that nothing
+    made is lost, and the error is returned for the command to raise once it has printed its results.
+
+    Example:
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / "machine.json"
+        >>> write_or_show(path, "{}\\n") is None, path.read_text()
+        (True, '{}\\n')
+    """
+    from torsh_jax.errors import OutputError
+
+    try:
+        write_output(path, text, key=key)
+    except OutputError as err:
+        print(f"the file {key} names could not be written; its text follows:", file=sys.stderr)
+        print(text, end="" if text.endswith("\n") else "\n", file=sys.stderr, flush=True)
+        return err
+    return None
 
 
 class Progress:

@@ -100,7 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torsh_jax.cli.output import json_text, write_output
+    from torsh_jax.cli.output import json_text, write_or_show
     from torsh_jax.errors import TargetError
     from torsh_jax.plan.io import load_plan, plan_text
     from torsh_jax.planner.rank import rules_of_thumb, search_verified
@@ -128,9 +128,10 @@ def run(args: argparse.Namespace) -> int:
         ranked, pick, machine, stopped = search(0)
     shown = ranked[: max(args.top, ranked.index(pick) + 1 if pick in ranked else 0)]
     shown += [p for p in ranked[len(shown) :] if p.compiled]  # what the compiler refused, too
-    written = str(args.output) if args.output and pick is not None else None
-    if written:
-        write_output(args.output, plan_text(pick.candidate.plan, args.output))
+    unwritten = None  # the search is not lost to a full disk: the plan's text is shown instead
+    if args.output and pick is not None:
+        unwritten = write_or_show(args.output, plan_text(pick.candidate.plan, args.output))
+    written = str(args.output) if args.output and pick is not None and unwritten is None else None
     report = {
         "model": {
             "name": shape.name,
@@ -177,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
     print(json_text(report) if args.json else _table(report))
     if args.json and report["output_remat"]:
         print(REMAT_NOTE, file=sys.stderr)  # stdout is the JSON
+    if unwritten is not None:
+        raise unwritten
     return 0
 
 

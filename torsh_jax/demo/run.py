@@ -94,7 +94,13 @@ class DemoConfig:
             flag = "--profile" if self.profile else "--tensorboard" if self.tensorboard else "--machine"
             raise PlanError("needs a run directory", key=flag, fix="pass --log-dir DIR")
         if self.profile:
-            ProfileWindow.parse(self.profile)
+            window = ProfileWindow.parse(self.profile)
+            if window.last > self.steps:
+                raise PlanError(
+                    f"steps {window.first} to {window.last} pass the run's last step, {self.steps}",
+                    key="--profile",
+                    fix=f"write {min(window.first, self.steps)}:{self.steps}, or raise --steps",
+                )
 
 
 def model_config(config: DemoConfig, mesh_shape: dict | None = None) -> LMConfig:
@@ -156,10 +162,10 @@ def run_demo(
     """
     plan = config.plan if isinstance(config.plan, ParallelPlan) else load_plan(config.plan)
     _check_checkpoint_dir(config)
+    if config.machine:  # a bad file fails before anything compiles or is made
+        machine_file(config.machine, key="--machine")
     if config.log_dir:
         make_run_dir(config.log_dir, key="--log-dir")
-    if config.machine:
-        machine_file(config.machine, key="--machine")  # a bad file fails before anything compiles
     phase(f"starting {config.devices or 'all'} devices")
     devices = select_devices(config.devices)
     plan = _plan_to_continue(config, plan, len(devices), phase)

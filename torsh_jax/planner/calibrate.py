@@ -69,6 +69,7 @@ from torsh_jax.planner.shape import ModelShape
 
 __all__ = [
     "calibrate",
+    "check_model_fits",
     "rate_rows",
     "cores_shared",
     "fit_alpha_beta",
@@ -615,6 +616,35 @@ def calibrate(
     return replace(machine, host_load=asdict(meter.load) if meter.load else {})
 
 
+def check_model_fits(shape: ModelShape, limit, /) -> None:
+    """Refuse, before anything is allocated, a model whose float32 parameters and gradients alone
+    pass ``limit`` (a :class:`~torsh_jax.runtime.fit.MemoryLimit`, or ``None``: no check):
+    calibrate holds a whole copy of both on every device.
+
+    Example:
+        >>> from torsh_jax.planner.shape import parse_model
+        >>> from torsh_jax.runtime.fit import MemoryLimit
+        >>> check_model_fits(parse_model("demo:150m"), MemoryLimit(2**40, "1 TiB"))  # fits: nothing
+
+    Raises:
+        DeviceMemoryError: it does not fit; the fix is a smaller model, which measures the same rate.
+    """
+    from torsh_jax.errors import DeviceMemoryError
+    from torsh_jax.units import format_bytes
+
+    need = 8 * shape.param_count
+    if limit is None or need <= limit.bytes:
+        return
+    raise DeviceMemoryError(
+        f"{shape.name} needs at least {format_bytes(need)} per device (its float32 parameters and "
+        f"gradients, a copy on every device) but a device has {format_bytes(limit.bytes)} "
+        f"({limit.source})",
+        key="model",
+        fix=f"calibrate on fewer layers of the same width (demo:d_model={shape.d_model},layers=2): a layer "
+        "computes at the same rate",
+    )
+
+
 def _measured(
     devices, local: list, processes: int, shape: ModelShape, repeats: int, max_examples: int, name: str | None
 ) -> Machine:
@@ -629,6 +659,7 @@ def _measured(
     mesh = jax.make_mesh(
         (len(local), 1), ("devices", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=local
     )
+    check_model_fits(shape, device_memory_limit(mesh))
     overhead = _overhead(mesh, repeats)
     seconds = _pass_seconds(mesh, shape, repeats, rate_rows(max_examples))
     costs = _recompute_costs_by_tokens(shape, seconds)

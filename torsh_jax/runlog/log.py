@@ -320,8 +320,9 @@ def machine_file(path: str | Path, /, *, key: str = "machine") -> MachineLinks:
         }
         return MachineLinks(str(data["name"]), str(data.get("source", "")), links)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+        reason = f"it has no {err.args[0]!r} field" if isinstance(err, KeyError) else err
         raise RunLogError(
-            f"cannot read machine file {path}: {err}",
+            f"cannot read machine file {path}: {reason}",
             key=key,
             fix="write it with torsh-jax calibrate -o machine.json",
         ) from None

@@ -156,7 +156,8 @@ def device_memory_limit(mesh: Mesh) -> MemoryLimit | None:
     cpus = sum(d.platform == "cpu" for d in local)
     if host is None or not cpus or cpus != len(local):
         return None
-    return MemoryLimit(host // cpus, f"host memory {format_bytes(host)} over {cpus} CPU devices")
+    devices = "1 CPU device" if cpus == 1 else f"{cpus} CPU devices"
+    return MemoryLimit(host // cpus, f"host memory {format_bytes(host)} over {devices}")
 
 
 def _leaf_shape(x: Any) -> jax.ShapeDtypeStruct:
