@@ -101,6 +101,11 @@ def test_version_and_python_dash_m(tmp_path):
         (["demo", "--compile-only", "--steps", "5"], "--steps: --compile-only trains nothing"),
         (["demo", "--profile", "3:500", "--log-dir", "unmade", "--steps", "10"], "--profile: steps 3 to 500"),
         (["calibrate", "--global-batch", "3"], "--global-batch: 3 examples are fewer than one per device"),
+        (["inspect", "--target", "h100-0"], "target 'h100-0': no GPUs"),
+        (["launch"], "script: no script to run"),
+        (["launch", "-n", "2", "--timeout", "-5", "tests/helpers.py"], "--timeout: must be > 0 seconds"),
+        (["launch", "-n", "2", "--min-processes", "5", "tests/helpers.py"], "--min-processes: must be in"),
+        (["launch", "-n", "2", "--dry-run", "--plan", "nope", "tests/helpers.py"], "--plan: no meshes"),
     ],
 )  # fmt: skip
 def test_bad_arguments_are_one_line_with_a_fix(capsys, argv, where):

@@ -88,6 +88,8 @@ def test_slices_multiply_a_tpu_target():
         ("v4-4", 1, "TensorCores (2 per chip)"),
         ("v5e-512", 1, "a power of two in 4..256"),
         ("h100-12", 1, "a multiple of 8 GPUs"),
+        ("h100-0", 1, "no GPUs"),
+        ("a100-000", 1, "no GPUs"),
         ("h100-8", 2, "GPU targets have no slices"),
     ],
     ids=lambda v: str(v),

@@ -22,9 +22,20 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-__all__ = ["OneLineParser", "count_type", "output_file_type", "output_problem", "MAX_STEPS", "MAX_DEVICES"]
+if TYPE_CHECKING:
+    from torsh_jax.errors import TorshError
+
+__all__ = [
+    "OneLineParser",
+    "count_type",
+    "flag_error",
+    "output_file_type",
+    "output_problem",
+    "MAX_STEPS",
+    "MAX_DEVICES",
+]
 
 #: Most optimizer steps the demo runs in one call (hours of CPU time at the default size).
 MAX_STEPS = 1_000_000
@@ -32,6 +43,21 @@ MAX_STEPS = 1_000_000
 #: Most devices a command addresses; more than any pod has. Simulated CPU devices are
 #: bounded further by host memory (``torsh_jax.demo.host``).
 MAX_DEVICES = 65_536
+
+
+def flag_error(err: TorshError, args: argparse.Namespace) -> TorshError:
+    """``err`` keyed by the flag that set the value it names (``--grace-period``), where the library
+    named its parameter (``grace_period``: an attribute of the parsed ``args``); else ``err``.
+
+    Example:
+        >>> from torsh_jax.errors import DistributedError
+        >>> err = DistributedError("must be >= 0 seconds", key="grace_period")
+        >>> str(flag_error(err, argparse.Namespace(grace_period=-1.0)))
+        '--grace-period: must be >= 0 seconds'
+    """
+    if err.key is None or not hasattr(args, err.key):
+        return err
+    return type(err)(err.message, key="--" + err.key.replace("_", "-"), fix=err.fix)
 
 
 def count_type(low: int, high: int, *, fix: str) -> Callable[[str], int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from torsh_jax.cli.args import MAX_DEVICES, count_type
+from torsh_jax.cli.args import MAX_DEVICES, count_type, flag_error
 
 __all__ = ["register", "run"]
 
@@ -46,11 +46,15 @@ the job's devices) and warns about coordinator variables left in the environment
 
 
 class _UsageFormatter(argparse.RawDescriptionHelpFormatter):
-    """Shows the script's arguments as optional, ``script [script_args ...]``, not ``script ...``."""
+    """Shows the script's arguments as optional, ``script [script_args ...]``, not ``script ...``.
+    The script is parsed as optional (argparse would list the script's arguments as required when
+    it is missing) and checked by :func:`_check_script`: shown as required."""
 
     def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
         if action.nargs == argparse.REMAINDER:
             return f"[{self._metavar_formatter(action, default_metavar)(1)[0]} ...]"
+        if action.dest == "script":
+            return self._metavar_formatter(action, default_metavar)(1)[0]
         return super()._format_args(action, default_metavar)
 
 
@@ -107,7 +111,7 @@ def register(subparsers) -> None:
         help="run SCRIPT as a module, python -m SCRIPT (like python's and torchrun's -m): "
         "-m torsh_jax calibrate",
     )
-    parser.add_argument("script", help="Python script to run (with -m: the module)")
+    parser.add_argument("script", nargs="?", help="Python script to run (with -m: the module)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     parser.set_defaults(func=run)
 
@@ -172,11 +176,17 @@ def _add_backend_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Start (or with ``--dry-run`` describe) the processes described by ``args``; returns the exit code."""
+    from torsh_jax.errors import TorshError
+
+    _check_script(args)
     _check_combination(args)
-    if not args.slurm:
-        _check_supervision(args)
-    if args.dry_run:
-        return _dry_run(args)
+    try:
+        if not args.slurm:
+            _check_supervision(args)
+        if args.dry_run:
+            return _dry_run(args)
+    except TorshError as err:  # named by the launcher's parameter: named by its flag here
+        raise flag_error(err, args) from None
     if args.slurm:
         return _submit_slurm(args)
     if args.ray is not None:
@@ -198,6 +208,16 @@ def _supervision(args: argparse.Namespace) -> dict:
         "max_restarts": args.max_restarts,
         "min_processes": args.min_processes,
     }
+
+
+def _check_script(args: argparse.Namespace) -> None:
+    """A script (or module) to run; its arguments are optional."""
+    from torsh_jax.errors import DistributedError
+
+    if args.script is None:
+        raise DistributedError(
+            "no script to run", key="script", fix="pass a Python file, or -m MODULE (-m torsh_jax)"
+        )
 
 
 def _check_supervision(args: argparse.Namespace) -> None:

@@ -296,7 +296,9 @@ def _tpu_grid(name: str, family: Family, count: int) -> tuple[int, str]:
 
 
 def _gpu_nodes(name: str, family: Family, gpus: int) -> str:
-    if 1 <= gpus <= GPUS_PER_NODE:
+    if gpus < 1:
+        raise _error(name, "no GPUs", fix=f"name 1..8 GPUs or whole nodes, e.g. {name.split('-')[0]}-8")
+    if gpus <= GPUS_PER_NODE:
         return f"1x1x{gpus}"
     if gpus % GPUS_PER_NODE or gpus > family.largest:
         raise _error(name, f"{gpus} GPUs: more than one node needs a multiple of {GPUS_PER_NODE} GPUs",
