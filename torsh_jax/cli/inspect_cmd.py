@@ -8,6 +8,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from torsh_jax.cli.args import MAX_DEVICES, count_type
 
@@ -46,19 +47,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from torsh_jax.analysis import render_text
-    from torsh_jax.cli.output import Progress, json_text
+    from torsh_jax.cli.output import json_text
     from torsh_jax.plan.io import load_plan
 
     plan = _with_micro_batch(load_plan(args.plan, key="--plan"), args.micro_batch)
     target = _target(args)
-    if not args.json:  # stdout carries the report only; say on stderr what takes time
-        where = (
-            f"for {target.name} ({target.devices} x {target.chip.name})"
-            if target
-            else f"on {args.devices or 8} devices"
-        )
-        Progress(f"inspect ({plan.name})", 0, live=False).phase(f"compiling the train step {where}")
-    summary = _target_summary(args, plan, target) if target else _cpu_summary(args, plan)
+    compiling = _say_compiling(args, plan, target)
+    summary = (
+        _target_summary(args, plan, target, compiling) if target else _cpu_summary(args, plan, compiling)
+    )
     text = render_text(summary) + _pipeline_text(summary) if "collectives" in summary else ""
     print(json_text(summary) if args.json else text + _target_text(summary) + _notes(summary))
     return 0  # "does not fit" is a result, not a failure
@@ -109,21 +106,40 @@ def _train_step(args: argparse.Namespace, plan, devices, *, num_slices: int | No
     return abstract_train_step(plan, cfg, devices, num_slices=num_slices)
 
 
-def _cpu_summary(args: argparse.Namespace, plan) -> dict:
+def _say_compiling(args: argparse.Namespace, plan, target) -> Callable[[], None]:
+    """Says on stderr that the step compiles, once it is built (its checks passed); nothing with
+    ``--json`` (stdout carries the report only)."""
+    from torsh_jax.cli.output import Progress
+
+    if args.json:
+        return lambda: None
+    where = (
+        f"for {target.name} ({target.devices} x {target.chip.name})"
+        if target
+        else f"on {args.devices or 8} devices"
+    )
+    return lambda: Progress(f"inspect ({plan.name})", 0, live=False).phase(
+        f"compiling the train step {where}"
+    )
+
+
+def _cpu_summary(args: argparse.Namespace, plan, compiling: Callable[[], None]) -> dict:
     from torsh_jax.demo.devices import select_devices
     from torsh_jax.runtime.inspect import inspect_step
 
     train, batch = _train_step(args, plan, select_devices(args.devices or 8))
+    compiling()
     return inspect_step(train, train.abstract_state(), batch)
 
 
-def _target_summary(args: argparse.Namespace, plan, target) -> dict:
+def _target_summary(args: argparse.Namespace, plan, target, compiling: Callable[[], None]) -> dict:
     """The step compiled by the target's compiler: the CPU report's keys where it compiled, and
     ``target`` (memory fit, roofline; the compiler's message when the step does not fit)."""
     from torsh_jax.runtime.inspect import inspect_step
     from torsh_jax.targets import compile_for_target, target_devices
 
     train, batch = _train_step(args, plan, target_devices(target), num_slices=target.slices)
+    compiling()
     report = compile_for_target(train, batch, target=target)
     if report.compiled is None or target.slices > 1:
         summary = {"plan": plan.name, "roles": train.layout.roles.describe(), "notes": list(train.notes)}
