@@ -102,7 +102,7 @@ def test_version_and_python_dash_m(tmp_path):
         (["demo", "--profile", "3:500", "--log-dir", "unmade", "--steps", "10"], "--profile: steps 3 to 500"),
         (["calibrate", "--global-batch", "3"], "--global-batch: 3 examples are fewer than one per device"),
         (["inspect", "--target", "h100-0"], "target 'h100-0': no GPUs"),
-        (["inspect", "--layers", "3", "--plan", "pp_1f1b"], "--layers: 3 layers do not split"),  # no "compiling"
+        (["inspect", "--layers", "3", "--plan", "pp_1f1b"], "--layers: 3 layers do not split"),
         (["launch"], "script: no script to run"),
         (["launch", "-n", "2", "--timeout", "-5", "tests/helpers.py"], "--timeout: must be > 0 seconds"),
         (["launch", "-n", "2", "--min-processes", "5", "tests/helpers.py"], "--min-processes: must be in"),
