@@ -60,7 +60,7 @@ def test_demo_resumes_on_the_batches_it_would_have_seen_also_on_fewer_devices(ca
 def test_checkpoint_list_and_show(capsys, saved):
     directory = saved[0]
     assert main(["checkpoint", "list", str(directory), "--json"]) == 0
-    listed = json.loads(capsys.readouterr()[0])
+    listed = [json.loads(line) for line in capsys.readouterr()[0].splitlines()]
     assert [(c["step"], c["complete"]) for c in listed] == [(1, True), (2, True)]
     assert main(["checkpoint", "show", str(directory), "--step", "1", "--json"]) == 0
     shown = json.loads(capsys.readouterr()[0])
@@ -73,6 +73,27 @@ def test_checkpoint_list_and_show(capsys, saved):
     text = capsys.readouterr()[0]
     assert text.startswith("step 2") and "params/embed/embedding" in text
     assert f"checksums: {shown['checksummed_arrays']} arrays" in text
+
+
+def test_checkpoint_json_is_one_strict_object_per_line(capsys, saved):
+    """As docs/cli.md promises for every --json: list, one object per step directory; show, one."""
+    directory = saved[0]
+    assert main(["checkpoint", "list", str(directory), "--json"]) == 0
+    lines = capsys.readouterr()[0].splitlines()
+    assert [_strict_json(line)["step"] for line in lines] == [1, 2]
+    keys = {"step", "status", "complete", "reason", "path", "bytes_on_disk"}
+    assert all(set(_strict_json(line)) == keys for line in lines)
+    assert main(["checkpoint", "show", str(directory), "--json"]) == 0
+    lines = capsys.readouterr()[0].splitlines()
+    assert len(lines) == 1 and _strict_json(lines[0])["step"] == 2
+
+
+@pytest.mark.parametrize("action", ["list", "show"])
+def test_a_file_given_as_checkpoint_directory_is_one_line_saying_so(capsys, tmp_path, action):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    line = _error_line(capsys, ["checkpoint", action, str(afile)])
+    assert f"{afile}: is a file, not a checkpoint directory. Fix:" in line
 
 
 @pytest.mark.parametrize(

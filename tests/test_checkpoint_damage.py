@@ -9,6 +9,7 @@ a damaged step. The CLI and real file-system failures (read-only, full) are in
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import shutil
 import sys
@@ -18,6 +19,7 @@ import time
 import jax
 import pytest
 from test_checkpoint import TINY, _shared_step
+from test_cli import _error_line
 
 from torsh_jax.checkpoint import (
     Checkpointer,
@@ -106,6 +108,66 @@ def test_a_corrupted_meta_in_the_newest_step_falls_back_everywhere(tmp_path, cap
     assert out.startswith("step 1 skipped") and "\nstep 0 (" in out
     restored = restore(tmp_path, train, fallback=True)
     assert restored.step == 0 and restored.skipped == [1] and "JSONDecodeError" in restored.notes[0]
+
+
+def _edit_meta(step_dir, **fields) -> None:
+    path = step_dir / "meta" / "metadata"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def _listed(capsys, directory) -> list[dict]:
+    assert main(["checkpoint", "list", str(directory), "--json"]) == 0
+    return [json.loads(line) for line in capsys.readouterr()[0].splitlines()]
+
+
+@pytest.mark.parametrize(
+    "fields, says",
+    [
+        ({"items": 5}, "items must be a list of item names, got 5"),
+        ({"checksums": 7}, "checksums must be an object of item names to objects of array paths"),
+        ({"mesh": "x"}, "mesh must be an object of axis sizes (positive integers), got 'x'"),
+        ({"plan": None}, "plan must be the plan as TOML text, got None"),
+    ],
+    ids=["items", "checksums", "mesh", "plan"],
+)
+def test_a_malformed_meta_field_is_one_line_naming_file_and_field(tmp_path, capsys, fields, says):
+    _save(tmp_path, [0, 1])
+    _edit_meta(tmp_path / "1", **fields)
+    line = _error_line(capsys, ["checkpoint", "show", str(tmp_path), "--step", "1"])
+    assert f"{tmp_path}/1/meta/metadata: step 1: its meta item is malformed ({says}" in line
+    assert main(["checkpoint", "show", str(tmp_path)]) == 0  # the newest readable step
+    out = capsys.readouterr()[0]
+    assert out.startswith("step 1 skipped: ") and says in out and "\nstep 0 (" in out
+    listed = _listed(capsys, tmp_path)
+    assert [(c["step"], c["status"], c["complete"]) for c in listed] == [
+        (0, "complete", True), (1, "unreadable", False)
+    ]  # fmt: skip
+    assert listed[0]["reason"] is None and says in listed[1]["reason"]
+    restored = restore(tmp_path, _shared_step("ddp", 1), fallback=True)
+    assert restored.step == 0 and says in restored.notes[0]
+
+
+def test_a_missing_array_metadata_file_is_one_line_saying_so(tmp_path, capsys, caplog):
+    _save(tmp_path, [0, 1])
+    (tmp_path / "1" / "state" / "_METADATA").unlink()
+    with caplog.at_level(logging.WARNING):
+        line = _error_line(capsys, ["checkpoint", "show", str(tmp_path), "--step", "1"])
+    assert line.endswith(
+        f"error: {tmp_path}/1/state: step 1: state/_METADATA is missing, so the saved arrays' shapes "
+        "and dtypes cannot be read. Fix: use an earlier complete step (restore with fallback, "
+        "checkpoint show falls back to one), or delete the damaged step directory"
+    )
+    assert not [r.getMessage() for r in caplog.records if "could not be restored" in r.getMessage()]
+    assert main(["checkpoint", "list", str(tmp_path)]) == 0
+    assert (
+        capsys.readouterr()[0]
+        .splitlines()[1]
+        .endswith(
+            f"unreadable ({tmp_path}/1/state: step 1: state/_METADATA is missing, "
+            "so the saved arrays' shapes and dtypes cannot be read)"
+        )
+    )
+    assert show_checkpoint(tmp_path)["step"] == 0
 
 
 def test_a_damaged_step_is_set_aside_and_retention_keeps_good_steps(tmp_path):

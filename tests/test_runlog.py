@@ -193,6 +193,13 @@ def test_report_of_a_directory_without_a_run_is_one_line(capsys, tmp_path):
     assert len(err.splitlines()) == 1 and "not a run directory" in err and "Fix:" in err
 
 
+def test_report_of_a_file_says_it_is_a_file(capsys, tmp_path):
+    (tmp_path / RUN_FILE).write_text('{"devices": 1}')
+    assert main(["report", str(tmp_path / RUN_FILE), "-o", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "it is a file, not a directory" in err and "Fix:" in err
+
+
 @pytest.fixture
 def dashboard(run_dir, tmp_path):
     """A dashboard on a copy of the run (its last step held back), on a free port of 127.0.0.1."""
@@ -474,19 +481,35 @@ def test_a_malformed_run_file_is_one_line_naming_it(tmp_path, capsys, header, st
     assert len(err.splitlines()) == 1 and says in err and "Fix:" in err
 
 
-def test_dashboard_of_a_malformed_run_answers_its_one_line(tmp_path):
+@pytest.mark.parametrize("name", [RUN_FILE, STEPS_FILE, INSPECT_FILE, PLAN_TOML])
+def test_a_run_file_that_is_not_utf8_is_one_line_naming_it(tmp_path, capsys, name):
+    (tmp_path / RUN_FILE).write_text('{"devices": 1}')
+    (tmp_path / STEPS_FILE).write_text('{"step": 1}\n')
+    (tmp_path / name).write_bytes(b'\xff\xfe{"devices": 1, "step": 1}\n')  # UTF-16's byte order mark
+    assert main(["report", str(tmp_path), "-o", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Fix:" in err
+    assert f"{tmp_path / name}" in err and "is not UTF-8 text (byte 0xff at offset 0)" in err
+
+
+@pytest.mark.parametrize(
+    "header, says",
+    [(b'{"plan": "ddp"}', b"devices: missing"), (b'{"plan": "\xe9"}', b"run.json: is not UTF-8 text")],
+    ids=["missing-key", "not-utf8"],
+)
+def test_dashboard_of_a_malformed_run_answers_its_one_line(tmp_path, header, says):
     import threading
 
     from torsh_jax.runlog.dashboard import make_server
 
-    (tmp_path / RUN_FILE).write_text('{"plan": "ddp"}')
+    (tmp_path / RUN_FILE).write_bytes(header)
     server = make_server(tmp_path, port=0)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         for path in ("/", "/api/parts?after=0"):
             status, body = _get(url, path)
-            assert status == 500 and b"devices: missing" in body and b"Fix:" in body
+            assert status == 500 and says in body and b"Fix:" in body
     finally:
         server.shutdown()
         server.server_close()

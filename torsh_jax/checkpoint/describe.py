@@ -14,8 +14,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torsh_jax.checkpoint.restore_state import arrays_by_path, newest_meta, read_meta, saved_metadata
-from torsh_jax.checkpoint.store import STATE, complete_steps, open_manager, require_dir, root_cause, step_dirs
+from torsh_jax.checkpoint.restore_state import arrays_by_path, newest_readable, read_meta, saved_metadata
+from torsh_jax.checkpoint.store import (
+    STATE,
+    StepDir,
+    complete_steps,
+    open_manager,
+    require_dir,
+    root_cause,
+    step_dirs,
+)
 from torsh_jax.errors import CheckpointUnreadableError
 
 __all__ = ["list_checkpoints", "show_checkpoint"]
@@ -26,31 +34,56 @@ def _dir_bytes(path: Path) -> int:
 
 
 def list_checkpoints(directory: str | Path) -> list[dict]:
-    """One entry per step directory: ``step``, ``status`` (``complete``, ``incomplete``: a save was
-    interrupted, ``damaged``: set aside after it could not be read), ``complete``, ``path`` and
-    ``bytes_on_disk``."""
+    """One entry per step directory: ``step``, ``status`` (``complete``; ``unreadable``: committed,
+    but its ``meta`` item or array metadata cannot be read; ``incomplete``: a save was interrupted;
+    ``damaged``: set aside after it could not be read), ``complete``, ``reason`` (why it is
+    unreadable, else ``None``), ``path`` and ``bytes_on_disk``."""
     root = require_dir(directory)
-    return [
-        {
-            "step": d.step,
-            "status": d.status,
-            "complete": d.complete,
-            "path": str(d.path),
-            "bytes_on_disk": _dir_bytes(d.path),
-        }
-        for d in step_dirs(root)
-    ]
+    found = step_dirs(root)
+    reasons = _unreadable_reasons(root, [d.step for d in found if d.complete])
+    return [_entry(d, reasons.get(d.step) if d.complete else None) for d in found]
+
+
+def _entry(step_dir: StepDir, reason: str | None) -> dict:
+    return {
+        "step": step_dir.step,
+        "status": step_dir.status if reason is None else "unreadable",
+        "complete": step_dir.complete and reason is None,
+        "reason": reason,
+        "path": str(step_dir.path),
+        "bytes_on_disk": _dir_bytes(step_dir.path),
+    }
+
+
+def _unreadable_reasons(root: Path, steps: list[int]) -> dict[int, str]:
+    """``{step: why}`` of the committed ``steps`` whose metadata cannot be read."""
+    if not steps:
+        return {}
+    reasons = {}
+    manager = open_manager(root, read_only=True)
+    try:
+        for step in steps:
+            try:
+                _read_step(manager, step)
+            except CheckpointUnreadableError as err:
+                reasons[step] = f"{err.key}: {err.message}"
+    finally:
+        manager.close()
+    return reasons
 
 
 def _saved_params(manager, step: int) -> dict[str, dict]:
     """Per saved parameter path: shape, dtype and partition spec, from orbax's metadata."""
     try:
         params = saved_metadata(manager, step, STATE).get("params", {})
-    except Exception as err:  # a missing or damaged metadata file
+    except CheckpointUnreadableError:
+        raise
+    except Exception as err:  # a damaged metadata file
         raise CheckpointUnreadableError(
             f"step {step}: the saved array metadata cannot be read ({root_cause(err)})",
             key=str(Path(manager.directory) / str(step) / STATE),
-            fix="show an earlier complete step (--step), or delete the damaged step directory",
+            fix="use an earlier complete step (checkpoint show falls back to one), "
+            "or delete the damaged step directory",
         ) from None
     out = {}
     for path, array in arrays_by_path(params).items():
@@ -63,18 +96,28 @@ def _saved_params(manager, step: int) -> dict[str, dict]:
     return out
 
 
+def _read_step(manager, step: int) -> tuple[dict, dict]:
+    """``(meta, params)`` of ``step``; :class:`CheckpointUnreadableError` when either cannot be read."""
+    return read_meta(manager, step), _saved_params(manager, step)
+
+
 def show_checkpoint(directory: str | Path, *, step: int | None = None) -> dict:
-    """The step (default: the newest complete one whose ``meta`` reads; ``skipped`` names newer
-    ones that do not), its plan (TOML), mesh, items, bytes, data position, how many arrays carry a
-    checksum, and the saved parameter shapes and partition specs."""
+    """The step (default: the newest complete one whose ``meta`` and array metadata read;
+    ``skipped`` names newer ones that do not), its plan (TOML), mesh, items, bytes, data position,
+    how many arrays carry a checksum, and the saved parameter shapes and partition specs.
+
+    Raises:
+        CheckpointUnreadableError: the step's metadata cannot be read or is malformed (naming the
+            file and field).
+    """
     root = require_dir(directory)
     steps = complete_steps(root, step)
     manager = open_manager(root, read_only=True)
     try:
-        step, meta, skipped = (
-            newest_meta(manager, steps) if step is None else (step, read_meta(manager, step), [])
-        )
-        params = _saved_params(manager, step)
+        if step is None:
+            step, (meta, params), skipped = newest_readable(steps, lambda s: _read_step(manager, s))
+        else:
+            (meta, params), skipped = _read_step(manager, step), []
     finally:
         manager.close()
     return {

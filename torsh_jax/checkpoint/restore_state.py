@@ -26,16 +26,19 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 
 from torsh_jax.checkpoint.checksum import mismatched
+from torsh_jax.checkpoint.meta_fields import meta_problem
 from torsh_jax.checkpoint.quiet import quiet_orbax
 from torsh_jax.checkpoint.relayer import read_targets, relayered, saved_chunks
 from torsh_jax.checkpoint.store import (
@@ -62,12 +65,21 @@ __all__ = [
     "restore",
     "read_meta",
     "newest_meta",
+    "newest_readable",
     "saved_metadata",
     "saved_arrays",
     "arrays_by_path",
 ]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+#: The file orbax writes an item's JSON to (``DIR/<step>/meta/metadata``).
+META_FILE = "metadata"
+#: The file of an item's array metadata (shapes, dtypes, shardings).
+ITEM_METADATA = "_METADATA"
+#: How orbax's warning about an item it has no metadata for begins (its message, before ``%``).
+_ORBAX_NO_ITEM = 'Item "%s" was found in the checkpoint, but could not'
 
 
 @dataclass
@@ -109,34 +121,36 @@ def _by_path(tree: PyTree) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def read_meta(manager, step: int) -> dict:
-    """The ``meta`` item of ``step``; :class:`CheckpointUnreadableError` when it cannot be read."""
+    """The ``meta`` item of ``step``, its fields checked (:mod:`~torsh_jax.checkpoint.meta_fields`);
+    :class:`CheckpointUnreadableError` naming the file and field when it cannot be read."""
     import orbax.checkpoint as ocp
 
     try:
         meta = manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
     except Exception as err:  # a missing or damaged file: JSON, orbax
-        raise _unreadable_meta(manager, step, root_cause(err)) from None
-    if not isinstance(meta, dict):
-        raise _unreadable_meta(manager, step, f"not a JSON object but {type(meta).__name__}")
+        raise _unreadable_meta(manager, step, f"cannot be read ({root_cause(err)})") from None
+    problem = meta_problem(meta)
+    if problem is not None:
+        raise _unreadable_meta(manager, step, f"is malformed ({problem})")
     return meta
 
 
-def _unreadable_meta(manager, step: int, cause: str) -> CheckpointUnreadableError:
+def _unreadable_meta(manager, step: int, what: str) -> CheckpointUnreadableError:
     return CheckpointUnreadableError(
-        f"step {step}: its meta item cannot be read ({cause})",
-        key=str(Path(manager.directory) / str(step) / META),
+        f"step {step}: its meta item {what}",
+        key=str(Path(manager.directory) / str(step) / META / META_FILE),
         fix="use an earlier complete step (demo --resume and checkpoint show fall back to one), "
         "or delete the damaged step directory",
     )
 
 
-def newest_meta(manager, steps: list[int]) -> tuple[int, dict, list[str]]:
-    """``(step, meta, notes)`` of the newest of ``steps`` whose ``meta`` reads; ``notes`` name the
-    newer steps skipped. Raises :class:`CheckpointUnreadableError` when none reads."""
+def newest_readable(steps: list[int], read: Callable[[int], T]) -> tuple[int, T, list[str]]:
+    """``(step, read(step), notes)`` of the newest of ``steps`` that reads; ``notes`` name the newer
+    steps skipped. Raises the :class:`CheckpointUnreadableError` of the oldest when none reads."""
     notes: list[str] = []
     for step in sorted(steps, reverse=True):
         try:
-            return step, read_meta(manager, step), notes
+            return step, read(step), notes
         except CheckpointUnreadableError as err:
             if step == min(steps):
                 raise
@@ -144,10 +158,54 @@ def newest_meta(manager, steps: list[int]) -> tuple[int, dict, list[str]]:
     raise AssertionError("unreachable")  # an empty list: callers pass complete_steps()
 
 
+def newest_meta(manager, steps: list[int]) -> tuple[int, dict, list[str]]:
+    """``(step, meta, notes)`` of the newest of ``steps`` whose ``meta`` reads (:func:`newest_readable`)."""
+    return newest_readable(steps, lambda step: read_meta(manager, step))
+
+
 def saved_metadata(manager, step: int, item: str) -> PyTree:
-    """The orbax metadata tree of one saved item (shapes, dtypes, shardings; no array is read)."""
-    metadata = manager.item_metadata(step)[item]
+    """The orbax metadata tree of one saved item (shapes, dtypes, shardings; no array is read).
+
+    Raises:
+        CheckpointUnreadableError: orbax finds no metadata for it (the item or its ``_METADATA`` is
+            missing).
+    """
+    with _quiet_item_warning(item):
+        saved = manager.item_metadata(step)
+    try:
+        metadata = saved[item]
+    except KeyError:  # no directory for the item
+        metadata = None
+    if metadata is None:
+        raise _missing_item_metadata(manager, step, item)
     return getattr(metadata, "tree", metadata)
+
+
+def _missing_item_metadata(manager, step: int, item: str) -> CheckpointUnreadableError:
+    item_dir = Path(manager.directory) / str(step) / item
+    missing = f"{item}/{ITEM_METADATA}" if item_dir.is_dir() else f"the {item} item"
+    return CheckpointUnreadableError(
+        f"step {step}: {missing} is missing, so the saved arrays' shapes and dtypes cannot be read",
+        key=str(item_dir),
+        fix="use an earlier complete step (restore with fallback, checkpoint show falls back to one), "
+        "or delete the damaged step directory",
+    )
+
+
+@contextlib.contextmanager
+def _quiet_item_warning(item: str):
+    """Leave out orbax's warning that ``item`` "could not be restored": the caller raises its own
+    error instead (warnings about other items still show)."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not (str(record.msg).startswith(_ORBAX_NO_ITEM) and record.args == (item,))
+
+    logger = logging.getLogger("absl")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def saved_arrays(manager, step: int, item: str) -> dict[str, tuple[tuple[int, ...], str]]:

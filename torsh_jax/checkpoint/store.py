@@ -155,11 +155,11 @@ def complete_steps(directory: str | Path, step: int | None = None) -> list[int]:
 
 
 def require_dir(directory: str | Path) -> Path:
-    """``directory`` as a path; a typed error when it does not exist."""
+    """``directory`` as a path; a typed error when it does not exist or is a file."""
     root = Path(directory)
     if not root.is_dir():
         raise CheckpointError(
-            "no such checkpoint directory",
+            "is a file, not a checkpoint directory" if root.exists() else "no such checkpoint directory",
             key=str(root),
             fix="pass the directory a run saved its checkpoints to (demo --checkpoint-dir)",
         )

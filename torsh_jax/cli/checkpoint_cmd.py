@@ -1,5 +1,8 @@
 """``torsh-jax checkpoint list|show``: what a checkpoint directory holds.
 
+With ``--json``, ``list`` prints one JSON object per step directory and ``show`` one JSON object,
+each on one line (as every ``--json`` of the command line: one strict JSON object per line).
+
 Example:
     $ torsh-jax checkpoint list runs/ckpt
     $ torsh-jax checkpoint show runs/ckpt --step 200 --json
@@ -20,16 +23,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     listing = actions.add_parser(
-        "list", help="every step directory: step, bytes on disk, complete/incomplete/damaged"
+        "list", help="every step directory: step, bytes on disk, complete/unreadable/incomplete/damaged"
     )
     listing.add_argument("directory", help="checkpoint directory (demo --checkpoint-dir)")
-    listing.add_argument("--json", action="store_true", help="print a JSON array")
+    listing.add_argument("--json", action="store_true", help="print one JSON object per line")
     listing.set_defaults(func=run_list)
     show = actions.add_parser("show", help="one step: plan, mesh, items, bytes, parameter shardings")
     show.add_argument("directory", help="checkpoint directory (demo --checkpoint-dir)")
     show.add_argument("--step", type=count_type(0, 2**62, fix="pass --step S (see checkpoint list)"),
                       default=None, help="step to show [newest complete]")  # fmt: skip
-    show.add_argument("--json", action="store_true", help="print a JSON object")
+    show.add_argument("--json", action="store_true", help="print a JSON object on one line")
     show.set_defaults(func=run_show)
 
 
@@ -39,31 +42,37 @@ _STATUS_TEXT = {
 }
 
 
+def _status_text(entry: dict) -> str:
+    if entry["status"] == "unreadable":
+        return f"unreadable ({entry['reason']})"
+    return _STATUS_TEXT.get(entry["status"], entry["status"])
+
+
 def run_list(args: argparse.Namespace) -> int:
     from torsh_jax.checkpoint.describe import list_checkpoints
-    from torsh_jax.cli.output import json_text
+    from torsh_jax.cli.output import print_json
     from torsh_jax.units import format_bytes
 
     found = list_checkpoints(args.directory)
     if args.json:
-        print(json_text(found))
+        for entry in found:
+            print_json(entry)
         return 0
     if not found:
         print(f"{args.directory}: no checkpoints")
     for entry in found:
-        status = _STATUS_TEXT.get(entry["status"], entry["status"])
-        print(f"step {entry['step']:>8}  {format_bytes(entry['bytes_on_disk']):>11}  {status}")
+        print(f"step {entry['step']:>8}  {format_bytes(entry['bytes_on_disk']):>11}  {_status_text(entry)}")
     return 0
 
 
 def run_show(args: argparse.Namespace) -> int:
     from torsh_jax.checkpoint.describe import show_checkpoint
-    from torsh_jax.cli.output import json_text
+    from torsh_jax.cli.output import print_json
     from torsh_jax.units import format_bytes
 
     shown = show_checkpoint(args.directory, step=args.step)
     if args.json:
-        print(json_text(shown))
+        print_json(shown)
         return 0
     for note in shown["skipped"]:
         print(note)

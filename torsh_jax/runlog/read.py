@@ -2,10 +2,10 @@
 
 A run still being written is read as far as it goes: a last line without its newline (being
 written) is left out. Anything else malformed is a :class:`~torsh_jax.errors.RunLogError` naming
-the file, the line or key, and what it should be: JSON that is not strict (``NaN``), a ``run.json``
-that is not an object or has no positive integer ``devices``, a complete line of ``steps.jsonl``
-that is not a JSON object, has no positive integer ``step``, or has a figure that is not a finite
-number (``null`` is allowed).
+the file, the line or key, and what it should be: a file (or a line) that is not UTF-8 text, JSON
+that is not strict (``NaN``), a ``run.json`` that is not an object or has no positive integer
+``devices``, a complete line of ``steps.jsonl`` that is not a JSON object, has no positive integer
+``step``, or has a figure that is not a finite number (``null`` is allowed).
 
 Example:
     >>> read_steps("no/such/run")  # nothing logged yet
@@ -90,12 +90,30 @@ def _parse(text: str, where: str) -> Any:
         raise RunLogError(f"cannot read {where}: {err}", key=where, fix=_FIX) from None
 
 
-def _json_file(path: Path) -> Any:
+def _decode(data: bytes, where: str) -> str:
+    """``data`` as UTF-8 text; a :class:`RunLogError` naming ``where`` and the first bad byte."""
     try:
-        text = path.read_text()
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        byte = f"byte {data[err.start]:#04x} at offset {err.start}"
+        fix = "write the file as UTF-8 (RunLog does), or pass another run directory"
+        raise RunLogError(f"is not UTF-8 text ({byte})", key=where, fix=fix) from None
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
     except OSError as err:
         raise RunLogError(f"cannot read {path.name}: {err}", key=str(path), fix=_FIX) from None
-    return _parse(text, str(path))
+
+
+def _text_file(path: Path) -> str:
+    """The UTF-8 text of run file ``path``."""
+    return _decode(_read_bytes(path), str(path))
+
+
+def _json_file(path: Path) -> Any:
+    return _parse(_text_file(path), str(path))
 
 
 def _bad(where: str, what: str) -> RunLogError:
@@ -142,14 +160,20 @@ def read_steps(path: str | Path, /, *, after: int = 0) -> list[dict]:
     steps_file = Path(path) / files.STEPS_FILE
     if not steps_file.is_file():
         return []
-    lines = steps_file.read_text(encoding="utf-8").split("\n")[:-1]  # the last: being written, or ""
+    lines = _read_bytes(steps_file).split(b"\n")[:-1]  # the last: being written, or b""
     records = []
     for number, line in enumerate(lines, start=1):
         where = f"{steps_file} line {number}"
-        record = _check_step(_parse(line, where), where)
+        record = _check_step(_parse(_decode(line, where), where), where)
         if record["step"] > after:
             records.append(record)
     return records
+
+
+def _why_not_a_run(path: Path) -> str:
+    if path.is_dir():
+        return f"no {files.RUN_FILE} in it"
+    return "it is a file, not a directory" if path.exists() else "no such directory"
 
 
 def read_run(path: str | Path, /, *, key: str = "DIR") -> Run:
@@ -160,7 +184,7 @@ def read_run(path: str | Path, /, *, key: str = "DIR") -> Run:
     """
     path = Path(path)
     if not (path / files.RUN_FILE).is_file():
-        why = "no such directory" if not path.is_dir() else f"no {files.RUN_FILE} in it"
+        why = _why_not_a_run(path)
         raise RunLogError(
             f"{path} is not a run directory ({why})",
             key=key,
@@ -171,6 +195,6 @@ def read_run(path: str | Path, /, *, key: str = "DIR") -> Run:
         path=path,
         header=_check_header(_json_file(path / files.RUN_FILE), str(path / files.RUN_FILE)),
         inspect=_json_file(inspect_file) if inspect_file.is_file() else None,
-        plan_toml=plan_file.read_text() if plan_file.is_file() else None,
+        plan_toml=_text_file(plan_file) if plan_file.is_file() else None,
         steps=read_steps(path),
     )
