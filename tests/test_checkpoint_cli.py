@@ -57,6 +57,20 @@ def test_demo_resumes_on_the_batches_it_would_have_seen_also_on_fewer_devices(ca
     np.testing.assert_allclose([r["loss"] for r in fewer], [r["loss"] for r in straight[2:]], rtol=1e-5)
 
 
+def test_a_resumed_runs_log_keeps_the_steps_before_its_checkpoint(capsys, tmp_path):
+    """A run that logged steps 1 to 3 and stopped (its checkpoint at step 2), resumed to step 4 in
+    the same run directory: the log holds steps 1 to 4 once each, 1 and 2 from the first run."""
+    from torsh_jax.runlog import read_run
+
+    run, checkpoints = str(tmp_path / "run"), ["--checkpoint-dir", str(tmp_path / "ckpt")]
+    _steps(capsys, [*DEMO, "--steps", "2", *checkpoints])
+    stopped, _ = _steps(capsys, [*DEMO, "--steps", "3", "--log-dir", run])  # past the checkpoint
+    resumed, _ = _steps(capsys, [*DEMO, "--steps", "4", "--resume", *checkpoints, "--log-dir", run])
+    logged = read_run(run)
+    assert [s["step"] for s in logged.steps] == [1, 2, 3, 4] and logged.header["resumed_from_step"] == 2
+    assert [s["loss"] for s in logged.steps] == [r["loss"] for r in [*stopped[:2], *resumed]]
+
+
 def test_checkpoint_list_and_show(capsys, saved):
     directory = saved[0]
     assert main(["checkpoint", "list", str(directory), "--json"]) == 0

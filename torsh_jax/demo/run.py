@@ -189,8 +189,8 @@ def run_demo(
     compiled = train.lower(state, batch_of(0)).compile()
     inspected = inspect_step(train, state, batch_of(0), compiled=compiled)
     report = headline(inspected)
-    log = _run_log(config, train, compiled, inspected, cfg=cfg, shapes=shapes)
     state, first_step = _resumed(config, train, state, phase)
+    log = _run_log(config, train, compiled, inspected, cfg=cfg, shapes=shapes, continues=first_step or None)
     twins = _twins(config, loss_fn(cfg, tp=tp), optimizer, plan, params, state, resumed=first_step > 0)
     if twins and first_step < config.steps:
         phase("compiling the single-device twin and its float64 run")
@@ -282,13 +282,14 @@ def _twins(config: DemoConfig, loss, optimizer, plan, params, state, *, resumed:
     return twins
 
 
-def _run_log(config: DemoConfig, train, compiled, inspected: dict, *, cfg, shapes):
-    """The run log with ``log_dir`` (else ``None``)."""
+def _run_log(config: DemoConfig, train, compiled, inspected: dict, *, cfg, shapes, continues: int | None):
+    """The run log with ``log_dir`` (else ``None``); resumed at step ``continues``, it keeps the
+    earlier run's steps up to it."""
     from torsh_jax.demo.runlog import demo_run_log
 
     if not config.log_dir:
         return None
-    return demo_run_log(config, train, compiled, inspected, cfg=cfg, shapes=shapes)
+    return demo_run_log(config, train, compiled, inspected, cfg=cfg, shapes=shapes, continues=continues)
 
 
 def _check_checkpoint_dir(config: DemoConfig) -> None:

@@ -39,8 +39,11 @@ def model_flops_per_step(cfg: LMConfig, shapes: Any, tokens: int) -> float:
     return 3.0 * forward * tokens
 
 
-def demo_run_log(config, train, compiled, summary: dict, *, cfg: LMConfig, shapes: Any) -> RunLog:
-    """The run log of the demo's ``train`` step (``compiled``, its ``inspect`` ``summary``)."""
+def demo_run_log(
+    config, train, compiled, summary: dict, *, cfg: LMConfig, shapes: Any, continues: int | None = None
+) -> RunLog:
+    """The run log of the demo's ``train`` step (``compiled``, its ``inspect`` ``summary``); resumed at
+    step ``continues``, it keeps the earlier run's steps up to it."""
     devices = list(train.mesh.devices.flat)
     tokens = train.global_batch_size * cfg.seq_len
     flops = step_flops(
@@ -70,4 +73,5 @@ def demo_run_log(config, train, compiled, summary: dict, *, cfg: LMConfig, shape
         profile=config.profile,
         tensorboard=config.tensorboard,
         machine=machine,
+        continues=continues,
     )

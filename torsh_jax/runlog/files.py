@@ -31,6 +31,7 @@ __all__ = [
     "flat_json_line",
     "make_run_dir",
     "rotate_profile",
+    "steps_up_to",
     "write_json",
 ]
 
@@ -110,3 +111,28 @@ def rotate_profile(path: Path) -> Path | None:
             key="log_dir",
             fix=f"move or remove {old}, or pass another directory",
         ) from None
+
+
+def steps_up_to(path: Path, step: int, /) -> list[str]:
+    """The lines of run directory ``path``'s ``steps.jsonl`` whose ``step`` is at most ``step``
+    (what a run resumed from its checkpoint at ``step`` keeps of the run before it); a line that is
+    not a step's JSON (a crash's half line) is left out.
+
+    Example:
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp())
+        >>> _ = (path / STEPS_FILE).write_text('{"step": 1}\\n{"step": 2}\\n{"step": 3}\\n{"st')
+        >>> steps_up_to(path, 2)
+        ['{"step": 1}', '{"step": 2}']
+    """
+    if not (path / STEPS_FILE).is_file():
+        return []
+    kept = []
+    for raw in (path / STEPS_FILE).read_bytes().splitlines():
+        try:
+            record = json.loads(raw)
+        except ValueError:  # also not UTF-8
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(raw.decode("utf-8"))
+    return kept

@@ -68,7 +68,9 @@ def _median_step_s(run: Run) -> float | None:
 
 def _measured_share(run: Run) -> dict | None:
     traces = [t for t in run.traces if t.name == "perfetto_trace.json.gz"]
-    profiled = [s for s in run.steps if s.get("profiled") and s.get("step_time_s")]
+    # this run's profile: a resumed run's log keeps the earlier run's steps, whose traces were moved
+    resumed = run.header.get("resumed_from_step") or 0
+    profiled = [s for s in run.steps if s.get("profiled") and s.get("step_time_s") and s["step"] > resumed]
     timed = [s for s in profiled if not s.get("compiles")]  # a compile is not the step's time
     if not traces or not timed or run.inspect is None:
         return None

@@ -73,7 +73,8 @@ class RunLog:
     """Writes ``run.json``, the plan, the ``inspect`` summary and one JSON line per step.
 
     Args:
-        directory: the run directory (created; an existing ``steps.jsonl`` is replaced).
+        directory: the run directory (created; an existing ``steps.jsonl`` is replaced, but for
+            the steps ``continues`` keeps).
         header: what the run is (``plan``, ``mesh``, ``devices``, ``platform``, ...), kept in ``run.json``.
         flops: the step's FLOPs and their source (:func:`~torsh_jax.runlog.flops.step_flops`).
         peak: one device's peak FLOP/s and its source (:func:`~torsh_jax.runlog.flops.peak_flops`).
@@ -88,6 +89,9 @@ class RunLog:
         machine: a :class:`~torsh_jax.planner.Machine` (``torsh-jax calibrate``, or a target's) or
             :func:`machine_file`: its links' α-β figures model the communication time when no
             profile measures it.
+        continues: the step a run resumed at from its checkpoint: the earlier run's lines in
+            ``steps.jsonl`` up to that step are kept, this run's follow (``resumed_from_step`` in
+            ``run.json``).
 
     Only process 0 (``jax.process_index() == 0``) writes; on other processes the log computes and
     returns the records but writes nothing and traces nothing. A ``profile/`` left by an earlier run
@@ -113,6 +117,7 @@ class RunLog:
         profile: str | ProfileWindow | None = None,
         tensorboard: bool = False,
         machine: Any = None,
+        continues: int | None = None,
     ):
         self.window = ProfileWindow.parse(profile) if isinstance(profile, str) else profile
         self.path, self.writes = Path(directory), _is_process_0()
@@ -131,6 +136,7 @@ class RunLog:
             **self.flops.to_dict(),
             **self.peak.to_dict(),
             "profile": self.window.to_dict() if self.window else None,
+            "resumed_from_step": continues,
         }
         if machine is not None:
             self._header["links"] = {
@@ -143,7 +149,10 @@ class RunLog:
         self._steps = None
         if self.writes:
             self._write_static(plan, inspect)
+            kept = files.steps_up_to(self.path, continues) if continues else []
             self._steps = (self.path / files.STEPS_FILE).open("w", encoding="utf-8")
+            self._steps.writelines(f"{line}\n" for line in kept)
+            self._steps.flush()
         self._compiles = _CompileCounter()
         self._compiles.register()
         self._seen, self._started, self._tracing, self._traced = (0, 0.0), None, False, False
