@@ -179,6 +179,13 @@ def test_every_output_file_is_checked_before_the_command_works(capsys, tmp_path,
     assert "--output" in line and says in line, line
 
 
+@pytest.mark.parametrize("output", ["-", "/dev/null"])
+def test_an_output_that_is_not_a_file_is_not_given_a_suffix(capsys, tmp_path, output):
+    config = _write(tmp_path, "ds.json", '{"train_batch_size": 16}')
+    line = _error_line(capsys, ["translate", config, "--world-size", "8", "-o", output])
+    assert f"'{output}' must end in .toml or .json. Fix: write to a .toml or .json file" in line
+
+
 def test_an_output_file_the_disk_cannot_take_is_one_line():
     """Written at the end (the path was fine when the command started): a full disk is one line."""
     from torsh_jax.cli.output import write_output

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from torsh_jax.errors import TranslationError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -138,3 +141,126 @@ def test_corpus_file_through_cli(corpus_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["plan"]["communication"]["bucket_mb"] == pytest.approx(16777216 / 1e6)
+
+
+def test_lenient_and_strict_together_are_refused_in_one_line(launch_file, tmp_path):
+    proc = _cli(str(launch_file), "--lenient", "--strict", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "--strict: not allowed with argument --lenient" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Fix:" in proc.stderr
+
+
+def test_world_size_that_differs_from_the_launch_line_is_one_error(tmp_path):
+    path = tmp_path / "h.txt"
+    path.write_text("horovodrun -np 8 -H localhost:4 python train.py\n")
+    proc = _cli(str(path), "--world-size", "4", "--format", "json", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    line = proc.stderr.strip()
+    assert line.startswith("torsh-jax translate: error: horovodrun.-np:") and len(line.splitlines()) == 1
+    assert "8 processes" in line and "--world-size says 4" in line and "drop --world-size" in line
+
+
+DS_AUTO_BF16 = {"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"}}
+
+
+@pytest.mark.parametrize(("value", "compute"), [("1", "bfloat16"), ('"false"', None), ("NO", None)])
+def test_hf_trainer_booleans_read_as_transformers_does(tmp_path, value, compute):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(DS_AUTO_BF16))
+    proc = _cli(str(path), "--world-size", "8", "--format", "json", "--hf-trainer",
+                "per_device_train_batch_size=4", f"bf16={value}", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["plan"].get("precision", {}).get("compute_dtype") == compute
+
+
+def test_hf_trainer_boolean_transformers_refuses_is_one_error(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(DS_AUTO_BF16))
+    proc = _cli(str(path), "--world-size", "8", "--hf-trainer", "bf16=maybe", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("torsh-jax translate: error: --hf-trainer bf16: must be a boolean")
+    assert "'maybe'" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_long_key_and_set_item_are_clipped_in_the_error(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "k" * 100_000: 1}))
+    strict = _cli(str(path), "--world-size", "8", "--strict", cwd=tmp_path)
+    assert strict.returncode == 2 and len(strict.stderr) < 300 and "kkk...kkk" in strict.stderr
+    bad_set = _cli(str(path), "--set", "x" * 100_000, cwd=tmp_path)
+    assert bad_set.returncode == 2 and len(bad_set.stderr) < 300 and "--set" in bad_set.stderr
+
+
+#: Sections of docs/translate.md -> the kind of the input examples they show.
+DOC_INPUT_KINDS = {
+    "Horovod": "horovod",
+    "PyTorch FSDP": "torch_fsdp",
+    "Device meshes: FSDP with tensor parallelism": "torch_fsdp",
+}
+#: Sections whose examples are not input: the command's JSON output, the Python API.
+DOC_OTHER_EXAMPLES = ("JSON output", "From Python")
+_FENCE = re.compile(r"```(json|toml|python)\n(.*?)```", re.DOTALL)
+_INLINE_OBJECT = re.compile(r"`(\{[^`]*\})`")
+
+
+def _inline_json(body: str) -> list[str]:
+    found = []
+    for match in _INLINE_OBJECT.finditer(_FENCE.sub("", body)):
+        text = " ".join(match.group(1).split())
+        try:
+            json.loads(text)
+        except json.JSONDecodeError:
+            continue  # a sketch such as {"fsdp": {...}}
+        found.append(text)
+    return found
+
+
+def _doc_examples() -> list[tuple[str, str, str]]:
+    """``(section, suffix, text)`` of each fenced JSON/TOML/Python block and inline JSON object."""
+    text = (REPO / "docs" / "translate.md").read_text()
+    examples = []
+    for section in re.split(r"^#{2,3} ", text, flags=re.MULTILINE)[1:]:
+        title, _, body = section.partition("\n")
+        suffixes = {"json": ".json", "toml": ".toml", "python": ".py"}
+        examples += [(title.strip(), suffixes[lang], block) for lang, block in _FENCE.findall(body)]
+        examples += [(title.strip(), ".json", obj) for obj in _inline_json(body)]
+    return examples
+
+
+DOC_EXAMPLES = _doc_examples()
+
+
+def test_doc_examples_are_found_and_every_section_is_known():
+    assert any(title == "Device meshes: FSDP with tensor parallelism" and suffix == ".json"
+               for title, suffix, _ in DOC_EXAMPLES)  # fmt: skip
+    unknown = {title for title, _, _ in DOC_EXAMPLES} - set(DOC_INPUT_KINDS) - set(DOC_OTHER_EXAMPLES)
+    assert not unknown, f"say what kind of example these sections of docs/translate.md show: {unknown}"
+
+
+@pytest.mark.parametrize(
+    ("title", "suffix", "text"),
+    [pytest.param(*e, id=f"{i}-{e[0]}{e[1]}") for i, e in enumerate(DOC_EXAMPLES) if e[0] in DOC_INPUT_KINDS],
+)
+def test_every_doc_input_example_is_detected_as_its_kind_and_translates(tmp_path, title, suffix, text):
+    from torsh_jax.translate.detect import detect_kind, translate_file
+
+    path = tmp_path / f"example{suffix}"
+    path.write_text(text)
+    assert detect_kind(path) == DOC_INPUT_KINDS[title]
+    assert translate_file(path, lenient=True).kind == DOC_INPUT_KINDS[title]
+
+
+def test_long_input_path_is_named_whole_and_a_long_key_clipped(tmp_path):
+    from torsh_jax.translate.detect import translate_file
+
+    path = tmp_path / ("d" * 100) / "notes.txt"
+    path.parent.mkdir()
+    path.write_text("nothing to see here\n")
+    with pytest.raises(TranslationError) as err:
+        translate_file(path)
+    assert err.value.key == str(path)
+    horovod = tmp_path / "launch.sh"
+    horovod.write_text(LAUNCH)
+    with pytest.raises(TranslationError) as err:
+        translate_file(horovod, overrides={"x" * 1000: 1})
+    assert err.value.key == "x" * 39 + "..." + "x" * 38

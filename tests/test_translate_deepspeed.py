@@ -556,3 +556,48 @@ def test_zero_2_and_3_with_a_pipeline_are_refused_as_deepspeed_refuses_them(stag
 def test_zero_1_with_a_pipeline_translates():
     plan = tr({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2}}, world_size=8).plan
     assert (plan.zero.stage, plan.mesh.stage.ici) == (1, 2)
+
+
+#: ``HfArgumentParser.string_to_bool`` (transformers ``hf_argparser.py``): these, in any case.
+_TRAINER_TRUE = [True, 1, "yes", "TRUE", "t", "Y", "1"]
+_TRAINER_FALSE = [False, 0, "no", "False", "f", "N", "0", "false"]
+
+
+@pytest.mark.parametrize(
+    ("value", "enabled"),
+    [(v, True) for v in _TRAINER_TRUE] + [(v, False) for v in _TRAINER_FALSE],
+    ids=[f"true-{v!r}" for v in _TRAINER_TRUE] + [f"false-{v!r}" for v in _TRAINER_FALSE],
+)
+def test_trainer_booleans_are_read_as_transformers_reads_them(value, enabled):
+    config = {**BASE, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+    for name in ("bf16", "fp16"):
+        trainer = {name: value, "per_device_train_batch_size": 2}
+        result = translate_deepspeed(config, world_size=8, hf_trainer=trainer)
+        assert note(result, f"{name}.enabled").value is enabled
+
+
+@pytest.mark.parametrize("value", ["maybe", 2, 1.0, None, "on", "", [True]])
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_trainer_boolean_transformers_refuses_is_one_error_naming_the_flag(name, value):
+    config = {**BASE, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+    with pytest.raises(TranslationError) as err:
+        translate_deepspeed(config, world_size=8, hf_trainer={name: value, "per_device_train_batch_size": 2})
+    assert err.value.key == f"--hf-trainer {name}"
+    assert "must be a boolean" in err.value.message and repr(value) in err.value.message
+    assert f"{name}=true" in err.value.fix
+
+
+def test_missing_world_size_fix_names_the_flag():
+    with pytest.raises(TranslationError) as err:
+        translate_deepspeed({"train_batch_size": 16})
+    assert err.value.key == "train_micro_batch_size_per_gpu"
+    assert "--world-size" in err.value.fix and "world_size (devices)" not in err.value.fix
+
+
+def test_long_unknown_key_is_clipped_in_the_error():
+    long_key = "k" * 100_000
+    with pytest.raises(TranslationError) as err:
+        tr({long_key: 1}, strict=True)
+    assert len(err.value.key) <= 80 and err.value.key.startswith("kkk") and "..." in err.value.key
+    assert len(str(err.value)) < 300
+    assert str(err.value).startswith(err.value.key)

@@ -231,6 +231,66 @@ def test_translate_file_detects_fsdp(tmp_path, name, text):
     assert result.kind == "torch_fsdp" and result.plan.zero.stage == 0
 
 
+#: The device-mesh JSON form of docs/translate.md ("Device meshes"): HSDP over (replicate, shard) x TP.
+MESH_JSON = {
+    "device_mesh": {"mesh_shape": [2, 2, 2], "mesh_dim_names": ["replicate", "shard", "tp"]},
+    "parallelize_module": {"device_mesh": "tp"},
+    "fully_shard": {"mesh": ["replicate", "shard"]},
+}
+
+
+@pytest.mark.parametrize(
+    "data",
+    [MESH_JSON, dict(reversed(MESH_JSON.items())), {"device_mesh": MESH_JSON["device_mesh"], "fsdp": {}}],
+    ids=["mesh-first", "fully-shard-first", "fsdp1-with-mesh"],
+)
+def test_translate_file_detects_fsdp_with_a_device_mesh(tmp_path, data):
+    from torsh_jax.translate.detect import detect_kind, translate_file
+
+    path = tmp_path / "mesh.json"
+    path.write_text(json.dumps(data))
+    assert detect_kind(path) == "torch_fsdp"
+    assert translate_file(path, world_size=8, lenient=True).kind == "torch_fsdp"
+
+
+_DEEPSPEED_OR_FSDP = ("DeepSpeed or PyTorch FSDP", "for DeepSpeed remove")
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "expected"),
+    [
+        ("mixed.json", json.dumps({"fsdp": {}, "train_batch_size": 8}), _DEEPSPEED_OR_FSDP),
+        ("mixed.json", json.dumps({**MESH_JSON, "zero_optimization": {"stage": 3}}), _DEEPSPEED_OR_FSDP),
+        ("mixed.py", "model = FSDP(model)\nopt = hvd.DistributedOptimizer(opt)\n",
+         ("Horovod or PyTorch FSDP", "separate files")),
+    ],
+    ids=["fsdp-and-deepspeed-keys", "mesh-and-deepspeed-keys", "fsdp-call-and-hvd"],
+)  # fmt: skip
+def test_input_of_two_kinds_is_an_error_naming_both(tmp_path, name, text, expected):
+    from torsh_jax.translate.detect import detect_kind
+
+    kinds, fix = expected
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(TranslationError) as err:
+        detect_kind(path)
+    assert err.value.key == str(path) and f"could be {kinds} input" in err.value.message
+    assert fix in err.value.fix
+
+
+@pytest.mark.parametrize("world_size", [4, 16])
+def test_world_size_that_differs_from_the_device_mesh_is_one_error_naming_both(world_size):
+    with pytest.raises(TranslationError) as err:
+        translate_torch_fsdp(MESH_JSON, world_size=world_size)
+    assert err.value.key == "device_mesh"
+    assert (
+        "(2, 2, 2) has 8 devices" in err.value.message
+        and f"--world-size says {world_size}" in err.value.message
+    )
+    assert "drop --world-size" in err.value.fix
+    assert translate_torch_fsdp(MESH_JSON, world_size=8).plan.mesh.tensor == AxisSize(ici=2)
+
+
 def test_translate_file_rejects_unknown_content(tmp_path):
     from torsh_jax.translate.detect import translate_file
 

@@ -38,9 +38,28 @@ def test_np_and_hosts_give_world_size_and_layout():
     assert _note(r, "horovodrun.script").status == "ignored"
 
 
-def test_world_size_argument_wins_over_np():
-    r = translate_horovod("horovodrun -np 4 python train.py", world_size=32)
-    assert r.extras["world_size"] == 32
+def test_world_size_argument_that_agrees_with_np_or_fills_a_shell_variable():
+    assert translate_horovod("horovodrun -np 4 python train.py", world_size=4).extras["world_size"] == 4
+    assert translate_horovod("horovodrun -np $NP python train.py", world_size=32).extras["world_size"] == 32
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "key", "flag"),
+    [
+        ("horovodrun -np 8 -H localhost:4 python train.py", {}, "horovodrun.-np", "-np"),
+        ("mpirun -n 8 python train.py", {}, "mpirun.-n", "-n"),
+        ("horovodrun -np 4 python t.py", {"horovodrun.-np": 8}, "horovodrun.-np", "-np"),
+        ("horovodrun -np 2 python a.py\nhorovodrun -np 8 python b.py", {"launch": 1}, "horovodrun[1].-np",
+         "-np"),
+    ],
+    ids=["horovodrun", "mpirun", "set-np", "second-launch"],
+)  # fmt: skip
+def test_world_size_argument_that_differs_from_np_is_one_error_naming_both(text, overrides, key, flag):
+    with pytest.raises(TranslationError) as err:
+        translate_horovod(text, world_size=4, overrides=overrides)
+    assert err.value.key == key
+    assert "8 processes" in err.value.message and "--world-size says 4" in err.value.message
+    assert "drop --world-size" in err.value.fix and f"make {flag} and --world-size agree" in err.value.fix
 
 
 @pytest.mark.parametrize(

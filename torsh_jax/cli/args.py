@@ -129,7 +129,10 @@ def output_problem(path: Path, suffixes: tuple[str, ...] = ()) -> tuple[str, str
     if path.is_dir():
         return f"{str(path)!r} is a directory", f"name a file in it, e.g. {path / name}"
     if suffixes and path.suffix not in suffixes:
-        return f"{path.name!r} must end in {' or '.join(suffixes)}", f"use {path.with_suffix(suffixes[0])}"
+        what = f"{str(path)!r} must end in {' or '.join(suffixes)}"
+        if str(path) == "-" or (path.exists() and not path.is_file()):  # stdout, a device: no such file
+            return what, f"write to a {' or '.join(suffixes)} file, e.g. {name}"
+        return what, f"use {path.with_suffix(suffixes[0])}"
     if not parent.is_dir():
         return (
             f"directory {str(parent)!r} does not exist",

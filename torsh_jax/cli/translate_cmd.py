@@ -39,8 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--hf-trainer", dest="hf_trainer", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
         help="Hugging Face TrainingArguments values that fill DeepSpeed \"auto\" entries",
     )  # fmt: skip
-    parser.add_argument("--lenient", action="store_true", help="note unsupported keys instead of failing")
-    parser.add_argument(
+    strictness = parser.add_mutually_exclusive_group()
+    strictness.add_argument("--lenient", action="store_true", help="note unsupported keys instead of failing")
+    strictness.add_argument(
         "--strict", action="store_true", help="fail on keys the source tool ignores (unknown DeepSpeed keys)"
     )
     parser.add_argument(

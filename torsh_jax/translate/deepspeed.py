@@ -53,6 +53,7 @@ from torsh_jax.translate.ds_sections import (
 from torsh_jax.translate.ds_values import apply_overrides, fill_auto
 from torsh_jax.translate.ds_zero import ZeroResult, translate_zero
 from torsh_jax.translate.hf_trainer import hf_auto_values, hf_mismatches
+from torsh_jax.translate.messages import short_errors
 from torsh_jax.translate.overrides import PLAN_SECTIONS, apply_plan_overrides
 from torsh_jax.translate.result import Note, TranslationResult
 
@@ -201,7 +202,7 @@ def _batch_without_world(ctx: Context, train, micro, accum) -> ds_batch.BatchTri
     ctx.fail(
         missing,
         "depends on the data-parallel world size, which was not given",
-        fix=f"pass world_size (devices), or set {missing}",
+        fix=f"pass the number of devices (--world-size N; world_size=N in Python), or set {missing}",
     )
 
 
@@ -347,6 +348,7 @@ def _raise_missing_auto(ctx: Context) -> None:
     )
 
 
+@short_errors
 def translate_deepspeed(
     source: str | Path | dict,
     /,
@@ -402,7 +404,7 @@ def translate_deepspeed(
     if "gradient_clipping" not in config:
         ctx.extras["gradient_clipping_default"] = (
             f"{GRADIENT_CLIPPING_DEFAULTS['pinned']} (DeepSpeed {PINNED_DEEPSPEED}); earlier releases "
-            "used 0.0: pass overrides={'gradient_clipping': 0} for that"
+            "used 0.0: pass --set gradient_clipping=0 for that"
         )
     notes = tuple(_as_written(n, spellings) for n in ctx.notes) if neox else tuple(ctx.notes)
     return TranslationResult(plan=plan, notes=notes, source=name, kind="deepspeed", extras=ctx.extras)

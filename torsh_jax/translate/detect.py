@@ -1,11 +1,13 @@
 """Pick the right translator for a file and run it.
 
-- ``.json`` -> PyTorch FSDP when its top level is ``{"fsdp": ...}`` or
-  ``{"fully_shard": ...}``, else DeepSpeed;
+- ``.json`` -> PyTorch FSDP when every top-level key is an FSDP section
+  (``fsdp``, ``fully_shard``, ``device_mesh``, ``parallelize_module``), DeepSpeed
+  when none is; a mix of both is ambiguous (an error naming both kinds);
 - ``.hjson`` / ``.yml`` / ``.yaml`` -> DeepSpeed (gpt-neox dialect included);
 - ``.txt`` / ``.sh`` / ``.bash`` / ``.py`` / anything else -> by content:
   an ``FSDP(``/``fully_shard(`` call without Horovod markers is FSDP,
-  Horovod launchers, ``HOROVOD_*`` variables or ``hvd.`` calls are Horovod.
+  Horovod launchers, ``HOROVOD_*`` variables or ``hvd.`` calls are Horovod;
+  an FSDP call next to ``hvd.`` or ``horovodrun`` is ambiguous (an error).
 
 Translators are imported lazily; none of them imports JAX.
 
@@ -25,29 +27,57 @@ from pathlib import Path
 from typing import Any
 
 from torsh_jax.errors import NotSupportedYetError, TranslationError
+from torsh_jax.translate.fsdp_args import JSON_SECTIONS, looks_like_fsdp
+from torsh_jax.translate.messages import clip, short_errors
 from torsh_jax.translate.result import TranslationResult
 
 __all__ = ["translate_file", "detect_kind", "KINDS"]
 
 KINDS = ("deepspeed", "horovod", "torch_fsdp")
 _DEEPSPEED_SUFFIXES = (".hjson", ".yml", ".yaml")
+#: Text that marks Horovod for sure (``mpirun`` alone may start any program, FSDP ones too).
+_HOROVOD_ONLY = ("hvd.", "horovodrun")
 
 
-def _json_kind(text: str) -> str:
+def _ambiguous(path: Path, kinds: str, evidence: str, *, fix: str) -> TranslationError:
+    """The error for input that two translators could read: which kinds, why, how to choose."""
+    return TranslationError(f"could be {kinds} input: {evidence}", key=str(path), fix=fix)
+
+
+def _json_kind(text: str, path: Path) -> str:
     try:
         data = json.loads(text)
     except (json.JSONDecodeError, RecursionError, ValueError):
         return "deepspeed"
-    if isinstance(data, dict) and data and set(data) <= {"fsdp", "fully_shard"}:
+    if not isinstance(data, dict) or not data:
+        return "deepspeed"
+    fsdp = [key for key in data if key in JSON_SECTIONS]
+    other = [clip(repr(key)) for key in data if key not in JSON_SECTIONS]
+    if not fsdp:
+        return "deepspeed"
+    if not other:
         return "torch_fsdp"
-    return "deepspeed"
+    others = ", ".join(other[:3]) + (", ..." if len(other) > 3 else "")
+    raise _ambiguous(
+        path,
+        "DeepSpeed or PyTorch FSDP",
+        f"FSDP sections {fsdp} next to other top-level keys ({others})",
+        fix=f"for FSDP keep only {list(JSON_SECTIONS)} at the top level; for DeepSpeed remove {fsdp}",
+    )
 
 
 def _text_kind(text: str, path: Path) -> str:
-    from torsh_jax.translate.fsdp_args import looks_like_fsdp
     from torsh_jax.translate.horovod import looks_like_horovod
 
-    if looks_like_fsdp(text) and "hvd." not in text and "horovodrun" not in text:
+    horovod_only = [marker for marker in _HOROVOD_ONLY if marker in text]
+    if looks_like_fsdp(text) and horovod_only:
+        raise _ambiguous(
+            path,
+            "Horovod or PyTorch FSDP",
+            f"it calls FSDP/fully_shard and uses {' and '.join(horovod_only)}",
+            fix="put the FSDP call and the Horovod lines in separate files and translate each",
+        )
+    if looks_like_fsdp(text):
         return "torch_fsdp"
     if looks_like_horovod(text):
         return "horovod"
@@ -62,7 +92,8 @@ def detect_kind(path: str | Path, /) -> str:
     """``deepspeed``, ``horovod`` or ``torch_fsdp`` for the file at ``path``.
 
     Raises:
-        TranslationError: the file cannot be read or its kind cannot be told.
+        TranslationError: the file cannot be read, its kind cannot be told, or it
+            mixes the keys or calls of two kinds (the message names both).
     """
     path = Path(path)
     try:
@@ -75,7 +106,7 @@ def detect_kind(path: str | Path, /) -> str:
         raise TranslationError("the file is empty", key=str(path), fix="pass a config, launch line or script")
     suffix = path.suffix.lower()
     if suffix == ".json" or (suffix not in (".py", ".sh", ".txt", ".bash") and text.lstrip().startswith("{")):
-        return _json_kind(text)
+        return _json_kind(text, path)
     if suffix in _DEEPSPEED_SUFFIXES:
         return "deepspeed"
     return _text_kind(text, path)
@@ -91,6 +122,7 @@ def _deepspeed():
     return translate_deepspeed
 
 
+@short_errors
 def translate_file(
     path: str | Path,
     /,

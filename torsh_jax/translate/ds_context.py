@@ -65,9 +65,7 @@ class Context:
         """Note ``key`` as unsupported; raise unless lenient."""
         self.notes.unsupported(key, value, reason)
         if not self.lenient:
-            raise TranslationError(
-                reason, key=key, fix=fix or "remove the key, or translate with lenient=True"
-            )
+            raise TranslationError(reason, key=key, fix=fix or "remove the key, or pass --lenient")
 
     def fail(self, key: str, message: str, fix: str | None = None) -> NoReturn:
         """Raise for an invalid value (even when lenient)."""

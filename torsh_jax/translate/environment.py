@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from torsh_jax.distributed.env import LAUNCH_VARS, ProcessEnv, detect_environment
 from torsh_jax.errors import DistributedError, TranslationError
 from torsh_jax.plan.spec import AxisSize, MeshSpec, ParallelPlan
+from torsh_jax.translate.messages import short_errors
 from torsh_jax.translate.result import Notes, TranslationResult
 
 __all__ = ["translate_environment", "RECOGNISED", "IGNORED"]
@@ -90,6 +91,7 @@ IGNORED: dict[str, str] = {
 _IGNORED_PREFIXES = {"NCCL_": "NCCL tuning; on GPU, XLA's NCCL reads it itself, on CPU gloo ignores it"}
 
 
+@short_errors
 def translate_environment(environ: Mapping[str, str]) -> TranslationResult:
     """Process layout, ``initialize()`` arguments and a default plan from launcher variables.
 

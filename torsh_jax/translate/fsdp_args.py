@@ -32,6 +32,8 @@ __all__ = [
     "POLICY_ORDER",
     "STAGE",
     "MESH_KEYS",
+    "CALL_SECTIONS",
+    "JSON_SECTIONS",
     "FsdpCall",
     "dtype_name",
     "strategy_name",
@@ -77,6 +79,10 @@ POLICY_ORDER = {
 }
 #: Top-level JSON keys of the job's device mesh (read by :mod:`torsh_jax.translate.torch_mesh`).
 MESH_KEYS = ("device_mesh", "parallelize_module")
+#: Top-level JSON keys holding an FSDP call's keyword arguments (FSDP1, FSDP2).
+CALL_SECTIONS = ("fsdp", "fully_shard")
+#: Every top-level key of FSDP JSON input.
+JSON_SECTIONS = CALL_SECTIONS + MESH_KEYS
 _CALL_NAMES = {"FullyShardedDataParallel": "fsdp", "FSDP": "fsdp", "fully_shard": "fully_shard"}
 _DTYPES = {
     "bfloat16": "bfloat16",
@@ -169,7 +175,7 @@ def calls_from_dict(data: Any) -> list[FsdpCall]:
     for key, section in data.items():
         if key in MESH_KEYS:
             continue
-        if key not in ("fsdp", "fully_shard"):
+        if key not in CALL_SECTIONS:
             raise TranslationError(
                 f"unknown top-level key {key!r}",
                 key=str(key),

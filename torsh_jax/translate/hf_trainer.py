@@ -23,8 +23,15 @@ from typing import Any
 
 from torsh_jax.errors import TranslationError
 from torsh_jax.translate.ds_values import get_path
+from torsh_jax.translate.messages import clip
 
-__all__ = ["hf_auto_values", "hf_mismatches", "TRAINING_ARGUMENT_DEFAULTS"]
+__all__ = [
+    "hf_auto_values",
+    "hf_mismatches",
+    "trainer_bool",
+    "TRAINING_ARGUMENT_DEFAULTS",
+    "BOOLEAN_ARGUMENTS",
+]
 
 #: ``transformers.TrainingArguments`` defaults for the arguments the DeepSpeed integration reads.
 TRAINING_ARGUMENT_DEFAULTS: dict[str, Any] = {
@@ -44,6 +51,39 @@ TRAINING_ARGUMENT_DEFAULTS: dict[str, Any] = {
     "hidden_size": None,
 }
 
+#: The Trainer arguments read here that are booleans (checked by :func:`trainer_bool`).
+BOOLEAN_ARGUMENTS = tuple(name for name, default in TRAINING_ARGUMENT_DEFAULTS.items() if default is False)
+
+#: Spellings ``HfArgumentParser`` accepts for a boolean (transformers ``hf_argparser.string_to_bool``,
+#: case-insensitive); anything else is an error there.
+_TRUE_WORDS = ("yes", "true", "t", "y", "1")
+_FALSE_WORDS = ("no", "false", "f", "n", "0")
+
+
+def trainer_bool(value: Any, name: str) -> bool:
+    """``value`` of the boolean Trainer argument ``name``, read as ``HfArgumentParser`` reads it.
+
+    Example:
+        >>> trainer_bool("Yes", "bf16"), trainer_bool(0, "bf16"), trainer_bool("F", "fp16")
+        (True, False, False)
+
+    Raises:
+        TranslationError: not a spelling transformers accepts (``maybe``, ``2``, ``1.0``).
+    """
+    if isinstance(value, bool):
+        return value
+    text = str(value).lower() if isinstance(value, (str, int)) else None
+    if text in _TRUE_WORDS:
+        return True
+    if text in _FALSE_WORDS:
+        return False
+    raise TranslationError(
+        f"must be a boolean (yes/no, true/false, t/f, y/n, 1/0, any case, as transformers reads it), "
+        f"got {clip(repr(value))}",
+        key=f"--hf-trainer {name}",
+        fix=f"pass --hf-trainer {name}=true or {name}=false",
+    )
+
 
 def _arguments(args: Mapping[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(args) - set(TRAINING_ARGUMENT_DEFAULTS) - {"world_size", "num_training_steps"})
@@ -54,6 +94,8 @@ def _arguments(args: Mapping[str, Any]) -> dict[str, Any]:
             fix=f"use one of {sorted(TRAINING_ARGUMENT_DEFAULTS)}",
         )
     merged = {**TRAINING_ARGUMENT_DEFAULTS, **args}
+    for name in BOOLEAN_ARGUMENTS:
+        merged[name] = trainer_bool(merged[name], name)
     if merged.get("max_steps") is None and "num_training_steps" in args:
         merged["max_steps"] = args["num_training_steps"]
     return merged
@@ -112,8 +154,8 @@ def hf_auto_values(args: Mapping[str, Any], *, world_size: int | None) -> dict[s
         "optimizer.params.weight_decay": a["weight_decay"],
         "scheduler.params.warmup_min_lr": 0,
         "scheduler.params.warmup_max_lr": a["learning_rate"],
-        "fp16.enabled": bool(a["fp16"]),
-        "bf16.enabled": bool(a["bf16"]),
+        "fp16.enabled": a["fp16"],
+        "bf16.enabled": a["bf16"],
     }
     if world is not None:
         values["train_batch_size"] = world * micro * accum

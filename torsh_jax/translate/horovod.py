@@ -50,6 +50,7 @@ from torsh_jax.translate.hvd_tables import (
     MPIRUN_FLAGS,
     lookup_flag,
 )
+from torsh_jax.translate.messages import short_errors
 from torsh_jax.translate.overrides import PLAN_SECTIONS, NoteBook, apply_plan_overrides, plain
 from torsh_jax.translate.result import TranslationResult
 
@@ -242,6 +243,7 @@ def _build_plan(layout: Layout, settings, name: str) -> ParallelPlan:
     )
 
 
+@short_errors
 def translate_horovod(
     source: str | Path,
     /,
@@ -254,7 +256,9 @@ def translate_horovod(
 
     Args:
         source: a file path, or the text itself.
-        world_size: number of processes; overrides ``-np``.
+        world_size: number of processes (``--world-size``), for a launch line
+            without ``-np`` or with ``-np $NP``; it must agree with a
+            literal ``-np``.
         overrides: ``args.NAME`` (script option values), ``env.NAME``,
             ``DistributedOptimizer.ARG``, ``horovodrun.-FLAG``, ``launch``
             (which launch command of several) or plan paths
@@ -265,7 +269,8 @@ def translate_horovod(
         A :class:`TranslationResult` of kind ``horovod``.
 
     Raises:
-        TranslationError: an unsupported or malformed setting; the key names it.
+        TranslationError: an unsupported or malformed setting, or a
+            ``world_size`` that differs from ``-np``; the key names it.
 
     Example:
         >>> r = translate_horovod("opt = hvd.DistributedOptimizer(o, backward_passes_per_step=2)")
@@ -308,13 +313,27 @@ def translate_horovod(
     return TranslationResult(plan=plan, notes=book.notes(), source=label, kind="horovod", extras=extras)
 
 
-def _extras(script: PyScript, layout: Layout, world_size: int | None, book: NoteBook) -> dict[str, Any]:
+def _check_world_size(world_size: int | None, layout: Layout) -> None:
+    """``world_size`` (``--world-size``) is a positive integer that agrees with the launch's ``-np``."""
     if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
         raise TranslationError(
             f"must be an integer >= 1, got {world_size!r}",
             key="world_size",
             fix="pass --world-size as a positive integer (processes in the job)",
         )
+    launched = layout.world_size
+    if world_size is not None and launched is not None and world_size != launched:
+        flag = layout.world_size_key.partition(".")[2]
+        raise TranslationError(
+            f"the launch line starts {launched} processes ({flag} {launched}), "
+            f"--world-size says {world_size}",
+            key=layout.world_size_key,
+            fix=f"drop --world-size (the launch line sets it), or make {flag} and --world-size agree",
+        )
+
+
+def _extras(script: PyScript, layout: Layout, world_size: int | None, book: NoteBook) -> dict[str, Any]:
+    _check_world_size(world_size, layout)
     extras: dict[str, Any] = {"world_size": world_size or layout.world_size or layout.total_slots()}
     extras.update(layout.extras())
     lr_lines = find_lr_scaling(script)

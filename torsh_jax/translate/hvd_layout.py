@@ -33,6 +33,7 @@ class Layout:
     """What the launch says about processes, hosts and communication."""
 
     world_size: int | None = None
+    world_size_key: str | None = None
     hosts: list[tuple[str, int]] | None = None
     hostfile: str | None = None
     slots_per_host: int | None = None
@@ -185,6 +186,7 @@ def _apply_num_proc(text: str, key: str, layout: Layout, book: NoteBook) -> None
         book.approximated(key, text, "a shell variable; the world size is unknown, pass --world-size N")
         return
     layout.world_size = as_int(text, key, minimum=1, maximum=MAX_PROCESSES)
+    layout.world_size_key = key
     book.mapped(key, text, f"world size {layout.world_size} (extras.world_size); mesh.data fills the devices")
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from torsh_jax.errors import PlanError, TranslationError
 from torsh_jax.plan.io import plan_from_dict, plan_to_dict
 from torsh_jax.plan.spec import MAX_BATCH_SIZE, ParallelPlan
+from torsh_jax.translate.messages import clip
 from torsh_jax.translate.result import Note, Notes, Status
 
 __all__ = [
@@ -59,7 +60,7 @@ def parse_set_items(items: list[str] | None, *, flag: str = "--set") -> dict[str
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise TranslationError(
-                f"expected KEY=VALUE, got {item!r}", key=flag, fix=f"write {flag} key=value"
+                f"expected KEY=VALUE, got {clip(repr(item))}", key=flag, fix=f"write {flag} key=value"
             )
         out[key.strip()] = parse_set_value(value.strip())
     return out

@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 from torsh_jax.plan.io import plan_to_dict, plan_to_toml
+from torsh_jax.translate.messages import clip
 from torsh_jax.translate.overrides import plain
 from torsh_jax.translate.result import STATUSES, TranslationResult
 
@@ -59,14 +60,13 @@ def render_toml(result: TranslationResult) -> str:
 
 
 def _value_text(value: Any, width: int = 40) -> str:
-    text = value if isinstance(value, str) else json.dumps(plain(value))
-    return text if len(text) <= width else text[: width - 3] + "..."
+    return clip(value if isinstance(value, str) else json.dumps(plain(value)), width)
 
 
 def render_plain_table(result: TranslationResult) -> str:
     """The notes as an aligned plain-text table (no colours)."""
     rows = [("KEY", "STATUS", "VALUE", "DETAIL")]
-    rows += [(n.key, n.status, _value_text(n.value), n.detail) for n in result.notes]
+    rows += [(clip(n.key), n.status, _value_text(n.value), n.detail) for n in result.notes]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in rows]
     return "\n".join(lines)
@@ -88,7 +88,7 @@ def render_text(result: TranslationResult, *, color: bool = False, width: int = 
     for note in result.notes:
         style = _STYLES.get(note.status, "")
         status = f"[{style}]{note.status}[/{style}]" if style else note.status
-        table.add_row(escape(note.key), status, escape(_value_text(note.value)), escape(note.detail))
+        table.add_row(escape(clip(note.key)), status, escape(_value_text(note.value)), escape(note.detail))
     buffer = io.StringIO()
     console = Console(
         file=buffer, width=width, color_system="standard" if color else None, force_terminal=color

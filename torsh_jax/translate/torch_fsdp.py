@@ -47,6 +47,7 @@ from torsh_jax.translate.fsdp_args import (
     strategy_name,
 )
 from torsh_jax.translate.hvd_pyexpr import Unknown
+from torsh_jax.translate.messages import short_errors
 from torsh_jax.translate.overrides import (
     MAX_PROCESSES,
     PLAN_SECTIONS,
@@ -411,6 +412,25 @@ def _split_overrides(overrides: dict[str, Any], calls: list[FsdpCall]) -> dict[s
     return plan_overrides
 
 
+def _check_world_size(world_size: int | None, mesh_use: MeshUse) -> None:
+    """``world_size`` (``--world-size``) is a positive integer that agrees with the device mesh's size."""
+    if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+        raise TranslationError(
+            f"must be an integer >= 1, got {world_size!r}",
+            key="world_size",
+            fix="pass --world-size as a positive integer (processes in the job)",
+        )
+    mesh = mesh_use.mesh
+    devices = mesh.size(mesh.names) if mesh is not None else None
+    if world_size is not None and devices is not None and world_size != devices:
+        raise TranslationError(
+            f"the device mesh {mesh.shape} has {devices} devices, --world-size says {world_size}",
+            key="device_mesh",
+            fix="drop --world-size (the mesh sets it), or make the mesh shape and --world-size agree",
+        )
+
+
+@short_errors
 def translate_torch_fsdp(
     source: str | Path | dict,
     /,
@@ -424,7 +444,8 @@ def translate_torch_fsdp(
     Args:
         source: ``{"fsdp": {...}}`` data, a path to a ``.json``/``.py`` file,
             or the text of one.
-        world_size: number of devices (fixes the node count for hybrid sharding).
+        world_size: number of devices (fixes the node count for hybrid sharding);
+            it must agree with a device mesh the input shows.
         overrides: ``fsdp.ARG`` / ``fully_shard.ARG`` (replace an argument,
             ``fsdp.devices_per_node`` included) or plan paths.
         lenient: note unsupported arguments instead of raising.
@@ -438,12 +459,7 @@ def translate_torch_fsdp(
     for call in calls:
         for name, value in call.arguments.items():
             _note_argument(name, value, f"{call.prefix}.{name}", st, book)
-    if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
-        raise TranslationError(
-            f"must be an integer >= 1, got {world_size!r}",
-            key="world_size",
-            fix="pass --world-size as a positive integer (processes in the job)",
-        )
+    _check_world_size(world_size, mesh_use)
     api = calls[0].api
     name = "torch_fsdp" if label.startswith("<") else Path(label).stem
     plan = apply_plan_overrides(_plan(st, api, world_size, book, name), plan_overrides)
