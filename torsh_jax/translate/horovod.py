@@ -53,6 +53,7 @@ from torsh_jax.translate.hvd_tables import (
 from torsh_jax.translate.messages import short_errors
 from torsh_jax.translate.overrides import PLAN_SECTIONS, NoteBook, apply_plan_overrides, plain
 from torsh_jax.translate.result import TranslationResult
+from torsh_jax.translate.world_size import check_world_size
 
 __all__ = ["translate_horovod", "looks_like_horovod"]
 
@@ -315,12 +316,7 @@ def translate_horovod(
 
 def _check_world_size(world_size: int | None, layout: Layout) -> None:
     """``world_size`` (``--world-size``) is a positive integer that agrees with the launch's ``-np``."""
-    if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
-        raise TranslationError(
-            f"must be an integer >= 1, got {world_size!r}",
-            key="world_size",
-            fix="pass --world-size as a positive integer (processes in the job)",
-        )
+    check_world_size(world_size)
     launched = layout.world_size
     if world_size is not None and launched is not None and world_size != launched:
         flag = layout.world_size_key.partition(".")[2]

@@ -58,6 +58,7 @@ from torsh_jax.translate.overrides import (
 )
 from torsh_jax.translate.result import TranslationResult
 from torsh_jax.translate.torch_mesh import MeshUse
+from torsh_jax.translate.world_size import check_world_size
 
 __all__ = ["translate_torch_fsdp", "looks_like_fsdp", "calls_from_dict", "calls_from_python", "FsdpCall"]
 
@@ -414,12 +415,7 @@ def _split_overrides(overrides: dict[str, Any], calls: list[FsdpCall]) -> dict[s
 
 def _check_world_size(world_size: int | None, mesh_use: MeshUse) -> None:
     """``world_size`` (``--world-size``) is a positive integer that agrees with the device mesh's size."""
-    if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
-        raise TranslationError(
-            f"must be an integer >= 1, got {world_size!r}",
-            key="world_size",
-            fix="pass --world-size as a positive integer (processes in the job)",
-        )
+    check_world_size(world_size)
     mesh = mesh_use.mesh
     devices = mesh.size(mesh.names) if mesh is not None else None
     if world_size is not None and devices is not None and world_size != devices:
