@@ -1,7 +1,7 @@
 """``torsh-jax checkpoint list|show``: what a checkpoint directory holds.
 
 With ``--json``, ``list`` prints one JSON object per step directory and ``show`` one JSON object,
-each on one line (as every ``--json`` of the command line: one strict JSON object per line).
+each on one line (docs/cli.md, Output).
 
 Example:
     $ torsh-jax checkpoint list runs/ckpt
