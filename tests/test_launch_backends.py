@@ -381,9 +381,9 @@ DRY_RUN_REFUSALS = {
     "missing-script-ray": (["--ray", "auto", "-n", "2", "missing.py"], "missing.py: script not found"),
     "missing-module": (["-n", "2", "-m", "no_such_module", "x"], "no_such_module: module not found"),
     "port-under-ray": (["--ray", "auto", "-n", "2", "--port", "4000", SCRIPT], "--port: is read only by"),
-    "negative-grace-period": (["-n", "2", "--grace-period", "-1", SCRIPT], "grace_period: must be >= 0"),
-    "nan-exit-grace": (["-n", "2", "--exit-grace", "nan", SCRIPT], "exit_grace: must be > 0"),
-    "nan-timeout": (["-n", "2", "--timeout", "nan", SCRIPT], "timeout: must be > 0"),
+    "negative-grace-period": (["-n", "2", "--grace-period", "-1", SCRIPT], "--grace-period: must be >= 0"),
+    "nan-exit-grace": (["-n", "2", "--exit-grace", "nan", SCRIPT], "--exit-grace: must be > 0"),
+    "nan-timeout": (["-n", "2", "--timeout", "nan", SCRIPT], "--timeout: must be > 0"),
 }
 
 
