@@ -587,6 +587,35 @@ def test_trainer_boolean_transformers_refuses_is_one_error_naming_the_flag(name,
     assert f"{name}=true" in err.value.fix
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        ("per_device_train_batch_size", "abc", "must be a whole number >= 1"),
+        ("per_device_train_batch_size", -3, "must be a whole number >= 1"),
+        ("per_device_train_batch_size", 2.5, "must be a whole number >= 1"),
+        ("gradient_accumulation_steps", 0, "must be a whole number >= 1"),
+        ("learning_rate", "fast", "must be a finite number >= 0"),
+        ("learning_rate", float("nan"), "must be a finite number >= 0"),
+        ("max_grad_norm", True, "must be a finite number >= 0"),
+        ("max_steps", "ten", "must be a whole number, got"),
+    ],
+)
+def test_a_trainer_number_transformers_would_refuse_is_one_error_naming_the_flag(name, value, says):
+    """Named by the ``--hf-trainer`` argument given, not by the DeepSpeed key it fills."""
+    config = {**BASE, "train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "AdamW",
+              "params": {"lr": "auto"}}, "gradient_clipping": "auto"}  # fmt: skip
+    with pytest.raises(TranslationError) as err:
+        translate_deepspeed(config, world_size=8, hf_trainer={"per_device_train_batch_size": 2, name: value})
+    assert err.value.key == f"--hf-trainer {name}" and says in err.value.message, err.value
+    assert f"--hf-trainer {name}=" in err.value.fix
+
+
+def test_trainer_numbers_given_as_text_are_read_as_numbers():
+    config = {**BASE, "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto"}
+    result = translate_deepspeed(config, world_size=8, hf_trainer={"per_device_train_batch_size": "4"})
+    assert result.plan.batch.micro_batch_size * 8 * result.plan.batch.accumulation_steps == 32
+
+
 def test_missing_world_size_fix_names_the_flag():
     with pytest.raises(TranslationError) as err:
         translate_deepspeed({"train_batch_size": 16})

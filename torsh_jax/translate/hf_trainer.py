@@ -29,8 +29,10 @@ __all__ = [
     "hf_auto_values",
     "hf_mismatches",
     "trainer_bool",
+    "trainer_number",
     "TRAINING_ARGUMENT_DEFAULTS",
     "BOOLEAN_ARGUMENTS",
+    "NUMBER_ARGUMENTS",
 ]
 
 #: ``transformers.TrainingArguments`` defaults for the arguments the DeepSpeed integration reads.
@@ -58,6 +60,65 @@ BOOLEAN_ARGUMENTS = tuple(name for name, default in TRAINING_ARGUMENT_DEFAULTS.i
 #: case-insensitive); anything else is an error there.
 _TRUE_WORDS = ("yes", "true", "t", "y", "1")
 _FALSE_WORDS = ("no", "false", "f", "n", "0")
+
+
+#: The Trainer arguments read here that are numbers: their type, and the least value that trains
+#: (``None``: any; ``max_steps`` <= 0 means "until the epochs end", as in transformers).
+NUMBER_ARGUMENTS: dict[str, tuple[type, float | None]] = {
+    "per_device_train_batch_size": (int, 1),
+    "gradient_accumulation_steps": (int, 1),
+    "learning_rate": (float, 0),
+    "weight_decay": (float, 0),
+    "adam_beta1": (float, 0),
+    "adam_beta2": (float, 0),
+    "adam_epsilon": (float, 0),
+    "max_grad_norm": (float, 0),
+    "warmup_steps": (float, 0),
+    "warmup_ratio": (float, 0),
+    "max_steps": (int, None),
+    "hidden_size": (int, 1),
+    "world_size": (int, 1),
+    "num_training_steps": (int, 1),
+}
+
+
+def trainer_number(value: Any, name: str) -> int | float | None:
+    """``value`` of the number Trainer argument ``name`` (:data:`NUMBER_ARGUMENTS`), read as
+    ``HfArgumentParser`` reads it (``"4"`` is 4); ``None`` stays ``None``.
+
+    Example:
+        >>> trainer_number("4", "per_device_train_batch_size"), trainer_number(3e-5, "learning_rate")
+        (4, 3e-05)
+
+    Raises:
+        TranslationError: not a number of its type, or below the least value that trains.
+    """
+    kind, least = NUMBER_ARGUMENTS[name]
+    if value is None:
+        return None
+    number = _as_number(value, kind)
+    if number is None or (least is not None and number < least):
+        what = "a whole number" if kind is int else "a finite number"
+        bound = "" if least is None else f" >= {least}"
+        raise TranslationError(
+            f"must be {what}{bound}, got {clip(repr(value))}",
+            key=f"--hf-trainer {name}",
+            fix=f"pass --hf-trainer {name}=N, e.g. {name}={TRAINING_ARGUMENT_DEFAULTS.get(name) or 1}",
+        )
+    return number
+
+
+def _as_number(value: Any, kind: type) -> int | float | None:
+    """``value`` as ``kind`` (``int``: no fraction), or ``None`` when it is not one."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = kind(value) if isinstance(value, str) else value
+    except ValueError:
+        return None
+    if kind is int:
+        return number if isinstance(number, int) else None
+    return float(number) if isinstance(number, (int, float)) and math.isfinite(number) else None
 
 
 def trainer_bool(value: Any, name: str) -> bool:
@@ -96,6 +157,8 @@ def _arguments(args: Mapping[str, Any]) -> dict[str, Any]:
     merged = {**TRAINING_ARGUMENT_DEFAULTS, **args}
     for name in BOOLEAN_ARGUMENTS:
         merged[name] = trainer_bool(merged[name], name)
+    for name in NUMBER_ARGUMENTS.keys() & merged.keys():
+        merged[name] = trainer_number(merged[name], name)
     if merged.get("max_steps") is None and "num_training_steps" in args:
         merged["max_steps"] = args["num_training_steps"]
     return merged
