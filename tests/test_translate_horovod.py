@@ -62,6 +62,20 @@ def test_world_size_argument_that_differs_from_np_is_one_error_naming_both(text,
     assert "drop --world-size" in err.value.fix and f"make {flag} and --world-size agree" in err.value.fix
 
 
+def test_horovodrun_with_more_processes_than_slots_is_refused_as_horovodrun_refuses_it():
+    with pytest.raises(TranslationError) as err:
+        translate_horovod("horovodrun -np 8 -H a:2,b:2 python train.py")
+    assert err.value.key == "horovodrun.-np" and "8 processes on 4 slots" in err.value.message
+    assert translate_horovod("horovodrun -np 2 -H a:2,b:2 python train.py").extras["world_size"] == 2
+
+
+def test_mpirun_without_np_starts_a_process_per_slot_which_world_size_must_agree_with():
+    assert translate_horovod("mpirun -H a:4,b:4 python train.py").extras["world_size"] == 8
+    assert translate_horovod("mpirun -H a:4,b:4 python train.py", world_size=8).extras["world_size"] == 8
+    with pytest.raises(TranslationError, match=r"one process per slot, 8 \(-H\), --world-size says 4"):
+        translate_horovod("mpirun -H a:4,b:4 python train.py", world_size=4)
+
+
 @pytest.mark.parametrize(
     ("line", "mb"),
     [

@@ -128,6 +128,8 @@ def _select_launch(commands: list[LaunchCommand], chosen: dict[str, Any]) -> int
 
 
 def _note_command(command: LaunchCommand, prefix: str, env_prefix: str, selected: bool, layout, book) -> None:
+    if selected:
+        layout.launcher = command.launcher
     for name, value in command.env:
         key = f"{env_prefix}{name}"
         if selected:
@@ -328,8 +330,32 @@ def _check_world_size(world_size: int | None, layout: Layout) -> None:
         )
 
 
+def _check_slots(world_size: int | None, layout: Layout) -> None:
+    """The processes fit the hosts' slots (``-H host:slots``): horovodrun refuses more processes than
+    slots ("Requested more processes than there are available slots", horovod's host assignment),
+    and mpirun without ``-np`` starts one process per slot, which ``--world-size`` must agree with."""
+    slots, launched = layout.total_slots(), layout.world_size
+    if slots is None:
+        return
+    if layout.launcher == "horovodrun" and launched is not None and launched > slots:
+        flag = layout.world_size_key.partition(".")[2]
+        raise TranslationError(
+            f"the launch line starts {launched} processes on {slots} slots (-H); horovodrun refuses more "
+            "processes than slots",
+            key=layout.world_size_key,
+            fix=f"give the hosts {launched} slots (-H host:slots), or lower {flag}",
+        )
+    if layout.launcher == "mpirun" and launched is None and world_size is not None and world_size != slots:
+        raise TranslationError(
+            f"mpirun without -np starts one process per slot, {slots} (-H), --world-size says {world_size}",
+            key="mpirun.-H",
+            fix="drop --world-size, or make the slots and --world-size agree",
+        )
+
+
 def _extras(script: PyScript, layout: Layout, world_size: int | None, book: NoteBook) -> dict[str, Any]:
     _check_world_size(world_size, layout)
+    _check_slots(world_size, layout)
     extras: dict[str, Any] = {"world_size": world_size or layout.world_size or layout.total_slots()}
     extras.update(layout.extras())
     lr_lines = find_lr_scaling(script)
