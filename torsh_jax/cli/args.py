@@ -45,19 +45,28 @@ MAX_STEPS = 1_000_000
 MAX_DEVICES = 65_536
 
 
-def flag_error(err: TorshError, args: argparse.Namespace) -> TorshError:
+def flag_error(err: TorshError, parser: argparse.ArgumentParser) -> TorshError:
     """``err`` keyed by the flag that set the value it names (``--grace-period``), where the library
-    named its parameter (``grace_period``: an attribute of the parsed ``args``); else ``err``.
+    named its parameter (``grace_period``: the flag's ``dest`` in ``parser``); else ``err``.
 
     Example:
         >>> from torsh_jax.errors import DistributedError
+        >>> parser = argparse.ArgumentParser()
+        >>> _ = parser.add_argument("--grace-period", type=float)
         >>> err = DistributedError("must be >= 0 seconds", key="grace_period")
-        >>> str(flag_error(err, argparse.Namespace(grace_period=-1.0)))
+        >>> str(flag_error(err, parser))
         '--grace-period: must be >= 0 seconds'
     """
-    if err.key is None or not hasattr(args, err.key):
-        return err
-    return type(err)(err.message, key="--" + err.key.replace("_", "-"), fix=err.fix)
+    import copy
+
+    from torsh_jax.errors import TorshError
+
+    for action in parser._actions:
+        if action.dest == err.key and action.option_strings:
+            flagged = copy.copy(err)
+            TorshError.__init__(flagged, err.message, key=max(action.option_strings, key=len), fix=err.fix)
+            return flagged
+    return err
 
 
 def count_type(low: int, high: int, *, fix: str) -> Callable[[str], int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from torsh_jax.cli.args import MAX_DEVICES, count_type, flag_error
+from torsh_jax.cli.args import MAX_DEVICES, count_type
 
 __all__ = ["register", "run"]
 
@@ -176,17 +176,12 @@ def _add_backend_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Start (or with ``--dry-run`` describe) the processes described by ``args``; returns the exit code."""
-    from torsh_jax.errors import TorshError
-
     _check_script(args)
     _check_combination(args)
-    try:
-        if not args.slurm:
-            _check_supervision(args)
-        if args.dry_run:
-            return _dry_run(args)
-    except TorshError as err:  # named by the launcher's parameter: named by its flag here
-        raise flag_error(err, args) from None
+    if not args.slurm:
+        _check_supervision(args)
+    if args.dry_run:
+        return _dry_run(args)
     if args.slurm:
         return _submit_slurm(args)
     if args.ray is not None:

@@ -16,7 +16,7 @@ import importlib
 import os
 import sys
 
-from torsh_jax.cli.args import OneLineParser
+from torsh_jax.cli.args import OneLineParser, flag_error
 from torsh_jax.errors import TorshError
 
 __all__ = ["main", "build_parser", "COMMANDS"]
@@ -66,9 +66,8 @@ def _quiet_closed_stdout() -> int:
     return _SIGPIPE_EXIT
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """Parse ``argv``; unknown arguments are reported by the (sub-)command they were given to."""
-    parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
         _innermost(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
@@ -85,10 +84,12 @@ def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> arg
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code. Errors are one line ending in ``Fix: ...``."""
-    args = _parse(argv)
+    parser = build_parser()
+    args = _parse(parser, argv)
     try:
         return int(args.func(args) or 0)
-    except TorshError as err:
+    except TorshError as err:  # a library parameter's name shown as the flag that set it
+        err = flag_error(err, _innermost(parser, args))
         print(f"torsh-jax {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     except BrokenPipeError:
