@@ -659,7 +659,8 @@ def _measured(
     mesh = jax.make_mesh(
         (len(local), 1), ("devices", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=local
     )
-    check_model_fits(shape, device_memory_limit(mesh))
+    limit = device_memory_limit(mesh)
+    check_model_fits(shape, limit)
     overhead = _overhead(mesh, repeats)
     seconds = _pass_seconds(mesh, shape, repeats, rate_rows(max_examples))
     costs = _recompute_costs_by_tokens(shape, seconds)
@@ -672,7 +673,6 @@ def _measured(
         links["dcn"] = replace(
             _process_link(devices, processes, repeats), medium=_medium(platform, across=True)
         )
-    limit = device_memory_limit(mesh)
     across = f" in {processes} processes" if processes > 1 else ""
     return Machine(
         name=name or f"{platform}-{len(devices)} (calibrated)",
