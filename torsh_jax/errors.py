@@ -53,6 +53,22 @@ class TorshError(Exception):
         self.fix = fix
         super().__init__(self._render())
 
+    def reword(self, *, message: str | None = None, key: str | None = None, fix: str | None = None) -> None:
+        """Replace this error's message, key or fix (``None`` keeps it); ``str(err)`` follows.
+
+        Example:
+            >>> err = TorshError("must be positive", key="steps")
+            >>> err.reword(key="--steps")
+            >>> str(err)
+            '--steps: must be positive'
+        """
+        TorshError.__init__(
+            self,
+            self.message if message is None else message,
+            key=self.key if key is None else key,
+            fix=self.fix if fix is None else fix,
+        )
+
     def _render(self) -> str:
         text = f"{self.key}: {self.message}" if self.key else self.message
         if self.fix:

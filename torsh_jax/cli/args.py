@@ -47,7 +47,8 @@ MAX_DEVICES = 65_536
 
 def flag_error(err: TorshError, parser: argparse.ArgumentParser) -> TorshError:
     """``err`` keyed by the flag that set the value it names (``--grace-period``), where the library
-    named its parameter (``grace_period``: the flag's ``dest`` in ``parser``); else ``err``.
+    named its parameter (``grace_period``: the flag's ``dest`` in ``parser``) as the key or as the
+    key's first word (``target 'v9x-3'``); else ``err``.
 
     Example:
         >>> from torsh_jax.errors import DistributedError
@@ -56,15 +57,16 @@ def flag_error(err: TorshError, parser: argparse.ArgumentParser) -> TorshError:
         >>> err = DistributedError("must be >= 0 seconds", key="grace_period")
         >>> str(flag_error(err, parser))
         '--grace-period: must be >= 0 seconds'
+        >>> str(flag_error(DistributedError("unknown", key="grace_period 'x'"), parser))
+        "--grace-period 'x': unknown"
     """
     import copy
 
-    from torsh_jax.errors import TorshError
-
+    name, space, rest = (err.key or "").partition(" ")
     for action in parser._actions:
-        if action.dest == err.key and action.option_strings:
+        if action.dest == name and action.option_strings:
             flagged = copy.copy(err)
-            TorshError.__init__(flagged, err.message, key=max(action.option_strings, key=len), fix=err.fix)
+            flagged.reword(key=max(action.option_strings, key=len) + space + rest)
             return flagged
     return err
 

@@ -59,7 +59,7 @@ def shortened(err: TorshError, *, keep: Collection[str] = ()) -> TorshError:
     message = clip_words(err.message)
     fix = clip_words(err.fix) if err.fix else err.fix
     if (key, message, fix) != (err.key, err.message, err.fix):
-        TorshError.__init__(err, message, key=key, fix=fix)
+        err.reword(message=message, key=key, fix=fix)
     return err
 
 
