@@ -12,6 +12,9 @@ Prints one ``planner_plan`` row per plan and model (``predicted_s``, ``measured_
 per step, and ``collectives_in_loops`` of them inside a loop) and one ``planner_summary`` row per
 model and overall: ``mape`` (mean absolute percentage error of the step time), ``kendall_tau`` (rank
 agreement of predicted and measured times: tau-b; ``kendall_tau_a`` beside it),
+``measured_pick`` and ``measured_pick_ratio`` (``plan --measure``'s pick: the fastest of the
+:data:`MEASURED` plans ranked first, each run again on its own (``torsh_jax.planner.measure``), and
+its time in the rounds over the fastest's),
 ``kendall_tau_halves`` (tau-b of the even rounds' medians against the odd rounds': how well the
 measurement ranks the plans against itself; each side has half the rounds, so it understates how
 well two whole runs agree),
@@ -80,6 +83,8 @@ PLANS_2 = (
 #: Plans by the number of simulated devices (``--devices``).
 PLANS_BY_DEVICES = {8: PLANS, 2: PLANS_2}
 GLOBAL_BATCH = 32
+#: Plans ranked first that ``plan --measure`` runs (``measured_pick``).
+MEASURED = 3
 
 
 def parse_args():
@@ -155,6 +160,17 @@ def _timed_step(run: dict, batch) -> None:
     run["state"], metrics = run["train"].step(run["state"], batch)
     jax.block_until_ready(metrics["loss"])
     run["times"].append(time.perf_counter() - start)
+
+
+def measured_pick(predictions: list, shape, devices) -> str:
+    """The label ``plan --measure`` picks among ``predictions``: the fastest of the :data:`MEASURED`
+    predicted fastest, each run on its own (:func:`torsh_jax.planner.measure.measure_best`)."""
+    from torsh_jax.planner.measure import demo_example, measure_best
+    from torsh_jax.planner.steps import demo_step_builder
+
+    ranked = sorted(predictions, key=lambda p: p.step_s)
+    times = measure_best(ranked, MEASURED, demo_step_builder(shape), devices, demo_example(shape))
+    return min(times, key=times.get)
 
 
 def measure_in_rounds(runs: list[dict], rounds: int) -> list[float]:
@@ -269,8 +285,14 @@ def main() -> int:
         with HostMeter() as meter:  # other work on the host slows the plans it falls on
             measured = measure_in_rounds(runs, steps)
         warn_if_busy(meter.load, f"while bench_planner.py timed the {name} model's plans")
-        for candidate, run, seconds in zip(chosen, runs, measured, strict=True):
-            p = predict(candidate, shape, machine, opt_factor=optimizer_state_factor(candidate.plan))
+        for run in runs:  # their states go: the measured pick runs its plans one at a time
+            del run["state"], run["train"], run["batches"]
+        predictions = [
+            predict(candidate, shape, machine, opt_factor=optimizer_state_factor(candidate.plan))
+            for candidate in chosen
+        ]
+        picked = measured_pick(predictions, shape, devices)
+        for candidate, p, run, seconds in zip(chosen, predictions, runs, measured, strict=True):
             peak = run["peak"]
             row = {
                 "name": "planner_plan",
@@ -289,12 +311,18 @@ def main() -> int:
             }
             common.emit(row)
             rows.append(row)
+        fastest = min(r["measured_s"] for r in rows)
         common.emit(
-            {**summary(rows, name), "host_load": dataclasses.asdict(meter.load) if meter.load else None}
+            {
+                **summary(rows, name),
+                "measured_pick": picked,
+                "measured_pick_ratio": next(r["measured_s"] for r in rows if r["plan"] == picked) / fastest,
+                "host_load": dataclasses.asdict(meter.load) if meter.load else None,
+            }
         )
         every += rows
     if len(models) > 1:
-        common.emit({**summary(every, "all"), "pick": None, "pick_ratio": None})
+        common.emit({**summary(every, "all"), "pick": None, "pick_ratio": None, "measured_pick": None})
     return 0
 
 

@@ -966,3 +966,32 @@ def test_plan_shows_the_compiled_plans_that_did_not_fit_beside_the_pick(monkeypa
     assert main([*table_args, "--verify", "3", "--verify-seconds", "60"]) == 0
     out = capsys.readouterr().out
     assert len(seen) == 1 and "pick: none; 1 compile took 50 s; another would pass 60 s" in out
+
+
+def test_measure_runs_the_best_ranked_plans_here_and_picks_the_fastest_measured(tmp_path, capsys):
+    """``--measure 2`` runs the two best-ranked plans that fit on this host's 8 devices: each has a
+    measured step, the rest none, and the pick is the faster of the two."""
+    path = tmp_path / "machine.json"
+    path.write_text(CPU8.to_json())
+    args = ["plan", "--model", MICRO, "--machine", str(path), "--global-batch", "16", "--json"]
+    assert main([*args, "--measure", "2", "--top", "4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    measured = [p for p in report["plans"] if p["measured_s"] is not None]
+    assert [p["label"] for p in measured] == [p["label"] for p in report["plans"][:2]]
+    assert all(p["measured_s"] > 0 for p in measured) and report["pick_by"] == "measured"
+    assert report["pick"] == min(measured, key=lambda p: p["measured_s"])["label"]
+    assert main(args) == 0  # without it, the pick is the prediction's
+    report = json.loads(capsys.readouterr().out)
+    assert report["pick_by"] == "predicted" and report["pick"] == report["plans"][0]["label"]
+    assert all(p["measured_s"] is None for p in report["plans"])
+
+
+def test_measure_refuses_devices_that_are_not_here(capsys):
+    """A target's devices cannot run a step: one line naming --measure, before anything compiles."""
+    assert (
+        main(["plan", "--model", MICRO, "--target", "v5e-8", "--global-batch", "16", "--measure", "1"]) == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.count("\n") == 0 and "--measure: runs plans on this host's devices, not on target v5e-8's" in err
+    )

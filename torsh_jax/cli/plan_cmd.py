@@ -6,6 +6,7 @@ Example:
     $ torsh-jax plan --model demo:d_model=128,layers=4 --machine machine.json --global-batch 64
     $ torsh-jax plan --model demo:1b --machine node.json --devices 64 --memory-limit 70GiB --global-batch 512
     $ torsh-jax plan --model my_model:planned --machine machine.json --global-batch 64 --verify 1
+    $ torsh-jax plan --model demo:d_model=128,layers=4 --machine machine.json --global-batch 32 --measure 3
 """
 
 from __future__ import annotations
@@ -93,6 +94,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="start no compile that would end past this many seconds of compiling; the first always "
         f"runs [{VERIFY_SECONDS}]",
     )
+    parser.add_argument(
+        "--measure",
+        type=count_type(0, 100, fix="pass --measure 3"),
+        default=0,
+        help="run the N best-ranked plans that fit on this host's devices (a --machine file of them, "
+        "no --target) and pick the fastest measured [0: pick by prediction]",
+    )
     parser.add_argument("--json", action="store_true", help="print the ranking as JSON")
     parser.add_argument("-o", "--output", type=output_file_type(), default=None,
                         help="write the best plan to this file (TOML; JSON for a .json file)")  # fmt: skip
@@ -106,8 +114,9 @@ def run(args: argparse.Namespace) -> int:
     from torsh_jax.planner.rank import rules_of_thumb, search_verified
 
     machine, target = _machine(args)
+    measure_on = _measure_devices(args.measure, machine, target)  # before the model's module starts JAX
     base = load_plan(args.base, key="--base") if args.base else None
-    shape, build, machine = _model(args, machine, target, base)
+    shape, build, example, machine = _model(args, machine, target, base)
     check = lambda p: _verify(p, shape, target, machine, build)
     budget, unverified = _verify_budget(args.verify, target)
     search = lambda n: search_verified(
@@ -126,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
             raise
         budget, unverified = 0, UNVERIFIED.format(error)
         ranked, pick, machine, stopped = search(0)
+    if measure_on:
+        ranked, pick = _measured(ranked, args.measure, shape, build, example, measure_on)
     shown = ranked[: max(args.top, ranked.index(pick) + 1 if pick in ranked else 0)]
     shown += [p for p in ranked[len(shown) :] if p.compiled]  # what the compiler refused, too
     unwritten = None  # the search is not lost to a full disk: the plan's text is shown instead
@@ -170,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
         "verify_stopped": stopped,
         "unverified": unverified,
         "pick": pick.candidate.label if pick is not None else None,
+        "pick_by": _pick_by(pick),
+        "measure": args.measure,
         "plans": [p.to_dict() for p in shown],
         "rules_of_thumb": rules_of_thumb(ranked, shape, machine) if ranked else [],
         "output": written,
@@ -277,9 +290,54 @@ def _verify_budget(verify: int | None, target) -> tuple[int, str | None]:
     return (0, UNVERIFIED.format(missing)) if missing else (TARGET_VERIFY, None)
 
 
+def _measure_devices(count: int, machine, target) -> list | None:
+    """The devices ``--measure`` runs plans on: this host's, of the machine file's kind (``None``
+    when not asked for); a :class:`~torsh_jax.errors.PlanError` where the devices planned for are
+    not here."""
+    from torsh_jax.errors import PlanError
+
+    if not count:
+        return None
+    fix = "drop --measure, or plan for this host: torsh-jax calibrate -o m.json, then --machine m.json"
+    if target is not None:
+        why = f"runs plans on this host's devices, not on target {target.name}'s"
+    elif (devices := _host_devices(machine)) is None:
+        why = f"runs plans on this host's devices; machine {machine.name!r} is of {machine.platform} devices"
+    else:
+        return devices
+    raise PlanError(why, key="--measure", fix=fix)
+
+
+def _measured(ranked: list, count: int, shape, build, example, devices) -> tuple[list, object]:
+    """``ranked`` with the step time of its ``count`` best plans that fit measured on ``devices``
+    (:func:`~torsh_jax.planner.measure.measure_best`), and the fastest of them: the pick; a warning
+    where other work took the host's cores meanwhile."""
+    import dataclasses
+
+    from torsh_jax.planner.host_load import HostMeter, warn_if_busy
+    from torsh_jax.planner.measure import demo_example, measure_best
+    from torsh_jax.planner.steps import demo_step_builder
+
+    example = demo_example(shape) if build is None else example
+    with HostMeter() as meter:
+        times = measure_best(ranked, count, build or demo_step_builder(shape), devices, example)
+    warn_if_busy(meter.load, f"while plan ran its {count} best-ranked plans")
+    ranked = [dataclasses.replace(p, measured_s=times.get(p.candidate.label)) for p in ranked]
+    pick = min((p for p in ranked if p.measured_s is not None), key=lambda p: p.measured_s, default=None)
+    return ranked, pick
+
+
+def _pick_by(pick) -> str | None:
+    """How the pick was chosen: ``measured`` (the fastest run), ``compiled`` (the best-ranked plan
+    that compiled and fit) or ``predicted``."""
+    if pick is None:
+        return None
+    return "measured" if pick.measured_s is not None else "compiled" if pick.compiled else "predicted"
+
+
 def _model(args: argparse.Namespace, machine, target, base):
-    """``(shape, step builder, machine)`` of ``--model``: the demo model's shape (its step built by
-    ``verify``: no builder), or your model's (``MODULE:NAME``,
+    """``(shape, step builder, example batch, machine)`` of ``--model``: the demo model's shape (its
+    step built by ``verify``: no builder or example), or your model's (``MODULE:NAME``,
     :mod:`~torsh_jax.planner.own_model`) with its own step, its collectives over ``tensor`` read
     from its compiled step where the compiler partitions it and devices to compile on exist
     (:func:`_target_devices`, :func:`_host_devices`), and, where the machine file's compiled
@@ -290,7 +348,7 @@ def _model(args: argparse.Namespace, machine, target, base):
 
     spec = args.model
     if not names_own_model(spec):
-        return parse_model(spec), None, machine
+        return parse_model(spec), None, None, machine
     host = _host_devices(machine) if target is None else None  # before the model's module starts JAX
     planned = load_planned_model(spec)
     devices = None if planned.shape.tensor_blocks else _target_devices(target) or host
@@ -310,7 +368,7 @@ def _model(args: argparse.Namespace, machine, target, base):
 
         own = compiled_memory(planned.shape, host[0], gradients=planned.gradients())
         machine = dataclasses.replace(machine, **own)
-    return planned.shape, planned.step_builder(), machine
+    return planned.shape, planned.step_builder(), planned.example, machine
 
 
 def _target_devices(target) -> list | None:
@@ -375,7 +433,11 @@ def _table(report: dict) -> str:
         f"{report['candidates']} plans considered, {report['fitting']} fit; predicted per step:",
         _rendered(_plans_table(report["plans"])),
     ]
-    if report["pick"]:
+    if report["pick_by"] == "measured":
+        lines.append(
+            f"pick: {report['pick']} (the fastest of the {report['measure']} best-ranked plans run here)"
+        )
+    elif report["pick"]:
         lines.append(f"pick: {report['pick']}")
     elif report.get("verify_stopped"):
         lines.append(f"pick: none; {report['verify_stopped']} (pass --verify-seconds S)")
@@ -394,8 +456,8 @@ def _table(report: dict) -> str:
 
 def _plans_table(plans: list[dict]):
     """One row per plan: the predicted step and its parts (compute, bubble, each mesh axis's
-    communication before overlap, the exposed part of it), memory per device and what the compiler
-    said."""
+    communication before overlap, the exposed part of it), memory per device, what the compiler
+    said and, where plans were run (``--measure``), the measured step."""
     from rich import box
     from rich.table import Table
 
@@ -409,6 +471,9 @@ def _plans_table(plans: list[dict]):
     for name in ("step", "compute", "bubble", *(f"{a} comm" for a in axes), "exposed", "memory"):
         table.add_column(name, justify="right", no_wrap=True)
     table.add_column("compiled", no_wrap=True)
+    measured = any(p["measured_s"] is not None for p in plans)
+    if measured:
+        table.add_column("measured", justify="right", no_wrap=True)
     for p in plans:
         comm = [_ms(p["comm_s"][a]) if a in p["comm_s"] else "-" for a in axes]
         table.add_row(
@@ -418,6 +483,7 @@ def _plans_table(plans: list[dict]):
             _ms(p["exposed_s"]),
             format_bytes(p["memory"]["total"]),
             _compiled_text(p["compiled"]),
+            *([_ms(p["measured_s"]) if p["measured_s"] is not None else ""] if measured else []),
         )
     return table
 

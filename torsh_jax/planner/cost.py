@@ -108,6 +108,8 @@ class Prediction:
         codec_s: encoding and decoding compressed gradients (part of ``compute_s``).
         update_s: the optimizer's update (part of ``compute_s``).
         break_even_bytes_per_s: the link bandwidth below which the compression pays.
+        measured_s: the step's median seconds measured on this host's devices
+            (:mod:`~torsh_jax.planner.measure`), where it was run.
     """
 
     candidate: Candidate
@@ -123,6 +125,7 @@ class Prediction:
     codec_s: float = 0.0
     update_s: float = 0.0
     break_even_bytes_per_s: float | None = None
+    measured_s: float | None = None
 
     @property
     def step_s(self) -> float:
@@ -160,6 +163,7 @@ class Prediction:
             "memory_limit": self.memory_limit,
             "fits": self.fits,
             "compiled": self.compiled or None,
+            "measured_s": self.measured_s,
         }
 
 

@@ -1,0 +1,130 @@
+"""Step time measured on this host's devices: the planner's pick among its best-ranked plans by
+running them (``torsh-jax plan --measure N``), where the devices planned for are here.
+
+Each plan's step is built as :func:`~torsh_jax.planner.rank.verify` builds it (the demo model of
+the shape, or your model's), its state made from parameters drawn at a transformer's scale (values
+do not change what a step computes, only where it could take a shortcut: none are zeros), its
+batch the model's example repeated to the global batch. One plan at a time holds the devices (a
+plan that fits may need most of their memory); each is timed for ``steps`` steps after ``warmup``
+and keeps the median.
+
+Example:
+    >>> import jax
+    >>> from torsh_jax import load_plan
+    >>> from torsh_jax.planner import parse_model
+    >>> from torsh_jax.planner.steps import demo_step_builder
+    >>> shape = parse_model("demo:d_model=64,layers=2,vocab=256,seq_len=16,heads=4")
+    >>> seconds = step_seconds(load_plan("ddp"), demo_step_builder(shape), jax.devices()[:1],
+    ...                        demo_example(shape), remat=False, steps=2, warmup=1)
+    >>> seconds > 0
+    True
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from torsh_jax.typing import PyTree
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torsh_jax.plan import ParallelPlan
+    from torsh_jax.planner.cost import Prediction
+    from torsh_jax.planner.shape import ModelShape
+    from torsh_jax.planner.steps import StepBuilder
+
+__all__ = ["MEASURE_STEPS", "MEASURE_WARMUP", "demo_example", "measure_best", "step_seconds"]
+
+#: Steps timed per plan, after :data:`MEASURE_WARMUP` untimed ones (the first compiles).
+MEASURE_STEPS = 5
+MEASURE_WARMUP = 2
+
+#: Standard deviation of the parameters drawn for a measured step (a transformer's initialisation).
+PARAM_SCALE = 0.02
+
+
+def demo_example(shape: ModelShape, /) -> PyTree:
+    """One example of the demo model of ``shape`` (its tokens)."""
+    from torsh_jax.demo.model import synthetic_tokens
+
+    return synthetic_tokens(shape.demo_config(), batch_size=1, seed=0)
+
+
+def step_seconds(
+    plan: ParallelPlan,
+    build: StepBuilder,
+    devices: Sequence,
+    example: PyTree,
+    /,
+    *,
+    remat: bool,
+    steps: int = MEASURE_STEPS,
+    warmup: int = MEASURE_WARMUP,
+) -> float:
+    """Median seconds of ``steps`` train steps of ``plan`` over ``devices`` after ``warmup``
+    (``build``'s step, each layer recomputed where ``remat``; the batch ``example`` repeated)."""
+    import jax
+
+    train, _ = build(plan, devices, remat=remat)
+    state = train.init(_drawn_params(train))
+    batch = _repeated(example, train.global_batch_size)
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        state, metrics = train.step(state, batch)
+        jax.block_until_ready(metrics["loss"])
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_best(
+    ranked: Sequence[Prediction],
+    count: int,
+    build: StepBuilder,
+    devices: Sequence,
+    example: PyTree,
+    /,
+    *,
+    steps: int = MEASURE_STEPS,
+) -> dict[str, float]:
+    """Measured step seconds of the first ``count`` plans of ``ranked`` that fit (predicted, and
+    compiled where compiled), by label, in ranking order."""
+    fitting = [p for p in ranked if p.fits and p.compiled.get("fits", True)][:count]
+    return {
+        p.candidate.label: step_seconds(
+            p.candidate.plan, build, devices, example, remat=p.candidate.remat, steps=steps
+        )
+        for p in fitting
+    }
+
+
+def _drawn_params(train) -> PyTree:
+    """Parameters of the step's model (as the model defines them), drawn at :data:`PARAM_SCALE`."""
+    import jax
+    import jax.numpy as jnp
+
+    shapes = jax.eval_shape(train.logical_params, train.abstract_state().params)
+    leaves, tree = jax.tree.flatten(shapes)
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+    drawn = [
+        (PARAM_SCALE * jax.random.normal(k, s.shape)).astype(s.dtype)
+        if jnp.issubdtype(s.dtype, jnp.floating)
+        else jnp.zeros(s.shape, s.dtype)
+        for k, s in zip(keys, leaves, strict=True)
+    ]
+    return jax.tree.unflatten(tree, drawn)
+
+
+def _repeated(example: PyTree, size: int) -> PyTree:
+    """``example`` (any leading dim) repeated along its leading dim to ``size`` rows."""
+    import jax
+    import numpy as np
+
+    def rows(x):
+        x = np.asarray(x)
+        return np.resize(x, (size, *x.shape[1:])) if x.shape[0] != size else x
+
+    return jax.tree.map(rows, example)
