@@ -98,8 +98,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--measure",
         type=count_type(0, 100, fix="pass --measure 3"),
         default=0,
-        help="run the N best-ranked plans that fit on this host's devices (a --machine file of them, "
-        "no --target) and pick the fastest measured [0: pick by prediction]",
+        help="run the N best-ranked plans that fit, of those predicted within 15%% of the best, on this "
+        "host's devices (a --machine file of them, no --target) and pick the fastest measured "
+        "[0: pick by prediction]",
     )
     parser.add_argument("--json", action="store_true", help="print the ranking as JSON")
     parser.add_argument("-o", "--output", type=output_file_type(), default=None,

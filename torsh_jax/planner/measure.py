@@ -1,6 +1,10 @@
 """Step time measured on this host's devices: the planner's pick among its best-ranked plans by
 running them (``torsh-jax plan --measure N``), where the devices planned for are here.
 
+The plans run are those that fit and are predicted within :data:`MEASURE_BAND` of the best one's
+step, at most ``N``: closer than that, the cost model's own error (the bound it is held to) does
+not order them, and a plan predicted further off is not worth the run.
+
 Each plan's step is built as :func:`~torsh_jax.planner.rank.verify` builds it (the demo model of
 the shape, or your model's), its state made from parameters drawn at a transformer's scale (values
 do not change what a step computes, only where it could take a shortcut: none are zeros), its
@@ -35,11 +39,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from torsh_jax.planner.shape import ModelShape
     from torsh_jax.planner.steps import StepBuilder
 
-__all__ = ["MEASURE_STEPS", "MEASURE_WARMUP", "demo_example", "measure_best", "step_seconds"]
+__all__ = ["MEASURE_BAND", "MEASURE_STEPS", "MEASURE_WARMUP", "demo_example", "measure_best", "step_seconds"]
 
 #: Steps timed per plan, after :data:`MEASURE_WARMUP` untimed ones (the first compiles).
 MEASURE_STEPS = 5
 MEASURE_WARMUP = 2
+
+#: Plans predicted slower than the best by more than this share are not run: the step-time error
+#: the cost model is held to (a mean absolute 15 %, docs/planner.md).
+MEASURE_BAND = 0.15
 
 #: Standard deviation of the parameters drawn for a measured step (a transformer's initialisation).
 PARAM_SCALE = 0.02
@@ -89,10 +97,14 @@ def measure_best(
     /,
     *,
     steps: int = MEASURE_STEPS,
+    band: float = MEASURE_BAND,
 ) -> dict[str, float]:
     """Measured step seconds of the first ``count`` plans of ``ranked`` that fit (predicted, and
-    compiled where compiled), by label, in ranking order."""
-    fitting = [p for p in ranked if p.fits and p.compiled.get("fits", True)][:count]
+    compiled where compiled) and are predicted within ``band`` of the fastest of them, by label, in
+    ranking order."""
+    fitting = [p for p in ranked if p.fits and p.compiled.get("fits", True)]
+    best = min((p.step_s for p in fitting), default=0.0)
+    fitting = [p for p in fitting if p.step_s <= best * (1 + band)][:count]
     return {
         p.candidate.label: step_seconds(
             p.candidate.plan, build, devices, example, remat=p.candidate.remat, steps=steps
