@@ -979,6 +979,7 @@ def test_measure_runs_the_best_ranked_plans_here_and_picks_the_fastest_measured(
     measured = [p for p in report["plans"] if p["measured_s"] is not None]
     assert [p["label"] for p in measured] == [p["label"] for p in report["plans"][:2]]
     assert all(p["measured_s"] > 0 for p in measured) and report["pick_by"] == "measured"
+    assert report["measured_plans"] == 2
     assert report["pick"] == min(measured, key=lambda p: p["measured_s"])["label"]
     assert main(args) == 0  # without it, the pick is the prediction's
     report = json.loads(capsys.readouterr().out)

@@ -184,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
         "pick": pick.candidate.label if pick is not None else None,
         "pick_by": _pick_by(pick),
         "measure": args.measure,
+        "measured_plans": sum(p.measured_s is not None for p in ranked),
         "plans": [p.to_dict() for p in shown],
         "rules_of_thumb": rules_of_thumb(ranked, shape, machine) if ranked else [],
         "output": written,
@@ -322,7 +323,7 @@ def _measured(ranked: list, count: int, shape, build, example, devices) -> tuple
     example = demo_example(shape) if build is None else example
     with HostMeter() as meter:
         times = measure_best(ranked, count, build or demo_step_builder(shape), devices, example)
-    warn_if_busy(meter.load, f"while plan ran its {count} best-ranked plans")
+    warn_if_busy(meter.load, f"while plan ran its {len(times)} best-ranked plans")
     ranked = [dataclasses.replace(p, measured_s=times.get(p.candidate.label)) for p in ranked]
     pick = min((p for p in ranked if p.measured_s is not None), key=lambda p: p.measured_s, default=None)
     return ranked, pick
@@ -435,9 +436,8 @@ def _table(report: dict) -> str:
         _rendered(_plans_table(report["plans"])),
     ]
     if report["pick_by"] == "measured":
-        lines.append(
-            f"pick: {report['pick']} (the fastest of the {report['measure']} best-ranked plans run here)"
-        )
+        run = report["measured_plans"]
+        lines.append(f"pick: {report['pick']} (the fastest of the {run} best-ranked plans run here)")
     elif report["pick"]:
         lines.append(f"pick: {report['pick']}")
     elif report.get("verify_stopped"):
