@@ -435,7 +435,7 @@ def _table(report: dict) -> str:
         f"{report['candidates']} plans considered, {report['fitting']} fit; predicted per step:",
         _rendered(_plans_table(report["plans"])),
     ]
-    if report["pick_by"] == "measured":
+    if report.get("pick_by") == "measured":
         run = report["measured_plans"]
         lines.append(f"pick: {report['pick']} (the fastest of the {run} best-ranked plans run here)")
     elif report["pick"]:
