@@ -323,7 +323,15 @@ def main() -> int:
         )
         every += rows
     if len(models) > 1:
-        common.emit({**summary(every, "all"), "pick": None, "pick_ratio": None, "measured_pick": None})
+        common.emit(
+            {
+                **summary(every, "all"),
+                "pick": None,
+                "pick_ratio": None,
+                "measured_pick": None,
+                "measured_pick_ratio": None,
+            }
+        )
     return 0
 
 
