@@ -997,3 +997,21 @@ def test_measure_refuses_devices_that_are_not_here(capsys):
     assert (
         err.count("\n") == 0 and "--measure: runs plans on this host's devices, not on target v5e-8's" in err
     )
+
+
+def test_a_measured_plans_state_is_drawn_in_place_on_each_device():
+    """The state of a plan run by ``--measure`` is drawn where it lives: under ZeRO-3 over 8 devices
+    a device makes its shards, and holds less than one whole copy of the parameters while doing so
+    (drawn whole on one device first, a model that fits only sharded could not be measured)."""
+    import jax
+
+    from torsh_jax.planner.measure import drawn_state
+    from torsh_jax.planner.steps import demo_step_builder
+
+    train, _ = demo_step_builder(parse_model(MICRO))(load_plan("zero3"), require_devices(8), remat=False)
+    whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(train.abstract_state().params))
+    memory = drawn_state(train).lower().compile().memory_analysis()
+    assert memory.output_size_in_bytes + memory.temp_size_in_bytes < whole
+    state = drawn_state(train)()
+    placed = zip(jax.tree.leaves(state), jax.tree.leaves(train.state_shardings), strict=True)
+    assert all(x.sharding == sharding for x, sharding in placed)

@@ -7,7 +7,8 @@ not order them, and a plan predicted further off is not worth the run.
 
 Each plan's step is built as :func:`~torsh_jax.planner.rank.verify` builds it (the demo model of
 the shape, or your model's), its state made from parameters drawn at a transformer's scale (values
-do not change what a step computes, only where it could take a shortcut: none are zeros), its
+do not change what a step computes, only where it could take a shortcut: none are zeros), each
+device drawing only its own shards (a plan is run because it fits: the whole model need not), its
 batch the model's example repeated to the global batch. One plan at a time holds the devices (a
 plan that fits may need most of their memory); each is timed for ``steps`` steps after ``warmup``
 and keeps the median.
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from torsh_jax.typing import PyTree
@@ -39,7 +40,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from torsh_jax.planner.shape import ModelShape
     from torsh_jax.planner.steps import StepBuilder
 
-__all__ = ["MEASURE_BAND", "MEASURE_STEPS", "MEASURE_WARMUP", "demo_example", "measure_best", "step_seconds"]
+__all__ = [
+    "MEASURE_BAND",
+    "MEASURE_STEPS",
+    "MEASURE_WARMUP",
+    "demo_example",
+    "drawn_state",
+    "measure_best",
+    "step_seconds",
+]
 
 #: Steps timed per plan, after :data:`MEASURE_WARMUP` untimed ones (the first compiles).
 MEASURE_STEPS = 5
@@ -76,7 +85,7 @@ def step_seconds(
     import jax
 
     train, _ = build(plan, devices, remat=remat)
-    state = train.init(_drawn_params(train))
+    state = drawn_state(train)()
     batch = _repeated(example, train.global_batch_size)
     times = []
     for i in range(warmup + steps):
@@ -111,6 +120,26 @@ def measure_best(
         )
         for p in fitting
     }
+
+
+def drawn_state(train) -> Callable[[], PyTree]:
+    """The program making ``train``'s state from parameters drawn at :data:`PARAM_SCALE`, on its
+    devices: each draws only its shards (the random bits are partitioned, ``jax_threefry_partitionable``),
+    so no device holds more than the state's share.
+
+    Example:
+        >>> from torsh_jax.planner.steps import demo_step_builder
+        >>> from torsh_jax.planner.shape import parse_model
+        >>> from torsh_jax import load_plan
+        >>> import jax
+        >>> build = demo_step_builder(parse_model("demo:d_model=64,layers=2,vocab=256,seq_len=16,heads=4"))
+        >>> train, _ = build(load_plan("zero3"), jax.devices()[:1], remat=False)
+        >>> int(drawn_state(train)().step)
+        0
+    """
+    import jax
+
+    return jax.jit(lambda: train.init(_drawn_params(train)), out_shardings=train.state_shardings)
 
 
 def _drawn_params(train) -> PyTree:
