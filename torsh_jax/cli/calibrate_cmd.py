@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("-o", "--output", type=output_file_type(), default=None,
                         help="write the machine file (JSON) here")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the machine as JSON")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, starts_jax=True)
 
 
 def run(args: argparse.Namespace) -> int:

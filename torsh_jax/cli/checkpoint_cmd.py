@@ -27,13 +27,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     listing.add_argument("directory", help="checkpoint directory (demo --checkpoint-dir)")
     listing.add_argument("--json", action="store_true", help="print one JSON object per line")
-    listing.set_defaults(func=run_list)
+    listing.set_defaults(func=run_list, starts_jax=True)
     show = actions.add_parser("show", help="one step: plan, mesh, items, bytes, parameter shardings")
     show.add_argument("directory", help="checkpoint directory (demo --checkpoint-dir)")
     show.add_argument("--step", type=count_type(0, 2**62, fix="pass --step S (see checkpoint list)"),
                       default=None, help="step to show [newest complete]")  # fmt: skip
     show.add_argument("--json", action="store_true", help="print a JSON object on one line")
-    show.set_defaults(func=run_show)
+    show.set_defaults(func=run_show, starts_jax=True)
 
 
 _STATUS_TEXT = {

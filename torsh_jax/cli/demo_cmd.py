@@ -73,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="also write TensorBoard scalars into --log-dir (tensorboardX)")  # fmt: skip
     parser.add_argument("--machine", metavar="FILE", default=None,
                         help="machine file (calibrate -o) to model communication in the log")  # fmt: skip
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, starts_jax=True)
 
 
 def _summary_rows(summary: dict) -> dict[str, str]:

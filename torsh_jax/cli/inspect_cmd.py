@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="examples per data-parallel rank per micro-step [the plan's]",
     )
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, starts_jax=True)
 
 
 def run(args: argparse.Namespace) -> int:

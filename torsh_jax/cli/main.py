@@ -1,8 +1,10 @@
 """``torsh-jax`` entry point: one sub-command per module in :data:`COMMANDS`.
 
 Each command module has ``register(subparsers)``, which adds its parser and
-sets ``func``; heavy imports (JAX) happen inside ``func`` so that commands
-such as ``translate`` stay instant.
+sets ``func``, and ``starts_jax`` where the command starts JAX's backend (on a host
+without TPUs, libtpu's environment is given first:
+:func:`~torsh_jax.targets.libtpu_env.quiet_without_tpus`); heavy imports (JAX)
+happen inside ``func`` so that commands such as ``translate`` stay instant.
 
 Example:
     >>> build_parser().parse_args(["inspect", "--plan", "zero3"]).plan
@@ -86,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code. Errors are one line ending in ``Fix: ...``."""
     parser = build_parser()
     args = _parse(parser, argv)
+    if getattr(args, "starts_jax", False):  # before its backend starts: libtpu's start-up quiet
+        from torsh_jax.targets.libtpu_env import quiet_without_tpus
+
+        quiet_without_tpus()
     try:
         return int(args.func(args) or 0)
     except TorshError as err:  # a library parameter's name shown as the flag that set it

@@ -105,7 +105,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print the ranking as JSON")
     parser.add_argument("-o", "--output", type=output_file_type(), default=None,
                         help="write the best plan to this file (TOML; JSON for a .json file)")  # fmt: skip
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, starts_jax=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,7 +15,6 @@ Example:
 from __future__ import annotations
 
 import importlib.util
-import os
 import warnings
 from importlib import resources
 
@@ -24,41 +23,15 @@ from jax.experimental import topologies
 
 from torsh_jax.errors import TargetError
 from torsh_jax.targets.catalog import TPU_HOST, Target, parse_target
+from torsh_jax.targets.libtpu_env import quiet_for_target
 
-__all__ = ["TPU_OVERLAP_FLAGS", "missing_compiler", "target_devices", "tpu_init_args"]
+__all__ = ["missing_compiler", "target_devices"]
 
 #: Python module that brings each platform's compiler, and the extra that installs it.
 _COMPILERS = {"tpu": ("libtpu", "tpu-aot"), "gpu": ("jax_plugins.xla_cuda12", "gpu-aot")}
 #: libtpu's chip configuration: both TensorCores of a v4/v5p chip as one device (megacore), as
 #: JAX shows them on the hardware; v5e and v6e chips have one TensorCore.
 _CHIP_CONFIG = {"v4": "megacore", "v5p": "megacore"}
-
-
-#: libtpu flags that let collectives run while the TensorCore computes: asynchronous all-gathers
-#: and all-reduces (a reduce-scatter compiles to one) fused with the compute they overlap, and no
-#: combining of all-reduces (a combined one stays synchronous). Flag names as MaxText's
-#: ``benchmarks/xla_flags_library.py`` uses them; the effect measured in docs/targets.md.
-TPU_OVERLAP_FLAGS = (
-    "--xla_enable_async_all_gather=true",
-    "--xla_enable_async_all_reduce=true",
-    "--xla_tpu_enable_async_collective_fusion=true",
-    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
-    "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true",
-    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
-    "--xla_tpu_overlap_compute_collective_tc=true",
-    "--xla_jf_crs_combiner_threshold_count=1",
-)
-
-
-def tpu_init_args(current: str = "", /) -> str:
-    """``LIBTPU_INIT_ARGS`` with :data:`TPU_OVERLAP_FLAGS` added where ``current`` does not set them.
-
-    Example:
-        >>> tpu_init_args("--xla_enable_async_all_gather=false").split()[:2]
-        ['--xla_enable_async_all_gather=false', '--xla_enable_async_all_reduce=true']
-    """
-    given = {flag.split("=", 1)[0] for flag in current.split()}
-    return " ".join([*current.split(), *(f for f in TPU_OVERLAP_FLAGS if f.split("=", 1)[0] not in given)])
 
 
 def missing_compiler(name: str, /) -> str | None:
@@ -75,24 +48,6 @@ def missing_compiler(name: str, /) -> str | None:
     except ModuleNotFoundError:  # its parent package is absent too
         found = False
     return None if found else f'the {platform} compiler is not installed: pip install "torsh-jax[{extra}]"'
-
-
-def _quiet_libtpu(target: Target) -> None:
-    """Give libtpu what it looks up when it starts, unless the environment already says.
-
-    On a machine without TPUs libtpu cannot read the worker host names and the accelerator type
-    from the TPU VM's metadata and prints warnings and an error trace before going on; compiling
-    needs neither (the topology is passed explicitly), so name this host and the target's type.
-    libtpu also takes a lock file so that one process owns the chips: with no chips to own,
-    several processes (tests in parallel, a second tool) may compile at the same time. libtpu
-    reads these once, when the first TPU topology of the process is made; so does
-    ``LIBTPU_INIT_ARGS``, to which :data:`TPU_OVERLAP_FLAGS` are added (a flag the environment
-    already sets keeps its value).
-    """
-    os.environ["LIBTPU_INIT_ARGS"] = tpu_init_args(os.environ.get("LIBTPU_INIT_ARGS", ""))
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", target.accelerator_type)
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 #: What JAX warns when its persistent compilation cache (``JAX_COMPILATION_CACHE_DIR``) holds a
@@ -115,7 +70,7 @@ def _gpu_config(file_name: str) -> str:
 
 def _topology(target: Target) -> topologies.TopologyDescription:
     if target.platform == "tpu":
-        _quiet_libtpu(target)
+        quiet_for_target(target.accelerator_type)
         return topologies.get_topology_desc(
             platform="tpu",
             topology_name=target.topology,
