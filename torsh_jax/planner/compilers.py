@@ -97,7 +97,8 @@ class CompilerProfile:
 #: (11 with the CPU formulas), the mean absolute error 2.4 % (45 %); DDP and ZeRO-1 21 of 21,
 #: ZeRO-2 10 of 11, remat 10 of 10, ZeRO-3 9 of 13 (-8.7 % to +6.3 %); the plans not read from
 #: 8 of 10; a small model held out (``d_model`` 512, 4 layers, v5e-8) 6 of 10, to +18.7 % (its
-#: ZeRO-3 peak is in the head, where no layer's working set is live). The recomputed working sets
+#: ZeRO-3 step keeps part of a layer's working set and the gathered weights in the chip's VMEM,
+#: where the larger models' buffers do not fit: docs/planner.md). The recomputed working sets
 #: were fitted to those peaks. Parameter buffers, the median over the compiled plans of 150 M and
 #: 1 B of each kind: DDP and ZeRO-1 2.53 accumulating (8 plans), 1.38 not (1.32-1.45, 2); ZeRO-2
 #: 1.73 accumulating (7), 1.45 not (1); recomputing 1.42 (1.37-1.57, 5), accumulating 2.07 (2);
