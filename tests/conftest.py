@@ -65,6 +65,16 @@ def fuzz_examples(n: int) -> int:
     return max(1, round(n * FUZZ_SCALE))
 
 
+def imports_jax(code: str) -> bool:
+    """Whether Python ``code`` run in a fresh interpreter has imported JAX by its end."""
+    import subprocess
+    import sys
+
+    probe = f"{code}\nimport sys\nprint('jax' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return done.stdout.splitlines()[-1] == "True"
+
+
 def require_devices(n: int) -> list:
     """The first ``n`` devices, or skip the test when fewer exist."""
     devices = jax.devices()

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+from conftest import imports_jax
 
 from torsh_jax.distributed.env import (
     KINDS,
@@ -360,10 +358,8 @@ def test_process_env_is_frozen():
 
 
 def test_env_layers_do_not_import_jax():
-    code = (
-        "import sys, torsh_jax.distributed, torsh_jax.distributed.env, torsh_jax.distributed.launcher, "
+    assert not imports_jax(
+        "import torsh_jax.distributed, torsh_jax.distributed.env, torsh_jax.distributed.launcher, "
         "torsh_jax.translate.environment, torsh_jax.cli.launch_cmd; "
-        "torsh_jax.distributed.detect_environment({}); print('jax' in sys.modules)"
+        "torsh_jax.distributed.detect_environment({})"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import imports_jax
 
 from torsh_jax.errors import MeshError, PlanError, PresetNotFoundError
 from torsh_jax.plan import (
@@ -123,9 +124,7 @@ def test_global_batch():
 
 
 def test_importing_plans_does_not_import_jax():
-    code = "import sys, torsh_jax, torsh_jax.plan; torsh_jax.load_plan('ddp'); print('jax' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert not imports_jax("import torsh_jax, torsh_jax.plan; torsh_jax.load_plan('ddp')")
 
 
 def test_presets_ship_in_the_wheel(tmp_path):

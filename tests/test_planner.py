@@ -1002,16 +1002,21 @@ def test_measure_refuses_devices_that_are_not_here(capsys):
 def test_a_measured_plans_state_is_drawn_in_place_on_each_device():
     """The state of a plan run by ``--measure`` is drawn where it lives: under ZeRO-3 over 8 devices
     a device makes its shards, and holds less than one whole copy of the parameters while doing so
-    (drawn whole on one device first, a model that fits only sharded could not be measured)."""
+    (drawn whole on one device first, a model that fits only sharded could not be measured); an
+    interleaved pipeline's state lands in its stored chunks."""
     import jax
 
     from torsh_jax.planner.measure import drawn_state
     from torsh_jax.planner.steps import demo_step_builder
 
-    train, _ = demo_step_builder(parse_model(MICRO))(load_plan("zero3"), require_devices(8), remat=False)
-    whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(train.abstract_state().params))
-    memory = drawn_state(train).lower().compile().memory_analysis()
-    assert memory.output_size_in_bytes + memory.temp_size_in_bytes < whole
-    state = drawn_state(train)()
-    placed = zip(jax.tree.leaves(state), jax.tree.leaves(train.state_shardings), strict=True)
-    assert all(x.sharding == sharding for x, sharding in placed)
+    build = demo_step_builder(parse_model("demo:d_model=64,layers=8,vocab=64,seq_len=16"))
+    for name in ("zero3", "pp_interleaved"):
+        train, _ = build(load_plan(name), require_devices(8), remat=False)
+        if name == "zero3":
+            params = jax.tree.leaves(train.abstract_state().params)
+            memory = drawn_state(train).lower().compile().memory_analysis()
+            whole = sum(x.size * x.dtype.itemsize for x in params)
+            assert memory.output_size_in_bytes + memory.temp_size_in_bytes < whole
+        state = drawn_state(train)()
+        placed = zip(jax.tree.leaves(state), jax.tree.leaves(train.state_shardings), strict=True)
+        assert all(x.sharding == sharding for x, sharding in placed), name

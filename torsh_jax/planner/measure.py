@@ -124,8 +124,10 @@ def measure_best(
 
 def drawn_state(train) -> Callable[[], PyTree]:
     """The program making ``train``'s state from parameters drawn at :data:`PARAM_SCALE`, on its
-    devices: each draws only its shards (the random bits are partitioned, ``jax_threefry_partitionable``),
-    so no device holds more than the state's share.
+    devices: each draws only its shards, in the layout the state stores (with partitioned random
+    bits). ``init`` takes the parameters as the model defines them, so an interleaved pipeline's
+    layer chunks pass through the model's ``[layers, ...]`` layout, which no sharding of it
+    matches: there a device holds up to about the layer stack for a moment (docs/planner.md).
 
     Example:
         >>> from torsh_jax.planner.steps import demo_step_builder
@@ -143,20 +145,30 @@ def drawn_state(train) -> Callable[[], PyTree]:
 
 
 def _drawn_params(train) -> PyTree:
-    """Parameters of the step's model (as the model defines them), drawn at :data:`PARAM_SCALE`."""
+    """Parameters of the step's model as the model defines them, drawn at :data:`PARAM_SCALE` in
+    the stored layout, each leaf placed as the step places it."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    leaves, tree = jax.tree.flatten(train.abstract_state().params)
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+    with jax.threefry_partitionable(True):
+        drawn = [
+            jax.lax.with_sharding_constraint(
+                _drawn(key, leaf), NamedSharding(leaf.sharding.mesh, leaf.sharding.spec)
+            )
+            for key, leaf in zip(keys, leaves, strict=True)
+        ]
+    return train.logical_params(jax.tree.unflatten(tree, drawn))
+
+
+def _drawn(key, leaf) -> PyTree:
     import jax
     import jax.numpy as jnp
 
-    shapes = jax.eval_shape(train.logical_params, train.abstract_state().params)
-    leaves, tree = jax.tree.flatten(shapes)
-    keys = jax.random.split(jax.random.key(0), len(leaves))
-    drawn = [
-        (PARAM_SCALE * jax.random.normal(k, s.shape)).astype(s.dtype)
-        if jnp.issubdtype(s.dtype, jnp.floating)
-        else jnp.zeros(s.shape, s.dtype)
-        for k, s in zip(keys, leaves, strict=True)
-    ]
-    return jax.tree.unflatten(tree, drawn)
+    if jnp.issubdtype(leaf.dtype, jnp.floating):
+        return (PARAM_SCALE * jax.random.normal(key, leaf.shape)).astype(leaf.dtype)
+    return jnp.zeros(leaf.shape, leaf.dtype)
 
 
 def _repeated(example: PyTree, size: int) -> PyTree:
