@@ -1020,3 +1020,22 @@ def test_a_measured_plans_state_is_drawn_in_place_on_each_device():
         state = drawn_state(train)()
         placed = zip(jax.tree.leaves(state), jax.tree.leaves(train.state_shardings), strict=True)
         assert all(x.sharding == sharding for x, sharding in placed), name
+
+
+def test_compression_tried_across_slices_is_the_users_choice(capsys):
+    """``--compression`` names the methods tried over a ``data`` axis that crosses slices:
+    ``none`` leaves only lossless plans, ``int8`` int8 alone; an unknown method is one line."""
+    args = ["plan", "--model", MICRO, "--target", "v5e-8", "--slices", "2", "--global-batch", "64"]
+    args += ["--verify", "0", "--json", "--top", "1000"]
+    tried = {}
+    for methods in ("int8,topk,powersgd", "none", "int8"):
+        assert main([*args, "--compression", methods]) == 0
+        report = json.loads(capsys.readouterr().out)
+        tried[methods] = {m for p in report["plans"] for m in p["compression"].values()}
+        assert report["compression"] == ([] if methods == "none" else methods.split(","))
+    assert tried == {"int8,topk,powersgd": {"int8", "topk", "powersgd"}, "none": set(), "int8": {"int8"}}
+    with pytest.raises(SystemExit) as refused:
+        main([*args, "--compression", "int8,int4"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and err.count("\n") == 1
+    assert "--compression: 'int4' is not one of them (int8, topk, powersgd; or none). Fix:" in err

@@ -88,6 +88,31 @@ def count_type(low: int, high: int, *, fix: str) -> Callable[[str], int]:
     return parse
 
 
+def names_type(allowed: tuple[str, ...], *, none: str = "none") -> Callable[[str], tuple[str, ...]]:
+    """An argparse ``type`` accepting a comma list of ``allowed`` names (``()`` for ``none``).
+
+    Example:
+        >>> names_type(("int8", "topk"))("topk,int8"), names_type(("int8",))("none")
+        (('topk', 'int8'), ())
+    """
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(dict.fromkeys(n.strip() for n in text.split(",")))
+        if names == (none,):
+            return ()
+        unknown = [n for n in names if n not in allowed]
+        if unknown:
+            what = f"{none!r} goes alone" if none in unknown else f"{unknown[0]!r} is not one of them"
+            raise argparse.ArgumentTypeError(
+                f"{what} ({', '.join(allowed)}; or {none}). Fix: pass a comma list of them, e.g. "
+                f"{','.join(allowed)}, or {none}"
+            )
+        return names
+
+    parse.__name__ = "names"  # argparse names the type in its messages
+    return parse
+
+
 def bytes_type(*, fix: str) -> Callable[[str], int]:
     """An argparse ``type`` accepting a positive byte count (:func:`~torsh_jax.units.parse_bytes`:
     ``14GiB``, ``16e9``)."""

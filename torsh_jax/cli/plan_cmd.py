@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from torsh_jax.cli.args import MAX_DEVICES, bytes_type, count_type, output_file_type
+from torsh_jax.cli.args import MAX_DEVICES, bytes_type, count_type, names_type, output_file_type
+from torsh_jax.planner.space import COMPRESSION_METHODS
 
 __all__ = ["register"]
 
@@ -102,6 +103,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "host's devices (a --machine file of them, no --target) and pick the fastest measured "
         "[0: pick by prediction]",
     )
+    parser.add_argument(
+        "--compression",
+        type=names_type(COMPRESSION_METHODS),
+        default=COMPRESSION_METHODS,
+        help="gradient compressions tried over a data axis that crosses slices (nodes), a comma list, "
+        f"or none (lossless plans only) [{','.join(COMPRESSION_METHODS)}]",
+    )
     parser.add_argument("--json", action="store_true", help="print the ranking as JSON")
     parser.add_argument("-o", "--output", type=output_file_type(), default=None,
                         help="write the best plan to this file (TOML; JSON for a .json file)")  # fmt: skip
@@ -113,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     from torsh_jax.errors import TargetError
     from torsh_jax.plan.io import load_plan, plan_text
     from torsh_jax.planner.rank import rules_of_thumb, search_verified
+    from torsh_jax.planner.space import Space
 
     machine, target = _machine(args)
     measure_on = _measure_devices(args.measure, machine, target)  # before the model's module starts JAX
@@ -128,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         check=check,
         base=base,
         seconds=args.verify_seconds,
+        space=Space(compression_methods=args.compression),
     )
     try:
         ranked, pick, machine, stopped = search(budget)
@@ -183,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         "unverified": unverified,
         "pick": pick.candidate.label if pick is not None else None,
         "pick_by": _pick_by(pick),
+        "compression": list(args.compression),
         "measure": args.measure,
         "measured_plans": sum(p.measured_s is not None for p in ranked),
         "plans": [p.to_dict() for p in shown],

@@ -63,7 +63,10 @@ from torsh_jax.plan.spec import AXES
 from torsh_jax.planner.buffers import tensor_split_elements
 from torsh_jax.planner.shape import ModelShape
 
-__all__ = ["Candidate", "Space", "candidates"]
+__all__ = ["COMPRESSION_METHODS", "Candidate", "Space", "candidates"]
+
+#: Gradient compressions tried over a ``data`` axis that crosses slices (``plan --compression``).
+COMPRESSION_METHODS = ("int8", "topk", "powersgd")
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ class Space:
         sequence_parallel: try sequence parallelism where ``tensor > 1`` (besides without).
         remat: try recomputing each layer in the backward pass (besides not).
         compression: try compressed gradients over a ``data`` axis that crosses slices.
-        compression_methods: the methods tried there.
+        compression_methods: the methods tried there (none: as ``compression=False``).
     """
 
     max_tensor: int = 8
@@ -92,7 +95,7 @@ class Space:
     sequence_parallel: bool = True
     remat: bool = True
     compression: bool = True
-    compression_methods: tuple[str, ...] = ("int8", "topk", "powersgd")
+    compression_methods: tuple[str, ...] = COMPRESSION_METHODS
 
 
 @dataclass(frozen=True)
