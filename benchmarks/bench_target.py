@@ -39,12 +39,6 @@ import common
 
 PLANS = ("zero3", "fsdp_tp", "pp_1f1b")
 BASELINES = ("fsdp_gathered", "fsdp")
-#: libtpu's environment for compiling without TPUs (no warnings about missing metadata).
-TPU_ENV = {
-    "TPU_WORKER_HOSTNAMES": "localhost",
-    "TPU_ACCELERATOR_TYPE": "v5litepod-16",
-    "JAX_PLATFORMS": "cpu",
-}
 
 
 def parse_args() -> argparse.Namespace:
@@ -281,8 +275,9 @@ def main() -> int:
     args = parse_args()
     if args.every_preset:
         return every_preset(args)
-    for key, value in TPU_ENV.items():
-        os.environ.setdefault(key, value)
+    # JAX's own backend on the CPU: libtpu then starts at the target's first topology, after
+    # target_devices gave it its environment and flags (torsh_jax.targets.libtpu_env)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
     from torsh_jax.demo.model import init_params

@@ -76,13 +76,12 @@ def quiet_for_target(
     processes allowed to load libtpu (there are no chips to own: tests in parallel, a second tool)
     and the target's ``accelerator_type`` (in place of :data:`NO_TPU_ACCELERATOR` where
     :func:`quiet_without_tpus` named it)."""
-    environ["LIBTPU_INIT_ARGS"] = tpu_init_args(environ.get("LIBTPU_INIT_ARGS", ""))
     if tpu_chips() if chips is None else chips:  # a TPU VM: its own workers and type
+        environ["LIBTPU_INIT_ARGS"] = tpu_init_args(environ.get("LIBTPU_INIT_ARGS", ""))
         return
-    _no_chips_to_own(environ)
+    quiet_without_tpus(environ, chips=0, installed=True)
     if environ.pop(_PLACEHOLDER_NAMED, None) is not None:
         environ["TPU_ACCELERATOR_TYPE"] = accelerator_type
-    environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator_type)
 
 
 def quiet_without_tpus(
