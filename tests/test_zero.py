@@ -258,3 +258,38 @@ def test_prefetching_more_than_one_layer_is_refused_before_compiling():
         make_train_step(
             mlp_model(SMALL), optax.adamw(1e-3), plan, build_mesh(plan), mlp_params(SMALL, jax.random.key(0))
         )
+
+
+def test_a_float32_leaf_alone_in_its_bucket_is_reduce_scattered_in_its_own_shape():
+    """One leaf per bucket: each float32 reduce-scatter takes the leaf as it is, along its shard dim
+    (no flat row, which is a relayout copy on a TPU), and the shards equal those of one packed
+    bucket exactly; a bfloat16 leaf is still sent as its row (module docstring of runtime.sync)."""
+    import chex
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from torsh_jax.analysis.hlo import collectives_from_text
+    from torsh_jax.runtime.sync import SyncSpec, sync_gradients
+
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+    def synced(grads, dims, bucket_bytes: int):
+        spec = SyncSpec(axes=("fsdp",), scatter_axis="fsdp", scatter_size=8, bucket_bytes=bucket_bytes)
+        run = lambda g: sync_gradients(g, (), spec=spec, dims=dims)[0]
+        out = {k: P(None, "fsdp") if d == 1 else P("fsdp") for k, d in dims.items()}
+        step = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P(), out_specs=out))
+        operands = [c.operand_shapes for c in collectives_from_text(step.lower(grads).compile().as_text())]
+        return step(grads), operands
+
+    a, b, c = jax.random.split(jax.random.key(0), 3)
+    grads, dims = (
+        {"wide": jax.random.normal(a, (6, 40)), "tall": jax.random.normal(b, (24, 5))},
+        {"wide": 1, "tall": 0},
+    )
+    alone, operands = synced(grads, dims, 0)
+    assert sorted(operands) == [("f32[24,5]",), ("f32[6,40]",)]  # reduced as they are
+    packed, [[row]] = synced(grads, dims, 2**20)
+    assert row == "f32[8,45]"
+    chex.assert_trees_all_equal(alone, packed)
+    _, [[bf16]] = synced({"g": jax.random.normal(c, (16, 3), jnp.bfloat16)}, {"g": 0}, 0)
+    assert bf16 == "f32[8,6]"  # its row, widened on the CPU
