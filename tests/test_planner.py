@@ -303,7 +303,7 @@ def test_a_tpu_targets_plans_without_a_pipeline_are_costed_as_the_tpu_compiler_h
 @pytest.mark.slow
 def test_a_tpu_targets_pick_is_predicted_within_5_percent_of_its_compiled_peak(capsys):
     """A model size the TPU figures were not read from (350 M; read from 150 M and 1 B): plan's
-    pick on v5e-32, compiled by libtpu (about a minute on 2 cores, most of it libtpu's backend
+    pick on v5e-32, compiled by libtpu (45 s on 2 cores, most of it libtpu's backend
     passes, which a shallower model does not shorten: docs/planner.md)."""
     if missing_compiler("v5e-32") is not None:
         pytest.skip(missing_compiler("v5e-32"))
