@@ -32,6 +32,7 @@ CASES = [
     pytest.param(zero_plan(1, **ACCUM), id="zero1-accum"),
     pytest.param(zero_plan(2), id="zero2"),
     pytest.param(zero_plan(2, **ACCUM), id="zero2-accum"),
+    pytest.param(zero_plan(2, communication={"bucket_mb": 0}), id="zero2-leaf-by-leaf"),  # in own shape
     pytest.param(zero_plan(3), id="zero3"),
     pytest.param(zero_plan(3, **ACCUM), id="zero3-accum"),
     pytest.param(zero_plan(3, zero={"reshard_after_forward": False}), id="zero3-keep-gathered"),
