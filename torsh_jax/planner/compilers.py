@@ -109,8 +109,9 @@ class CompilerProfile:
 #: on a model compiled after that choice (``d_model`` 768, 6 layers, v5e-8, global batch 32; the
 #: embedding and head 54 % of it): its 5 accumulating plans without remat came within -0.7 % to
 #: +3.8 % (+3.2 % to +10.0 % counting them whole), the one recomputing at +14.1 % (+18.0 %).
-#: Read before float32 gradients were reduced in their own shape: since then 150 M's ZeRO-3 plan with
-#: ``tensor`` 2 compiles 31 % smaller and is predicted 45 % over; its other 15 plans are unchanged.
+#: Read with every gradient reduced as a flat row; since a float32 one alone in its bucket is reduced
+#: in its own shape, 150 M's 12 plans without ZeRO-3 came within -4.6 % to +3.8 % again (ZeRO-3's
+#: per-layer reductions keep the row: docs/planner.md).
 TPU = CompilerProfile(
     name="libtpu 0.0.42.1",
     attention=6,
