@@ -337,7 +337,7 @@ def test_headline_counts_what_a_stage_sends_against_each_modelled_axis(name):
     equal to what is measured; the tensor collectives sit in the pipeline's branches, so the tensor
     section is the first stage's and the bytes per step are the busiest stage's (each branch counted
     as that stage runs it, each permute from the devices that send it). The totals count every
-    branch as run, over 1.5 times what a stage sends over ``tensor``."""
+    branch as run, over 1.4 times what a stage sends over ``tensor``."""
     summary = _inspect(COMPOSED[name])
     line = headline(summary)
     theory = summary["theory"]
@@ -355,7 +355,7 @@ def test_headline_counts_what_a_stage_sends_against_each_modelled_axis(name):
     assert first == pytest.approx(line["theoretical_wire_bytes_per_step"], rel=0.01), (first, line)
     assert stages[0]["by_axis"]["tensor"]["wire_bytes"] == theory["axes"]["tensor"]["measured_wire_bytes"]
     all_branches = summary["totals"]["by_axis"]["tensor"]["wire_bytes"]
-    assert all_branches > 1.5 * max(s["by_axis"]["tensor"]["wire_bytes"] for s in stages)
+    assert all_branches > 1.4 * max(s["by_axis"]["tensor"]["wire_bytes"] for s in stages)
     assert PIPELINED_TENSOR_NOTE in summary["notes"]
 
 

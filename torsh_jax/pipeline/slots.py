@@ -41,6 +41,8 @@ __all__ = [
     "SlotPlan",
     "slot_plan",
     "BRANCHES",
+    "KINDS",
+    "kind_of",
     "Segment",
     "tick_segments",
     "executor_segments",
@@ -53,6 +55,22 @@ __all__ = [
 #: Branch names; ``F_first`` embeds, ``F_last`` / ``B_last`` run the head and the loss, ``W`` makes a
 #: chunk's weight gradients when the schedule splits backwards.
 BRANCHES = ("idle", "F_first", "F_mid", "F_last", "B_first", "B_mid", "B_last", "W")
+
+#: The kinds of branch whose stages share one copy of the chunk's code at a tick (``F_first``,
+#: ``F_mid`` and ``F_last`` are ``F``). ``B_last`` is a kind of its own: its head reads the chunk's
+#: recomputed output, which the other backwards leave unread (XLA drops a one-layer chunk's last
+#: tensor sum there), so the collectives of every copy of a kind are the same.
+KINDS = ("F", "B", "B_last", "W")
+
+
+def kind_of(branch: str) -> str:
+    """The kind (:data:`KINDS`) of ``branch``, or ``idle``.
+
+    Example:
+        >>> kind_of("F_last"), kind_of("B_first"), kind_of("B_last"), kind_of("W")
+        ('F', 'B', 'B_last', 'W')
+    """
+    return branch if branch in KINDS or branch == "idle" else branch.split("_")[0]
 
 
 @dataclass(frozen=True)
@@ -203,7 +221,7 @@ def slot_scope(branch: str) -> str:
     return f"pipeline_slot_{branch}"
 
 
-_SCOPED = re.compile(r"(?:^|/)pipeline_slot_(" + "|".join(BRANCHES) + r")(?:/|$)")
+_SCOPED = re.compile(r"(?:^|/)pipeline_slot_(" + "|".join((*BRANCHES, *KINDS)) + r")(?=/|$)")
 
 
 #: What :func:`scoped_branch` says of a collective XLA combined from operations of different
@@ -212,15 +230,24 @@ MIXED = "mixed"
 
 
 def scoped_branch(op_name: str) -> str | None:
-    """The branch whose scope (:func:`slot_scope`) ``op_name`` is in, ``None`` outside every
-    branch, or :data:`MIXED` for a combined collective whose parts disagree.
+    """The branch or kind whose scope (:func:`slot_scope`) ``op_name`` is innermost in (a kind's
+    chunk code runs in the kind's scope, a branch's own part, its embedding or head, in the
+    branch's inside it), ``None`` outside every slot, or :data:`MIXED` for a combined collective
+    whose parts disagree.
 
     Example:
+        >>> scoped_branch("jit(f)/pipeline_slot_B/cond/branch_1_fun/pipeline_slot_B_last/psum")
+        'B_last'
         >>> scoped_branch("jit(f)/(reduce_sum:shard_map/pipeline_slot_W/psum)")
         'mixed'
     """
-    found = {match.group(1) if match else None for match in map(_SCOPED.search, _parts(op_name))}
+    found = {_innermost(part) for part in _parts(op_name)}
     return found.pop() if len(found) == 1 else MIXED
+
+
+def _innermost(op_name: str) -> str | None:
+    scopes = _SCOPED.findall(op_name)
+    return scopes[-1] if scopes else None
 
 
 def _parts(op_name: str) -> list[str]:

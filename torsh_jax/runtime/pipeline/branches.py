@@ -7,10 +7,16 @@ layer's output make their gradients the layers' output gradients) and leaves eac
 and output gradient in a ``W`` stash slot; ``W`` makes the weight gradients from that slot, one
 layer at a time. :mod:`torsh_jax.runtime.pipeline.executor` runs the branches.
 
+The stages running a kind of branch at a tick (:data:`~torsh_jax.pipeline.slots.KINDS`: every
+forward, ``F_first``, ``F_mid`` and ``F_last``, is one kind) share one copy of its code: the chunk
+once, the embedding and the head under a ``lax.cond`` on the stages whose branch runs them. The
+compiled step holds one chunk per kind and tick, not one per branch.
+
 Example:
     >>> Carry._fields
     ('acts', 'cots', 'wstash', 'grads', 'loss_sum', 'counts')
-    >>> sorted(BRANCHES) == sorted(name for name in dir(StagePass) if name in BRANCHES)
+    >>> from torsh_jax.pipeline.slots import KINDS, kind_of
+    >>> sorted({kind_of(b) for b in BRANCHES} - {"idle"}) == sorted(KINDS)
     True
 """
 
@@ -27,7 +33,7 @@ from torsh_jax.pipeline.schedule import Schedule
 from torsh_jax.pipeline.slots import BRANCHES, slot_scope
 from torsh_jax.runtime.accumulate import split_micro_batches
 from torsh_jax.runtime.layered import LayeredModel, scan_layers, split_params
-from torsh_jax.runtime.pipeline.varying import cotangent_like
+from torsh_jax.runtime.pipeline.varying import cotangent_like, typed_cond
 from torsh_jax.typing import PyTree
 
 __all__ = ["Carry", "StagePass"]
@@ -79,6 +85,7 @@ class StagePass:
         self.per_chunk = jax.tree.leaves(self.chunks)[0].shape[1]  # layers per chunk
         self.micro = split_micro_batches(batch, schedule.microbatches)
         self.seed = seed
+        self._made: dict = {}
 
     def batch_of(self, micro):
         return _take(self.micro, micro)
@@ -90,81 +97,103 @@ class StagePass:
     def run_chunk(self, chunk_params, hidden, micro):
         return scan_layers(self.layer_of(micro), chunk_params, hidden, remat=self.model.remat)
 
-    def branches(self) -> dict[str, Callable]:
-        """``name -> (carry, ints) -> (carry, sent forward, sent backward)``, each run in its slot's
-        name scope (:func:`~torsh_jax.pipeline.slots.slot_scope`)."""
-        return {name: partial(_in_scope, name, getattr(self, name)) for name in BRANCHES}
+    def branch(self, kind: str, variants: frozenset[str]) -> Callable:
+        """``(carry, ints) -> (carry, sent forward, sent backward)`` of the stages running ``kind``
+        (:data:`~torsh_jax.pipeline.slots.KINDS`) as one of ``variants`` at a tick: one copy of the
+        chunk's code, in the kind's name scope (:func:`~torsh_jax.pipeline.slots.slot_scope`);
+        the embedding and the head, in their branch's scope, under a ``lax.cond`` on the stages
+        whose branch runs them when others run the kind too. Made once per kind and variants."""
+        key = (kind, variants)
+        if key not in self._made:
+            run = {"F": self.forward, "W": self.W}.get(kind, self.backward)
+            self._made[key] = partial(_in_scope, kind, partial(run, _Ends(kind[0], variants)))
+        return self._made[key]
 
     def idle(self, carry: Carry, ints):
         return carry, self.zeros, self.zeros
 
-    def F_first(self, carry: Carry, ints):
-        batch = self.batch_of(ints["micro"])
-        hidden = self.run_chunk(
-            _take(self.chunks, ints["chunk"]), self.model.embed(self.embed_p, batch), ints["micro"]
-        )
+    def forward(self, ends: _Ends, carry: Carry, ints):
+        """``F``: the chunk on its input (the embedding on the first stage, else the stashed
+        activation), then the head's loss on the last stage."""
+        micro = ints["micro"]
+        hidden = self.run_chunk(_take(self.chunks, ints["chunk"]), self._input(ends, carry, ints), micro)
+        last = ends.last(ints)
+        if last is not False:
+            loss = lambda h: self.model.head(self.head_p, h, self.batch_of(micro)).astype(jnp.float32)
+            loss = _where(last, ends.name("last"), loss, lambda h: jnp.float32(0.0), hidden)
+            carry = carry._replace(loss_sum=carry.loss_sum + loss)
         return _counted(carry, 0), hidden.astype(self.dtype), self.zeros
 
-    def F_mid(self, carry: Carry, ints):
-        hidden = self.run_chunk(
-            _take(self.chunks, ints["chunk"]), carry.acts[ints["activation_in"]], ints["micro"]
-        )
-        return _counted(carry, 0), hidden.astype(self.dtype), self.zeros
-
-    def F_last(self, carry: Carry, ints):
-        batch = self.batch_of(ints["micro"])
-        hidden = self.run_chunk(
-            _take(self.chunks, ints["chunk"]), carry.acts[ints["activation_in"]], ints["micro"]
-        )
-        loss = self.model.head(self.head_p, hidden, batch).astype(jnp.float32)
-        return _counted(carry._replace(loss_sum=carry.loss_sum + loss), 0), self.zeros, self.zeros
-
-    def B_first(self, carry: Carry, ints):
-        batch, chunk = self.batch_of(ints["micro"]), ints["chunk"]
+    def backward(self, ends: _Ends, carry: Carry, ints):
+        """``B``: one ``vjp`` of the chunk recomputed from its input, at the gradient received (or,
+        on the last stage, the head's gradient of the loss); on the first stage the embedding's
+        gradient from the input's. Under a schedule with ``W`` slots the ``vjp`` is with respect
+        to the input only, and every layer's input and output gradient go to the ``W`` stash."""
+        micro, chunk = ints["micro"], ints["chunk"]
+        hidden = self._input(ends, carry, ints)
         if self.split:
-            chunk_params = _take(self.chunks, chunk)
-            forward = lambda e, z: self._probed_chunk(
-                chunk_params, self.model.embed(e, batch), z, ints["micro"]
-            )
-            cotangent = carry.cots[ints["gradient_in"]]
-            carry, (g_embed,) = self._split_backward(carry, ints, forward, (self.embed_p,), cotangent)
-            return _counted(_added(carry, embed=g_embed), 1), self.zeros, self.zeros
-        forward = lambda e, c: self.run_chunk(c, self.model.embed(e, batch), ints["micro"])
-        out, vjp = jax.vjp(forward, self.embed_p, _take(self.chunks, chunk))
-        g_embed, g_chunk = vjp(cotangent_like(carry.cots[ints["gradient_in"]], out))
-        return _counted(_added(carry, embed=g_embed, chunk=(chunk, g_chunk)), 1), self.zeros, self.zeros
-
-    def B_mid(self, carry: Carry, ints):
-        chunk, hidden = ints["chunk"], carry.acts[ints["activation_in"]]
+            probes = jnp.broadcast_to(self.zeros, (self.per_chunk, *self.zeros.shape))
+            chunk_fn = lambda h, z: self._probed_chunk(_take(self.chunks, chunk), h, z, micro)
+            out, pull, inputs = jax.vjp(chunk_fn, hidden, probes, has_aux=True)
+        else:
+            chunk_fn = lambda c, h: self.run_chunk(c, h, micro)
+            out, pull = jax.vjp(chunk_fn, _take(self.chunks, chunk), hidden)
+        carry, cotangent = self._output_gradient(ends, carry, ints, out)
         if self.split:
-            forward = lambda h, z: self._probed_chunk(_take(self.chunks, chunk), h, z, ints["micro"])
-            cotangent = carry.cots[ints["gradient_in"]]
-            carry, (g_in,) = self._split_backward(carry, ints, forward, (hidden,), cotangent)
-            return _counted(carry, 1), self.zeros, g_in.astype(self.dtype)
-        out, vjp = jax.vjp(
-            lambda c, h: self.run_chunk(c, h, ints["micro"]), _take(self.chunks, chunk), hidden
-        )
-        g_chunk, g_in = vjp(cotangent_like(carry.cots[ints["gradient_in"]], out))
-        return _counted(_added(carry, chunk=(chunk, g_chunk)), 1), self.zeros, g_in.astype(self.dtype)
-
-    def B_last(self, carry: Carry, ints):
-        batch, chunk, hidden = self.batch_of(ints["micro"]), ints["chunk"], carry.acts[ints["activation_in"]]
-        if self.split:
-
-            def forward(head_p, h, z):
-                out, inputs = self._probed_chunk(_take(self.chunks, chunk), h, z, ints["micro"])
-                return self.model.head(head_p, out, batch), inputs
-
-            primals = (self.head_p, hidden)
-            carry, (g_head, g_in) = self._split_backward(carry, ints, forward, primals, self.seed)
-            return _counted(_added(carry, head=g_head), 1), self.zeros, g_in.astype(self.dtype)
-        forward = lambda c, h, x: self.model.head(h, self.run_chunk(c, x, ints["micro"]), batch)
-        loss, vjp = jax.vjp(forward, _take(self.chunks, chunk), self.head_p, hidden)
-        g_chunk, g_head, g_in = vjp(cotangent_like(self.seed, loss))
-        carry = _added(carry, chunk=(chunk, g_chunk), head=g_head)
+            g_in, g_outs = pull(cotangent)
+            saved = jnp.stack([inputs, g_outs.astype(inputs.dtype)])
+            carry = carry._replace(wstash=_put(carry.wstash, ints["weight_stash"], saved))
+        else:
+            g_chunk, g_in = pull(cotangent)
+            carry = _added(carry, chunk=(chunk, g_chunk))
+        carry = self._embed_gradient(ends, carry, ints, g_in)
         return _counted(carry, 1), self.zeros, g_in.astype(self.dtype)
 
-    def W(self, carry: Carry, ints):
+    def _input(self, ends: _Ends, carry: Carry, ints) -> jax.Array:
+        """The chunk's input: the embedding of the micro-batch on the first stage, else the
+        activation stashed in slot ``activation_in``."""
+        embed = lambda row: self.model.embed(self.embed_p, self.batch_of(ints["micro"])).astype(self.dtype)
+        return _where(
+            ends.first(ints), ends.name("first"), embed, lambda row: row, carry.acts[ints["activation_in"]]
+        )
+
+    def _output_gradient(self, ends: _Ends, carry: Carry, ints, out) -> tuple[Carry, jax.Array]:
+        """``(carry, gradient of the chunk's output)``: on the last stage the head's ``vjp`` at the
+        seed (its parameters' gradient added to the carry's), else the gradient received."""
+        last = ends.last(ints)
+        received = carry.cots[ints["gradient_in"]]
+        if last is False:
+            return carry, cotangent_like(received, out)
+        batch = self.batch_of(ints["micro"])
+        g_embed, g_chunks, g_head = carry.grads
+
+        def through_head(g_head, received):
+            loss, pull = jax.vjp(lambda p, h: self.model.head(p, h, batch), self.head_p, out)
+            g_params, g_out = pull(cotangent_like(self.seed, loss))
+            return _add(g_head, g_params), g_out.astype(out.dtype)
+
+        passed = lambda g_head, received: (g_head, cotangent_like(received, out))
+        g_head, g_out = _where(last, ends.name("last"), through_head, passed, g_head, received)
+        return carry._replace(grads=(g_embed, g_chunks, g_head)), cotangent_like(g_out, out)
+
+    def _embed_gradient(self, ends: _Ends, carry: Carry, ints, g_in) -> Carry:
+        """``carry`` with, on the first stage, the embedding's gradient at the input's ``g_in``."""
+        first = ends.first(ints)
+        if first is False:
+            return carry
+        batch = self.batch_of(ints["micro"])
+        g_embed, g_chunks, g_head = carry.grads
+
+        def through_embed(g_embed, g_in):
+            hidden, pull = jax.vjp(lambda p: self.model.embed(p, batch), self.embed_p)
+            return _add(g_embed, pull(cotangent_like(g_in, hidden))[0])
+
+        g_embed = _where(
+            first, ends.name("first"), through_embed, lambda g_embed, g_in: g_embed, g_embed, g_in
+        )
+        return carry._replace(grads=(g_embed, g_chunks, g_head))
+
+    def W(self, ends: _Ends, carry: Carry, ints):
         """The weight gradients of a chunk whose ``B`` ran: one ``vjp`` per layer with respect to its
         parameters, at the input and output gradient ``B`` left in the ``W`` stash."""
         chunk, layer_fn = ints["chunk"], self.layer_of(ints["micro"])
@@ -191,21 +220,47 @@ class StagePass:
 
         return jax.lax.scan(one, hidden, (chunk_params, probes))
 
-    def _split_backward(self, carry: Carry, ints, forward, primals: tuple, seed):
-        """``B`` of a split backward: ``forward(*primals, probes) -> (output, layer inputs)`` runs the
-        chunk (:meth:`_probed_chunk`); one ``vjp`` at ``seed`` gives the gradients of ``primals``
-        (no weight gradients) and every layer's output gradient, which goes to the ``W`` stash with
-        the layer inputs. Returns the carry and the gradients of ``primals``."""
-        probes = jnp.broadcast_to(self.zeros, (self.per_chunk, *self.zeros.shape))
-        out, vjp, inputs = jax.vjp(forward, *primals, probes, has_aux=True)
-        *grads, g_outs = vjp(cotangent_like(seed, out))
-        saved = jnp.stack([inputs, g_outs.astype(inputs.dtype)])
-        return carry._replace(wstash=_put(carry.wstash, ints["weight_stash"], saved)), tuple(grads)
+
+class _Ends(NamedTuple):
+    """What a copy of a kind's code at a tick runs as: ``direction`` (``F`` or ``B``) and
+    ``variants``, the branches of the stages running it there. Whether this stage is the first
+    (last) is known when every variant is (none is) the first (last) one."""
+
+    direction: str
+    variants: frozenset
+
+    def name(self, end: str) -> str:
+        return f"{self.direction}_{end}"
+
+    def first(self, ints) -> bool | jax.Array:
+        return self._is(self.name("first"), ints)
+
+    def last(self, ints) -> bool | jax.Array:
+        return self._is(self.name("last"), ints)
+
+    def _is(self, branch: str, ints) -> bool | jax.Array:
+        if branch not in self.variants:
+            return False
+        if self.variants == {branch}:
+            return True
+        return ints["branch"] == BRANCHES.index(branch)
 
 
-def _in_scope(name: str, branch: Callable, carry: Carry, ints):
+def _where(runs: bool | jax.Array, branch: str, on: Callable, off: Callable, *operands):
+    """``on(*operands)`` in ``branch``'s scope where ``runs``, else ``off(*operands)``: a
+    ``lax.cond`` when ``runs`` differs between stages, whose first way is ``off`` (XLA copies
+    what a later way passes on unchanged)."""
+    scoped = lambda *args: _in_scope(branch, on, *args)
+    if runs is True:
+        return scoped(*operands)
+    if runs is False:
+        return off(*operands)
+    return typed_cond(runs, scoped, off, *operands)
+
+
+def _in_scope(name: str, branch: Callable, *args):
     with jax.named_scope(slot_scope(name)):
-        return branch(carry, ints)
+        return branch(*args)
 
 
 def _counted(carry: Carry, which: int) -> Carry:

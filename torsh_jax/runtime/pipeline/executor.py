@@ -3,8 +3,8 @@
 The table is static, so the executor unrolls it tick by tick. At each tick
 every stage runs one branch, picked by its row of the table: the forward or
 backward of one chunk for one micro-batch, or nothing (one two-way ``lax.switch``
-per branch the tick runs, so that no branch copies the gradients and stashes it
-passes on: :meth:`_Ticks._branch`). Then the
+per kind of branch the tick runs, so that no branch copies the gradients and
+stashes it passes on: :meth:`_Ticks._branch`). Then the
 stages that produced an activation (a gradient) send it to the next (previous)
 stage with one ``ppermute`` whose pairs are exactly the sending stages, so the
 bytes over ``stage`` are the activations and their gradients per micro-batch
@@ -58,7 +58,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from torsh_jax.pipeline.schedule import Schedule
-from torsh_jax.pipeline.slots import BRANCHES, Segment, SlotPlan, executor_segments, segment_ticks, slot_plan
+from torsh_jax.pipeline.slots import (
+    BRANCHES,
+    KINDS,
+    Segment,
+    SlotPlan,
+    executor_segments,
+    kind_of,
+    segment_ticks,
+    slot_plan,
+)
 from torsh_jax.plan.roles import STAGE_AXIS
 from torsh_jax.runtime.layered import LayeredModel, join_params
 from torsh_jax.runtime.pipeline.branches import Carry, StagePass
@@ -130,8 +139,7 @@ def pipeline_gradients(
         carry = Carry(acts=hidden(plan.activation_slots), cots=hidden(plan.gradient_slots),
                        wstash=hidden(plan.weight_slots, 2, one.per_chunk), grads=grads,
                        loss_sum=jnp.float32(0.0), counts=jnp.zeros(3, jnp.int32))  # fmt: skip
-        branches = one.branches()
-        ticks = _Ticks(stage, plan, branches, axis, p, types={}, gated=_gated(branches))
+        ticks = _Ticks(stage, plan, one, axis, p, types={}, gated={})
         for segment in executor_segments(plan, schedule):
             carry = _segment(carry, segment, ticks.run)
         g_embed, g_chunks, g_head = carry.grads
@@ -171,28 +179,23 @@ def _passed(state, ints) -> tuple:
     return (state,)
 
 
-def _gated(branches: dict[str, Callable]) -> dict[str, Callable]:
-    """Each branch as the second way of its ``lax.switch`` (:meth:`_Ticks._branch`); made once per
-    pass, so that :func:`typed_switch` finds each traced once."""
-    return {name: partial(_run_on_state, fn) for name, fn in branches.items()}
-
-
 def _run_on_state(branch: Callable, state, ints) -> tuple:
+    """A branch as the second way of its ``lax.switch`` (:meth:`_Ticks._branch`)."""
     return (branch(state[0], ints),)
 
 
 class _Ticks(NamedTuple):
-    """What every tick of one pass reads: this stage's index, the slot plan, the branches by name,
+    """What every tick of one pass reads: this stage's index, the slot plan, the pass's branches,
     the stage axis and its size, and the branches' varying-axis types by input types
     (:func:`~torsh_jax.runtime.pipeline.varying.typed_switch`, filled as ticks are traced)."""
 
     stage: jax.Array
     plan: SlotPlan
-    branches: dict
+    one: StagePass
     axis: str
     stages: int
     types: dict
-    gated: dict  # by name: ``((carry, sent forward, sent backward), ints) -> (that of the branch,)``
+    gated: dict  # by (kind, variants): ``((carry, sent forward, sent backward), ints) -> (that,)``
 
     def run(self, carry, tick, like):
         """One tick: ``tick`` (an int, or traced inside a scan) stands for the static ticks ``like``,
@@ -214,15 +217,30 @@ class _Ticks(NamedTuple):
 
     def _branch(self, carry, ints, branch: jax.Array, like: list[int]):
         """``(carry, sent forward, sent backward)`` of this stage's branch (``branch``, its index in
-        ``BRANCHES``) at the ticks ``like``: one two-way ``lax.switch`` per branch the ticks run, whose
-        first way passes everything through. A pass-through way after the first makes XLA copy the
-        buffers it passes (the stage's gradients and stashes, every tick); a first one it does not
-        (jax-ml/jax#38145)."""
-        present = [BRANCHES[b] for b in sorted(set(self.plan.branch[like].ravel().tolist()))]
-        state = self.branches["idle"](carry, ints)  # nothing sent
-        for name in (name for name in present if name != "idle"):
-            if present == [name]:  # every stage runs it at these ticks
-                return self.branches[name](carry, ints)
-            runs = (branch == BRANCHES.index(name)).astype(jnp.int32)
-            (state,) = typed_switch(runs, [_passed, self.gated[name]], state, ints, self.types)
+        ``BRANCHES``) at the ticks ``like``: one two-way ``lax.switch`` per kind of branch the
+        ticks run (:data:`~torsh_jax.pipeline.slots.KINDS`), whose first way passes everything
+        through. A pass-through way after the first makes XLA copy the buffers it passes (the
+        stage's gradients and stashes, every tick); a first one it does not (jax-ml/jax#38145)."""
+        present = {BRANCHES[b] for b in self.plan.branch[like].ravel().tolist()}
+        kinds = {kind: frozenset(b for b in present if kind_of(b) == kind) for kind in KINDS}
+        kinds = {kind: variants for kind, variants in kinds.items() if variants}
+        ints = {**ints, "branch": branch}
+        if len(present) == 1 and "idle" not in present:
+            # every stage runs this branch at these ticks: in line (a kind run as several branches
+            # keeps its switch, whose own buffers XLA:CPU places apart: in line, an interleaved
+            # stage's step held 15 % more temporary memory)
+            [(kind, variants)] = kinds.items()
+            return self.one.branch(kind, variants)(carry, ints)
+        state = self.one.idle(carry, ints)  # nothing sent
+        for kind, variants in kinds.items():
+            indices = jnp.asarray([BRANCHES.index(b) for b in sorted(variants)])
+            runs = jnp.isin(branch, indices).astype(jnp.int32)
+            (state,) = typed_switch(runs, [_passed, self._gated(kind, variants)], state, ints, self.types)
         return state
+
+    def _gated(self, kind: str, variants: frozenset) -> Callable:
+        """The kind's branch as the second way of its ``lax.switch``; made once per pass, so that
+        :func:`typed_switch` finds it traced."""
+        if (kind, variants) not in self.gated:
+            self.gated[kind, variants] = partial(_run_on_state, self.one.branch(kind, variants))
+        return self.gated[kind, variants]

@@ -2,20 +2,21 @@
 
 The compiled step holds every branch of every tick (:mod:`~torsh_jax.runtime.pipeline.executor`),
 and a device runs one branch per tick, so counting every branch as run overstates what any device
-sends. Each branch runs in its slot's name scope (:func:`~torsh_jax.pipeline.slots.slot_scope`), so
-the program's collectives say which branch they belong to. A branch's traced copies (one per tick
-the executor traces, run once in line or once per repeat when scanned) run as often as the ticks
-they stand for; a stage runs the branch as often as its row of the table says. So a collective of
-branch ``X`` runs on stage ``s`` its executions times ``X``'s slots on ``s`` over the executions of
-``X``'s traced copies. Collectives outside every branch keep their executions, and so do those
-XLA combined from operations of a branch and others (:func:`mixed_collectives`), whose share of
-each is not known.
+sends. A kind's chunk code runs in the kind's name scope (``F``, ``B``, ``W``), and a branch's own
+part (the embedding of ``F_first``, the head of ``B_last``) in the branch's inside it
+(:func:`~torsh_jax.pipeline.slots.slot_scope`), so the program's collectives say which scope they
+belong to. A scope's traced copies (one per tick the executor traces, run once in line or once per
+repeat when scanned) run as often as the ticks they stand for; a stage runs the scope as often as
+its row of the table says. So a collective of scope ``X`` runs on stage ``s`` its executions times
+``X``'s slots on ``s`` over the executions of ``X``'s traced copies. Collectives outside every
+slot keep their executions, and so do those XLA combined from operations of a slot and others
+(:func:`mixed_collectives`), whose share of each is not known.
 
 Example:
     >>> from torsh_jax.pipeline.schedule import build_pipeline_schedule
     >>> sites = branch_sites(build_pipeline_schedule("1f1b", stages=2, microbatches=2))
-    >>> sites["F_first"], sites["B_last"]
-    (2, 2)
+    >>> sites["F_first"], sites["F"], sites["B_last"]
+    (2, 4, 2)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torsh_jax.pipeline.slots import (
     BRANCHES,
     MIXED,
     executor_segments,
+    kind_of,
     scoped_branch,
     segment_ticks,
     slot_plan,
@@ -40,22 +42,29 @@ __all__ = ["branch_sites", "stage_collectives", "stage_totals", "mixed_collectiv
 
 
 def branch_sites(schedule: Schedule) -> Counter:
-    """Per branch: how often the executor's traced copies of it run (every tick it stands for whose
-    block has some stage running the branch)."""
+    """Per branch and per kind of branch (the scopes of a branch's own part and of its kind's chunk
+    code): how often the executor's traced copies of it run (every tick it stands for whose block
+    has some stage running the branch, or a branch of the kind)."""
     plan = slot_plan(schedule)
     sites: Counter = Counter()
     for segment in executor_segments(plan, schedule):
         for ticks in segment_ticks(segment):
-            for branch in set(plan.branch[ticks].ravel().tolist()):
-                sites[BRANCHES[branch]] += len(ticks)
+            present = {BRANCHES[b] for b in plan.branch[ticks].ravel().tolist()}
+            for scope in _scopes(present):
+                sites[scope] += len(ticks)
     return sites
+
+
+def _scopes(branches) -> set[str]:
+    """The scopes ``branches`` run in: their own and their kinds'."""
+    return {*branches, *map(kind_of, branches)}
 
 
 def stage_collectives(found: list[Collective], schedule: Schedule, stage: int) -> list[Collective]:
     """``found`` (the step's collectives, every branch counted as run) with the executions stage
     ``stage`` runs: a branch's collectives scaled by its slots on that stage over its sites."""
     plan = slot_plan(schedule)
-    runs = Counter(BRANCHES[b] for b in plan.branch[:, stage].tolist())
+    runs = Counter(scope for b in plan.branch[:, stage].tolist() for scope in _scopes({BRANCHES[b]}))
     sites = branch_sites(schedule)
 
     def on_stage(c: Collective) -> Collective:

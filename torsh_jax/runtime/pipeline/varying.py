@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -23,7 +24,7 @@ from torsh_jax.runtime.traced import traced_once
 from torsh_jax.tensor.axis import vary_over, varying_axes
 from torsh_jax.typing import PyTree
 
-__all__ = ["cast_vma", "cotangent_like", "settled", "typed_switch", "vmas"]
+__all__ = ["cast_vma", "cotangent_like", "settled", "typed_cond", "typed_switch", "vmas"]
 
 
 def cotangent_like(cotangent: jax.Array, output: jax.Array) -> jax.Array:
@@ -72,6 +73,19 @@ def typed_switch(index, branches: list[Callable], carry, ints, types: dict):
         carry = cast_vma(carry, carry_target)
     target = (carry_target, *target[1:])
     return jax.lax.switch(index, [_typed(b, carry, ints, target, types) for b in branches], carry, ints)
+
+
+def typed_cond(pred: jax.Array, on_true: Callable, on_false: Callable, *operands):
+    """``lax.cond`` whose ways may differ in which manual axes an output varies over: both typed
+    as varying over the union. Each way is traced once, for its output types and the ``cond``."""
+    ways = [traced_once(way, *operands) for way in (on_false, on_true)]
+    target = _union([vmas(shapes) for _, shapes in ways])
+    typed = [partial(_cast_outputs, run, target) for run, _ in ways]
+    return jax.lax.cond(pred, typed[1], typed[0], *operands)
+
+
+def _cast_outputs(run: Callable, target: PyTree, *operands):
+    return cast_vma(run(*operands), target)
 
 
 def _typed(branch: Callable, carry, ints, target: PyTree, types: dict) -> Callable:
