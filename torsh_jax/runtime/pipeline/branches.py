@@ -177,7 +177,8 @@ class StagePass:
         return carry._replace(grads=(g_embed, g_chunks, g_head)), cotangent_like(g_out, out)
 
     def _embed_gradient(self, ends: _Ends, carry: Carry, ints, g_in) -> Carry:
-        """``carry`` with, on the first stage, the embedding's gradient at the input's ``g_in``."""
+        """``carry`` with, on the first stage, the embedding's gradient at the input's ``g_in``. Its
+        ``vjp`` runs the embedding again (the chunk's input ran it outside the ``lax.cond``)."""
         first = ends.first(ints)
         if first is False:
             return carry

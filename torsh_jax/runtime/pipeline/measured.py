@@ -2,8 +2,9 @@
 
 The compiled step holds every branch of every tick (:mod:`~torsh_jax.runtime.pipeline.executor`),
 and a device runs one branch per tick, so counting every branch as run overstates what any device
-sends. A kind's chunk code runs in the kind's name scope (``F``, ``B``, ``W``), and a branch's own
-part (the embedding of ``F_first``, the head of ``B_last``) in the branch's inside it
+sends. A kind's chunk code runs in the kind's name scope (``F``, ``B``, ``B_last``, ``W``), and a
+branch's own part (the embedding of ``F_first`` and ``B_first``, the head of ``F_last``) in the
+branch's inside it
 (:func:`~torsh_jax.pipeline.slots.slot_scope`), so the program's collectives say which scope they
 belong to. A scope's traced copies (one per tick the executor traces, run once in line or once per
 repeat when scanned) run as often as the ticks they stand for; a stage runs the scope as often as
