@@ -748,15 +748,15 @@ def test_a_pipeline_stage_holds_its_stash_and_its_chunks_compiled_gradient(tiny)
 def test_accumulation_a_stage_gathered_once_and_a_chunk_over_tensor_hold_what_the_runtime_keeps(tiny):
     """Accumulating adds the step's gradient sum beside each micro-step's or pipeline pass's own
     (whole where the step reduces once, the stacked layers' with each layer recomputed, the
-    ``fsdp`` shard where each is reduced, nothing under ZeRO-3 on use); an interleaved stage
-    copies a chunk's parameters and, unaccumulated, its layers' gradients; ZeRO-3 under a
-    pipeline gathers the stage's parameters whole once and makes its whole gradient; a chunk split
+    ``fsdp`` shard where each is reduced, nothing under ZeRO-3 on use); an interleaved stage holds
+    what a stage of one chunk does; ZeRO-3 under a pipeline gathers the stage's parameters whole
+    once and makes its whole gradient, the layers' with no reduced copy; a chunk split
     over ``tensor`` holds the compiled chunk's per-token bytes (less the logits) at the formula's
     share."""
     from dataclasses import replace
 
     from torsh_jax.analysis.theory import DTYPE_BYTES
-    from torsh_jax.planner.memory import _stash_rows, _tensor_share
+    from torsh_jax.planner.memory import SCANNED_STAGE, _stash_rows, _tensor_share
     from torsh_jax.planner.per_device import local_params
 
     by_label = {c.label: c for c in candidates(tiny, devices=8, global_batch=64)}
@@ -776,14 +776,18 @@ def test_accumulation_a_stage_gathered_once_and_a_chunk_over_tensor_hold_what_th
     zero3 = by_label[stage.format("zero3", 1)]
     held = memory(stage.format("zero3", 1))
     assert held["gathered"] == params // 4 * DTYPE_BYTES[zero3.plan.precision.compute_dtype]
-    assert held["gradients"] == 2 * params - params // 4  # the whole gradient and its reduced copy
-
-    # an interleaved stage copies a chunk's parameters and, not accumulating, its layers' gradients
     layers = local_params(by_label[stage.format("zero1", 1)], tiny)[0] * 4
+    # the whole gradient and its reduced copy, but a share of the layers' (the carry of the
+    # executor's scan over the ticks)
+    scanned = lambda schedule: int(SCANNED_STAGE[schedule][0] * layers)
+    assert held["gradients"] == 2 * params - scanned("1f1b") - params // 4
+
+    # an interleaved stage copies neither a chunk's parameters nor its layers' gradients
     interleaved = "pp fsdp=4 stage=2 interleaved v=2 m=2 zero1 acc={}"
-    for steps, copied in ((1, layers), (2, 0)):
+    for steps in (1, 2):
         plain, split = memory(stage.format("zero1", steps)), memory(interleaved.format(steps))
-        assert split["gathered"] == layers // 2 and split["gradients"] - plain["gradients"] == copied
+        assert split["gathered"] == plain["gathered"] == 0
+        assert split["gradients"] - plain["gradients"] == scanned("1f1b") - scanned("interleaved")
 
     # a chunk over tensor: its layers' bytes per token at the share; outside them (the line through
     # the scanned lengths 2 and 4 at no layers: 9000 - 2 * 3000) whole, but the logits split
@@ -1039,3 +1043,10 @@ def test_compression_tried_across_slices_is_the_users_choice(capsys):
     err = capsys.readouterr().err
     assert refused.value.code == 2 and err.count("\n") == 1
     assert "--compression: 'int4' is not one of them (int8, topk, powersgd; or none). Fix:" in err
+
+
+def test_every_pipeline_schedule_has_its_scanned_stage_figures():
+    from torsh_jax.pipeline import PIPELINE_SCHEDULES
+    from torsh_jax.planner.memory import SCANNED_STAGE
+
+    assert set(SCANNED_STAGE) == set(PIPELINE_SCHEDULES)

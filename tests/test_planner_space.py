@@ -16,9 +16,10 @@ from conftest import require_devices
 
 from torsh_jax.analysis.theory import ring_wire_bytes
 from torsh_jax.pipeline.schedule import IDLE, build_pipeline_schedule
-from torsh_jax.pipeline.slots import slot_plan
+from torsh_jax.pipeline.slots import scoped_send, slot_plan
 from torsh_jax.planner.cost import _bubble_fraction, codec_seconds, predict, theories
 from torsh_jax.planner.machine import Link, Machine
+from torsh_jax.planner.memory import SCANNED_STAGE
 from torsh_jax.planner.shape import parse_model
 from torsh_jax.planner.space import Space, candidates
 
@@ -94,7 +95,9 @@ def test_each_schedule_stashes_what_its_table_holds_in_flight(tiny, found):
     c = stash["zb_h1"]
     row = c.plan.batch.micro_batch_size // 4 * tiny.seq_len * tiny.d_model * 4  # one hidden state, f32
     weight_slots = slot_plan(build_pipeline_schedule("zb_h1", stages=2, microbatches=4)).weight_slots
-    assert memory["zb_h1"] - memory["1f1b"] == 2 * 2 * weight_slots * row  # chunks of 2 layers
+    sent = SCANNED_STAGE["zb_h1"][1] - SCANNED_STAGE["1f1b"][1]  # what a tick holds of its sends
+    expected = (2 * 2 * weight_slots + sent) * row  # chunks of 2 layers
+    assert memory["zb_h1"] - memory["1f1b"] == pytest.approx(expected, abs=2)
     # interleaved stashes more chunk inputs, but each recomputed chunk is half the stage's layers
     layer = predict(stash["1f1b"], tiny, MACHINE).memory["activations"] - memory["interleaved"]
     assert 0 < layer < memory["1f1b"] / 2
@@ -231,16 +234,22 @@ def test_plan_json_has_the_new_keys_and_a_remat_pick_says_the_model_must_recompu
     assert _table(report).splitlines()[-2:] == ["wrote plan.toml", REMAT_NOTE]
 
 
-def _executed(jaxpr, primitive: str) -> int:
-    """Times ``primitive`` runs in ``jaxpr``: inside a ``scan``, once per iteration."""
+def _sends_run(jaxpr, plan, times: float = 1.0) -> float:
+    """Times the step's ``ppermute`` s run: each, in its sender pattern's scope inside the scan over
+    the ticks, at the ticks of the table whose senders are that pattern; once per iteration of the
+    loops around it (accumulation passes)."""
     from jax.extend.core import ClosedJaxpr, Jaxpr
 
-    runs = 0
+    ticks, runs = plan.branch.shape[0], 0.0
     for eqn in jaxpr.eqns:
-        inner = [p.jaxpr if isinstance(p, ClosedJaxpr) else p for p in eqn.params.values()]
-        inner = [j for j in inner if isinstance(j, Jaxpr)]
-        times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-        runs += (eqn.primitive.name == primitive) + times * sum(_executed(j, primitive) for j in inner)
+        if eqn.primitive.name == "ppermute":
+            direction, pattern = scoped_send(str(eqn.source_info.name_stack))
+            table = plan.sends_forward if direction == "F" else plan.sends_backward
+            runs += times / ticks * sum(tuple(row) == pattern for row in table.tolist())
+        inner = [q for v in eqn.params.values() for q in (v if isinstance(v, tuple) else (v,))]
+        inner = [q.jaxpr if isinstance(q, ClosedJaxpr) else q for q in inner]
+        loops = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        runs += sum(_sends_run(q, plan, times * loops) for q in inner if isinstance(q, Jaxpr))
     return runs
 
 
@@ -253,8 +262,8 @@ def _executed(jaxpr, primitive: str) -> int:
     ],  # fmt: skip
 )
 def test_a_pipeline_pays_the_links_latency_once_per_ppermute_its_step_runs(tiny, label):
-    """The α steps of the ``stage`` axis are the ``ppermute`` s the traced step runs (its scanned
-    ticks counted once per iteration, in every accumulation pass), and the ring all-reduce of the
+    """The α steps of the ``stage`` axis are the ``ppermute`` s the traced step runs (each at the
+    ticks with its senders, in every accumulation pass), and the ring all-reduce of the
     embedding's and head's gradients over the ``p`` stages once: ``2 (p - 1)``."""
 
     from torsh_jax.demo.run import abstract_train_step
@@ -263,7 +272,14 @@ def test_a_pipeline_pays_the_links_latency_once_per_ppermute_its_step_runs(tiny,
     [c] = [c for c in candidates(tiny, devices=8, global_batch=32) if c.label == label]
     train, batch = abstract_train_step(c.plan, tiny.demo_config(), devices)
     traced = train.jitted.trace(train.abstract_state(), train.shard_batch(batch))
-    runs = _executed(traced.jaxpr.jaxpr, "ppermute")
+    pipe = c.plan.pipeline
+    table = build_pipeline_schedule(
+        pipe.schedule,
+        stages=c.sizes["stage"],
+        microbatches=pipe.microbatches,
+        virtual_stages=pipe.virtual_stages,
+    )
+    runs = _sends_run(traced.jaxpr.jaxpr, slot_plan(table))
     slow = replace(MACHINE, links={"ici": Link(alpha_s=1.0, bytes_per_s=float("inf"))})
     shared = 2 * (c.sizes["stage"] - 1)
     assert runs > 0 and predict(c, tiny, slow).comm_s["stage"] == pytest.approx(runs + shared)

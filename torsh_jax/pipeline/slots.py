@@ -11,20 +11,18 @@ lives from its arrival to its backward, a gradient from its arrival to its
 use, a ``W`` stash from its ``B`` to its ``W``, so the stash holds what the
 schedule keeps in flight and no more.
 
-The ticks are then cut into segments the executor runs as one ``lax.scan``
-each: a block of ``period`` ticks repeated ``repeats`` times with the same
-senders (a steady 1F1B state alternates a forward and a backward send, so its
-period is 2). The senders fix the ``ppermute`` pairs, which must be static;
-everything else is read from the tables at the scanned tick.
+The executor runs every tick in one ``lax.scan`` and reads all of this from
+the tables at the scanned tick. The ``ppermute`` pairs must be static, so the
+ticks' sender rows are told apart (:func:`send_patterns`): one ``ppermute`` per
+distinct row, picked by the tick.
 
 Example:
     >>> from torsh_jax.pipeline.schedule import build_pipeline_schedule
     >>> plan = slot_plan(build_pipeline_schedule("1f1b", stages=2, microbatches=4))
     >>> plan.activation_slots, plan.gradient_slots
     (2, 1)
-    >>> table = build_pipeline_schedule("1f1b", stages=2, microbatches=16)
-    >>> [tuple(s) for s in tick_segments(slot_plan(table))]
-    [(0, 1, 1), (1, 1, 1), (2, 1, 1), (3, 2, 14), (31, 1, 1), (32, 1, 1), (33, 1, 1)]
+    >>> len(send_patterns(plan.sends_forward).patterns), plan.branch.shape  # [ticks, stages]
+    (2, (10, 2))
 """
 
 from __future__ import annotations
@@ -43,10 +41,10 @@ __all__ = [
     "BRANCHES",
     "KINDS",
     "kind_of",
-    "Segment",
-    "tick_segments",
-    "executor_segments",
-    "segment_ticks",
+    "SendPatterns",
+    "send_patterns",
+    "send_scope",
+    "scoped_send",
     "slot_scope",
     "scoped_branch",
     "MIXED",
@@ -161,54 +159,56 @@ def slot_plan(schedule: Schedule) -> SlotPlan:
                     weight_slots=weights.size)  # fmt: skip
 
 
-class Segment(NamedTuple):
-    """Ticks ``start .. start + period * repeats - 1``: a block of ``period`` ticks, ``repeats`` times."""
+class SendPatterns(NamedTuple):
+    """The distinct rows of a sends table (the stages that send at a tick), and each tick's index
+    into them: the executor's ``lax.switch`` over ``ppermute`` pairs, which must be static."""
 
-    start: int
-    period: int
-    repeats: int
-
-
-def _senders(plan: SlotPlan, tick: int) -> tuple:
-    return tuple(plan.sends_forward[tick].tolist()), tuple(plan.sends_backward[tick].tolist())
+    patterns: tuple[tuple[bool, ...], ...]
+    at: np.ndarray  # [ticks] int32
 
 
-def tick_segments(plan: SlotPlan, *, periods: tuple[int, ...] = (1, 2)) -> list[Segment]:
-    """Every tick once, in order: at each tick the longest run of a block of ``periods`` ticks whose
-    senders repeat (scanned when that saves at least 2 ticks of code), else the single tick."""
-    ticks = plan.branch.shape[0]
-    senders = [_senders(plan, t) for t in range(ticks)]
-    out, tick = [], 0
-    while tick < ticks:
-        best = Segment(tick, 1, 1)
-        for period in periods:
-            block, repeats = senders[tick : tick + period], 1
-            while senders[tick + repeats * period : tick + (repeats + 1) * period] == block:
-                repeats += 1
-            if period * (repeats - 1) >= 2 and period * repeats > best.period * best.repeats:
-                best = Segment(tick, period, repeats)
-        out.append(best)
-        tick += best.period * best.repeats
-    return out
-
-
-def executor_segments(plan: SlotPlan, schedule: Schedule) -> list[Segment]:
-    """The segments the executor runs for ``schedule``: blocks of 1 or 2 ticks (and 3 with ``W``
-    slots, a steady ``B, W, F`` repeating every 3), or a whole round of ``2 p v`` ticks."""
-    periods = (1, 2, 3) if schedule.splits_backward else (1, 2)
-    return tick_segments(plan, periods=(*periods, 2 * schedule.stages * schedule.virtual_stages))
-
-
-def segment_ticks(segment: Segment) -> list[list[int]]:
-    """Per tick of the segment's block, the ticks it stands for (itself and its repeats): what one
-    traced tick of the executor runs as.
+def send_patterns(sends: np.ndarray) -> SendPatterns:
+    """The sender patterns of ``sends`` (``[ticks, stages]``, a plan's ``sends_forward`` or
+    ``sends_backward``), in a fixed order.
 
     Example:
-        >>> segment_ticks(Segment(3, 2, 3))
-        [[3, 5, 7], [4, 6, 8]]
+        >>> from torsh_jax.pipeline.schedule import build_pipeline_schedule
+        >>> plan = slot_plan(build_pipeline_schedule("1f1b", stages=2, microbatches=16))
+        >>> found = send_patterns(plan.sends_forward)
+        >>> found.patterns, found.at[:6].tolist()
+        (((False, False), (True, False)), [1, 1, 0, 0, 1, 0])
     """
-    start, period, repeats = segment
-    return [list(range(start + j, start + period * repeats, period)) for j in range(period)]
+    rows = [tuple(row) for row in sends.tolist()]
+    patterns = tuple(sorted(set(rows)))
+    return SendPatterns(patterns, np.asarray([patterns.index(row) for row in rows], np.int32))
+
+
+def send_scope(direction: str, pattern: tuple[bool, ...]) -> str:
+    """The name scope of the ``ppermute`` sending ``direction`` (``F``: activations, ``B``: their
+    gradients) from the stages set in ``pattern``.
+
+    Example:
+        >>> send_scope("B", (False, True, True))
+        'pipeline_send_B_011'
+    """
+    return f"pipeline_send_{direction}_" + "".join("1" if sends else "0" for sends in pattern)
+
+
+_SEND = re.compile(r"(?:^|/)pipeline_send_([FB])_([01]+)(?=/|$)")
+
+
+def scoped_send(op_name: str) -> tuple[str, tuple[bool, ...]] | None:
+    """``(direction, pattern)`` of the send scope (:func:`send_scope`) ``op_name`` is in, else ``None``.
+
+    Example:
+        >>> scoped_send("jit(step)/while/body/switch/pipeline_send_F_10/ppermute")
+        ('F', (True, False))
+    """
+    found = _SEND.findall(op_name)
+    if not found:
+        return None
+    direction, bits = found[-1]
+    return direction, tuple(bit == "1" for bit in bits)
 
 
 def slot_scope(branch: str) -> str:

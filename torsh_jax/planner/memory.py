@@ -2,14 +2,13 @@
 
 **Memory per device** = training state (the ZeRO split of parameters, gradients and optimizer state,
 :func:`~torsh_jax.analysis.theory.theoretical_memory_per_device`) + gradient buffers (below ZeRO-3
-the whole local gradient, and its reduced copy where the layers are recomputed, accumulating or not:
-:func:`_gradient_buffers`; ZeRO-3 gathering on use: one layer's whole gradient with the embedding's
-and head's; accumulating, the step's sum beside each micro-step's, :func:`_accumulated_sum_bytes`;
-ZeRO-3 on the compiled recomputing gradient, :func:`_accumulated_on_use_bytes`)
-+ ZeRO-3's gathered working set (one layer twice, embedding and head once, in the compute dtype;
-on the compiled recomputing gradient, :data:`ZERO3_GATHERED_LAYERS` of one layer; under a pipeline,
-the stage's parameters gathered once: :func:`_gathered_bytes`) + an interleaved
-stage's copies of a chunk's parameters and of its layers' gradients (:func:`_interleaved_copies`) +
+the whole local gradient, and its reduced copy where the layers are recomputed, accumulating or not,
+less a share of a pipeline stage's layers': :func:`_gradient_buffers`; ZeRO-3 gathering on use: one
+layer's whole gradient with the embedding's and head's; accumulating, the step's sum beside each
+micro-step's, :func:`_accumulated_sum_bytes`; ZeRO-3 on the compiled recomputing gradient,
+:func:`_accumulated_on_use_bytes`) + ZeRO-3's gathered working set (one layer twice, embedding and
+head once, in the compute dtype; on the compiled recomputing gradient, :data:`ZERO3_GATHERED_LAYERS`
+of one layer; under a pipeline, the stage's parameters gathered once: :func:`_gathered_bytes`) +
 compressed reductions' error feedback (a residual of the reduced gradient; two-phase methods such as
 int8 one more of its ``1/n`` chunk) + activations. Activations per token and layer follow
 Korthikanti et al. 2022 (eq. 2 and 4; ``34 d + 5 a s`` bytes in 16-bit with no tensor parallelism,
@@ -18,17 +17,17 @@ scaled by the compute dtype and the machine's ``activation_scale``, plus the wor
 layer's backward pass; a recomputed layer (the model's remat, or ZeRO-3 gathering each layer on use)
 keeps its input only (``2 d`` bytes), plus the working set of one layer while it is recomputed (the
 formula times the machine's ``recompute_scale``; not divided by ``tensor``: measured on CPU, that
-set does not shrink with it). The logits and their gradient are float32. A pipeline stage holds
-its stash, the runtime's slots for the activations and gradients it receives (about the inputs its
+set does not shrink with it). The logits and their gradient are float32. A pipeline stage holds its
+stash, the runtime's slots for the activations and gradients it receives (about the inputs its
 schedule table holds in flight: ``min(microbatches, stages)`` for 1F1B and ZB-H1, interleaved's cap
-in chunk inputs, all ``microbatches`` for GPipe) and ZB-H1's ``W`` slots; its backward recomputes a
-chunk from a stashed input, which is the gradient of a model of the chunk's layers on one
-micro-batch: as the machine compiled it (:attr:`Machine.chunk_gradient_bytes`; split over ``tensor``,
-its layers' bytes per token at the formula's share, :func:`_tensor_share`, the rest whole but the
-logits), else the chunk's layers by the formula. Where each layer is recomputed without a pipeline,
-the model's gradient recomputing every layer as the machine compiled it
-(:attr:`Machine.remat_gradient_bytes`, likewise over ``tensor``: :func:`_compiled_remat_bytes`).
-An accelerator target's plan without a pipeline is costed as its compiler holds the buffers instead
+in chunk inputs, all ``microbatches`` for GPipe), ZB-H1's ``W`` slots and the tick's sends; its
+backward recomputes a chunk from a stashed input, which is the gradient of a model of the chunk's
+layers on one micro-batch: as the machine compiled it (:attr:`Machine.chunk_gradient_bytes`; split
+over ``tensor``, its layers' bytes per token at the formula's share, :func:`_tensor_share`, the rest
+whole but the logits), else the chunk's layers by the formula. Where each layer is recomputed
+without a pipeline, the model's gradient recomputing every layer as the machine compiled it
+(:attr:`Machine.remat_gradient_bytes`, likewise over ``tensor``: :func:`_compiled_remat_bytes`). An
+accelerator target's plan without a pipeline is costed as its compiler holds the buffers instead
 where that compiler has a profile (:mod:`~torsh_jax.planner.compilers`: the TPU's, read from its
 buffer reports).
 
@@ -63,7 +62,13 @@ from torsh_jax.planner.per_device import (
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Candidate
 
-__all__ = ["memory_parts", "full_layer_bytes_per_token", "ZB_H1_CHUNK_SHARE", "ZERO3_GATHERED_LAYERS"]
+__all__ = [
+    "memory_parts",
+    "full_layer_bytes_per_token",
+    "SCANNED_STAGE",
+    "ZB_H1_CHUNK_SHARE",
+    "ZERO3_GATHERED_LAYERS",
+]
 
 
 #: Share of the compiled chunk gradient (:attr:`Machine.chunk_gradient_bytes`) a ZB-H1 stage holds
@@ -72,6 +77,17 @@ __all__ = ["memory_parts", "full_layer_bytes_per_token", "ZB_H1_CHUNK_SHARE", "Z
 #: smaller benchmark model (all 90 ZB-H1 candidates at global batch 32: 83 within 5 %, -7.7 % to
 #: +6.2 %); the whole chunk gradient had them +1 % to +26 % once the branches stopped copying.
 ZB_H1_CHUNK_SHARE = 0.7
+
+
+#: What a pipeline stage's compiled step holds against the formulas, by schedule: ``(layer
+#: gradients fewer, hidden states per token more)``. The executor runs every tick in one scan whose
+#: carry holds the stage's layers' gradient, so the stage makes no whole reduced copy of it (a
+#: split backward, ZB-H1's, adds one layer's weight gradients at a time: less still), and every
+#: tick makes the activation and gradient it sends, whether it sends or not. Read from XLA:CPU's
+#: compiled steps of the smaller benchmark model (all 243 pipelined candidates within 5 %: -3.2 %
+#: to +4.0 %); held out, every fourth of the larger model's (77): 69 within 5 %, -5.6 % to +6.1 %.
+#: GPipe runs 1F1B's branches.
+SCANNED_STAGE = {"gpipe": (0.45, 0.5), "1f1b": (0.45, 0.5), "interleaved": (0.65, 1.0), "zb_h1": (1.3, 2.0)}
 
 
 #: Layers a ZeRO-3 step gathering on use holds gathered beside the compiled recomputing gradient's
@@ -102,7 +118,8 @@ def memory_parts(c: Candidate, shape: ModelShape, opt_factor: float, machine: Ma
     gathered = _gathered_bytes(roles.gather, cb, count, one_layer, shared)
     activations, logits = _activation_bytes(c, shape, machine)
     one_gathered = (one_layer + shared) * pb if on_use else 0
-    gradients = _gradient_buffers(count * pb, state.grad_bytes, one_gathered, recomputed(c))
+    staged = _scanned_layer_gradients(c, layers * pb)
+    gradients = _gradient_buffers(count * pb, state.grad_bytes, one_gathered, recomputed(c), staged)
     if _compiled_remat_bytes(c, shape, machine) is not None:
         # the compiled gradient's buffers hold the local gradient: the stored gradients are the
         # rest, but ZeRO-2's, a shard of it made beside it; ZeRO-3's, what its loop adds
@@ -112,9 +129,6 @@ def memory_parts(c: Candidate, shape: ModelShape, opt_factor: float, machine: Ma
         else:
             gradients = count * pb - state.grad_bytes
     gradients += _accumulated_sum_bytes(c, roles.reduce, count * pb, layers * pb)
-    chunk_copy, sum_copy = _interleaved_copies(c, layers, pb, cb)
-    gathered += chunk_copy
-    gradients += sum_copy
     parts = {
         "state": state.total_bytes,
         "gradients": gradients,
@@ -147,19 +161,6 @@ def _as_compiled(
     )
 
 
-def _interleaved_copies(c: Candidate, layers: int, pb: int, cb: int) -> tuple[int, int]:
-    """(parameters, gradients) an interleaved stage copies: each branch indexes its chunk out of
-    the stage's ``[v, layers / v, ...]`` parameters (one chunk's ``layers / v`` in the compute
-    dtype) and adds the chunk's gradient into the pass's ``[v, ...]`` sum through a copy of the
-    stage's ``layers`` gradients; accumulating passes, the compiled CPU programs hold no such copy
-    (the smaller benchmark model: 22 of its 39 interleaved candidates within 5 % with them, none
-    without). ``(0, 0)`` for one chunk per stage."""
-    v = c.plan.pipeline.virtual_stages
-    if v == 1 or c.sizes["stage"] == 1:
-        return 0, 0
-    return layers // v * cb, layers * pb if c.plan.batch.accumulation_steps == 1 else 0
-
-
 def _gathered_bytes(gather: str, cb: int, count: int, one_layer: int, shared: int) -> int:
     """ZeRO-3's gathered parameters (:attr:`~torsh_jax.plan.roles.Roles.gather`) at ``cb`` bytes
     each: gathering ``on_use``, one layer twice (the one computing, the next arriving) and the
@@ -170,20 +171,32 @@ def _gathered_bytes(gather: str, cb: int, count: int, one_layer: int, shared: in
     return count * cb if gather == "per_stage" else 0
 
 
-def _gradient_buffers(param_bytes: int, stored_grads: int, one_gathered: int, recomputed: bool) -> int:
+def _gradient_buffers(
+    param_bytes: int, stored_grads: int, one_gathered: int, recomputed: bool, staged_bytes: int
+) -> int:
     """Buffers beyond the stored gradients. Below ZeRO-3 the whole local gradient exists at the
     peak, in the backward pass beside the activations (1 parameter-sized buffer); where the layers
     are recomputed (remat, a pipeline stage), the peak holds it next to its reduced copy (2; the
-    updated parameters reuse the donated ones). ZeRO-3 gathering on use (``one_gathered``: the
-    bytes of one gathered layer with the embedding and head) reduces each layer's whole gradient as
-    the backward pass makes it, so one layer's and the embedding's and head's are alive at once;
-    under a pipeline gathering once, a stage's pass makes its whole gradient as below ZeRO-3.
+    updated parameters reuse the donated ones), less ``staged_bytes`` in a pipeline stage
+    (:func:`_scanned_layer_gradients`). ZeRO-3 gathering on use (``one_gathered``: the bytes of one
+    gathered layer with the embedding and head) reduces each layer's whole gradient as the backward
+    pass makes it, so one layer's and the embedding's and head's are alive at once; under a
+    pipeline gathering once, a stage's pass makes its whole gradient as below ZeRO-3.
     Accumulating: :func:`_accumulated_sum_bytes`. What the compiled CPU programs of the demo models
     hold (tests/test_planner.py, benchmarks/bench_planner.py, benchmarks/bench_planner_memory.py)."""
     if one_gathered:
         return one_gathered
-    held = 2 * param_bytes if recomputed else param_bytes
+    held = 2 * param_bytes - staged_bytes if recomputed else param_bytes
     return held - stored_grads
+
+
+def _scanned_layer_gradients(c: Candidate, layer_bytes: int) -> int:
+    """What a pipeline stage holds less of its layers' gradient (``layer_bytes``) than its reduced
+    copy beside it: the gradient is the carry of the executor's scan over the ticks
+    (:data:`SCANNED_STAGE`); ``0`` without a pipeline."""
+    if c.sizes["stage"] == 1:
+        return 0
+    return int(SCANNED_STAGE[c.plan.pipeline.schedule][0] * layer_bytes)
 
 
 def _accumulated_sum_bytes(c: Candidate, reduce: str, param_bytes: int, layer_bytes: int) -> int:
@@ -227,12 +240,13 @@ def _feedback_bytes(c: Candidate, param_bytes: int) -> int:
     return int(total)
 
 
-def _stash_rows(c: Candidate, chunk: int) -> int:
+def _stash_rows(c: Candidate, chunk: int) -> float:
     """Hidden states per token a pipeline stage's stash holds: the runtime's slots
-    (:func:`~torsh_jax.pipeline.slots.slot_plan`) for received activations and gradients, and
-    ZB-H1's ``W`` slots of every chunk layer's input and output gradient."""
+    (:func:`~torsh_jax.pipeline.slots.slot_plan`) for received activations and gradients,
+    ZB-H1's ``W`` slots of every chunk layer's input and output gradient, and the tick's
+    activation and gradient sent on (:data:`SCANNED_STAGE`)."""
     activations, gradients, weights = schedule_figures(c).stash
-    return activations + gradients + 2 * chunk * weights
+    return activations + gradients + 2 * chunk * weights + SCANNED_STAGE[c.plan.pipeline.schedule][1]
 
 
 def full_layer_bytes_per_token(shape: ModelShape, tensor: int = 1, sequence_parallel: bool = False) -> float:

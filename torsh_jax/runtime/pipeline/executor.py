@@ -1,14 +1,15 @@
 """One executor for every schedule table, run per device inside the step's ``shard_map``.
 
-The table is static, so the executor unrolls it tick by tick. At each tick
-every stage runs one branch, picked by its row of the table: the forward or
-backward of one chunk for one micro-batch, or nothing (one two-way ``lax.switch``
-per kind of branch the tick runs, so that no branch copies the gradients and
-stashes it passes on: :meth:`_Ticks._branch`). Then the
-stages that produced an activation (a gradient) send it to the next (previous)
-stage with one ``ppermute`` whose pairs are exactly the sending stages, so the
-bytes over ``stage`` are the activations and their gradients per micro-batch
-per boundary and nothing else. A backward recomputes its chunk's forward from
+The executor runs the table in one ``lax.scan`` over its ticks, reading
+each stage's row at the scanned tick. At each tick every stage runs one
+branch: the forward or backward of one chunk for one micro-batch, or nothing
+(one two-way ``lax.switch`` per kind of branch, so that no branch copies the
+gradients and stashes it passes on: :meth:`_Ticks._branch`). Then the stages
+that produced an activation (a gradient) send it to the next (previous) stage
+with one ``ppermute`` whose pairs are exactly the sending stages (one
+``ppermute`` per sender pattern of the table, picked by the tick), so the bytes
+over ``stage`` are the activations and their gradients per micro-batch per
+boundary and nothing else. A backward recomputes its chunk's forward from
 the stashed input (``jax.vjp``), so a stage holds the inputs of the
 micro-batches in flight, which is what the schedule decides.
 
@@ -58,16 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from torsh_jax.pipeline.schedule import Schedule
-from torsh_jax.pipeline.slots import (
-    BRANCHES,
-    KINDS,
-    Segment,
-    SlotPlan,
-    executor_segments,
-    kind_of,
-    segment_ticks,
-    slot_plan,
-)
+from torsh_jax.pipeline.slots import BRANCHES, KINDS, SlotPlan, kind_of, send_patterns, send_scope, slot_plan
 from torsh_jax.plan.roles import STAGE_AXIS
 from torsh_jax.runtime.layered import LayeredModel, join_params
 from torsh_jax.runtime.pipeline.branches import Carry, StagePass
@@ -77,14 +69,12 @@ from torsh_jax.tensor.axis import varying_axes
 __all__ = ["pipeline_gradients", "reduce_over_stage"]
 
 
-def _at(table: np.ndarray, tick: int | jax.Array, stage: jax.Array) -> jax.Array:
-    """``table[tick, stage]``; a static tick embeds one row, a scanned one the table."""
-    if isinstance(tick, int):
-        return jnp.asarray(table[tick])[stage]
+def _at(table: np.ndarray, tick: jax.Array, stage: jax.Array) -> jax.Array:
+    """``table[tick, stage]`` at the scanned tick."""
     return jnp.asarray(table)[tick, stage]
 
 
-def _ints(plan: SlotPlan, tick: int | jax.Array, stage: jax.Array) -> dict[str, jax.Array]:
+def _ints(plan: SlotPlan, tick: jax.Array, stage: jax.Array) -> dict[str, jax.Array]:
     names = ("micro", "chunk", "activation_in", "gradient_in", "weight_stash")
     return {name: _at(getattr(plan, name), tick, stage) for name in names}
 
@@ -139,9 +129,7 @@ def pipeline_gradients(
         carry = Carry(acts=hidden(plan.activation_slots), cots=hidden(plan.gradient_slots),
                        wstash=hidden(plan.weight_slots, 2, one.per_chunk), grads=grads,
                        loss_sum=jnp.float32(0.0), counts=jnp.zeros(3, jnp.int32))  # fmt: skip
-        ticks = _Ticks(stage, plan, one, axis, p, types={}, gated={})
-        for segment in executor_segments(plan, schedule):
-            carry = _segment(carry, segment, ticks.run)
+        carry = _scan_ticks(_Ticks(stage, plan, one, axis, p, types={}, gated={}), carry)
         g_embed, g_chunks, g_head = carry.grads
         g_layers = g_chunks if schedule.virtual_stages > 1 else jax.tree.map(lambda x: x[0], g_chunks)
         grads = join_params(model, g_embed, g_layers, g_head)  # a tied embedding: both parts summed
@@ -158,20 +146,16 @@ def reduce_over_stage(grads: dict, loss: jax.Array, layers_key: str, axis: str =
     return {**shared, layers_key: grads[layers_key]}, loss
 
 
-def _segment(carry, segment: Segment, run_tick: Callable):
-    """The ticks of ``segment``: one tick in line, or a ``lax.scan`` over the repeats of its block."""
-    start, period, repeats = segment
-    ticks = segment_ticks(segment)
-    if repeats == 1:
-        return run_tick(carry, start, ticks[0])
+def _scan_ticks(ticks: _Ticks, carry):
+    """Every tick of the table in one ``lax.scan``: the step's code is one tick's, whatever the
+    schedule, ``m`` and ``p``."""
 
-    def block(carry, r):
-        for j, like in enumerate(ticks):
-            carry = run_tick(carry, start + r * period + j, like)
-        return carry, None
+    def tick(carry, t):
+        return ticks.run(carry, t), None
 
-    block, carry = settled(block, carry, jnp.int32(0))
-    return jax.lax.scan(block, carry, jnp.arange(repeats, dtype=jnp.int32))[0]
+    tick, carry = settled(tick, carry, jnp.int32(0))
+    count = ticks.plan.branch.shape[0]
+    return jax.lax.scan(tick, carry, jnp.arange(count, dtype=jnp.int32))[0]
 
 
 def _passed(state, ints) -> tuple:
@@ -197,40 +181,51 @@ class _Ticks(NamedTuple):
     types: dict
     gated: dict  # by (kind, variants): ``((carry, sent forward, sent backward), ints) -> (that,)``
 
-    def run(self, carry, tick, like):
-        """One tick: ``tick`` (an int, or traced inside a scan) stands for the static ticks ``like``,
-        which have the same senders; each stage runs its branch, then the senders ``ppermute``."""
-        plan, stage, axis, p = self.plan, self.stage, self.axis, self.stages
-        like = list(like)
-        ints = _ints(plan, tick, stage)
-        carry, forward, backward = self._branch(carry, ints, _at(plan.branch, tick, stage), like)
-        sends_forward, sends_backward = plan.sends_forward[like[0]], plan.sends_backward[like[0]]
-        if sends_forward.any():
-            received = jax.lax.ppermute(forward, axis, _pairs(sends_forward, 1, p))
-            acts = _receive(carry.acts, received, _at(plan.receive_activation, tick, stage))
-            carry = carry._replace(acts=acts)
-        if sends_backward.any():
-            received = jax.lax.ppermute(backward, axis, _pairs(sends_backward, -1, p))
-            cots = _receive(carry.cots, received, _at(plan.receive_gradient, tick, stage))
-            carry = carry._replace(cots=cots)
-        return carry
+    def run(self, carry, tick: jax.Array):
+        """One tick (traced once, scanned over all): each stage runs its branch, then the senders
+        ``ppermute`` forward and backward."""
+        plan = self.plan
+        ints = _ints(plan, tick, self.stage)
+        carry, forward, backward = self._branch(carry, ints, _at(plan.branch, tick, self.stage))
+        carry = self._send(carry, tick, forward, "F", plan.sends_forward, plan.receive_activation)
+        return self._send(carry, tick, backward, "B", plan.sends_backward, plan.receive_gradient)
 
-    def _branch(self, carry, ints, branch: jax.Array, like: list[int]):
+    def _send(self, carry, tick, value, direction: str, sends: np.ndarray, receive: np.ndarray):
+        """``value`` from this tick's senders to the next stage (``direction`` ``F``) or the
+        previous (``B``), written into the receiver's ``acts`` (``cots``) slot: one ``ppermute`` per
+        sender pattern (:func:`~torsh_jax.pipeline.slots.send_patterns`), picked by a
+        ``lax.switch`` on the tick, which every device takes the same way, so each ``ppermute``'s
+        pairs are exactly the stages sending."""
+        patterns, at = send_patterns(sends)
+        step, field = (1, "acts") if direction == "F" else (-1, "cots")
+        target = varying_axes(value) | {self.axis}
+
+        def sent_from(pattern: tuple[bool, ...]) -> Callable:
+            def send(v):
+                if not any(pattern):
+                    return cast_vma(jnp.zeros_like(v), target)
+                with jax.named_scope(send_scope(direction, pattern)):
+                    pairs = _pairs(np.asarray(pattern), step, self.stages)
+                    return cast_vma(jax.lax.ppermute(v, self.axis, pairs), target)
+
+            return send
+
+        ways = [sent_from(pattern) for pattern in patterns]
+        value = cast_vma(value, target)
+        received = jax.lax.switch(jnp.asarray(at)[tick], ways, value) if len(ways) > 1 else ways[0](value)
+        buffer = _receive(getattr(carry, field), received, _at(receive, tick, self.stage))
+        return carry._replace(**{field: buffer})
+
+    def _branch(self, carry, ints, branch: jax.Array):
         """``(carry, sent forward, sent backward)`` of this stage's branch (``branch``, its index in
-        ``BRANCHES``) at the ticks ``like``: one two-way ``lax.switch`` per kind of branch the
-        ticks run (:data:`~torsh_jax.pipeline.slots.KINDS`), whose first way passes everything
-        through. A pass-through way after the first makes XLA copy the buffers it passes (the
-        stage's gradients and stashes, every tick); a first one it does not (jax-ml/jax#38145)."""
-        present = {BRANCHES[b] for b in self.plan.branch[like].ravel().tolist()}
+        ``BRANCHES``): one two-way ``lax.switch`` per kind of branch the table runs
+        (:data:`~torsh_jax.pipeline.slots.KINDS`), whose first way passes everything through. A
+        pass-through way after the first makes XLA copy the buffers it passes (the stage's
+        gradients and stashes, every tick); a first one it does not (jax-ml/jax#38145)."""
+        present = {BRANCHES[b] for b in self.plan.branch.ravel().tolist()}
         kinds = {kind: frozenset(b for b in present if kind_of(b) == kind) for kind in KINDS}
         kinds = {kind: variants for kind, variants in kinds.items() if variants}
         ints = {**ints, "branch": branch}
-        if len(present) == 1 and "idle" not in present:
-            # every stage runs this branch at these ticks: in line (a kind run as several branches
-            # keeps its switch, whose own buffers XLA:CPU places apart: in line, an interleaved
-            # stage's step held 15 % more temporary memory)
-            [(kind, variants)] = kinds.items()
-            return self.one.branch(kind, variants)(carry, ints)
         state = self.one.idle(carry, ints)  # nothing sent
         for kind, variants in kinds.items():
             indices = jnp.asarray([BRANCHES.index(b) for b in sorted(variants)])

@@ -1,23 +1,25 @@
 """One stage's share of a compiled pipelined step's collectives.
 
-The compiled step holds every branch of every tick (:mod:`~torsh_jax.runtime.pipeline.executor`),
-and a device runs one branch per tick, so counting every branch as run overstates what any device
-sends. A kind's chunk code runs in the kind's name scope (``F``, ``B``, ``B_last``, ``W``), and a
-branch's own part (the embedding of ``F_first`` and ``B_first``, the head of ``F_last``) in the
-branch's inside it
-(:func:`~torsh_jax.pipeline.slots.slot_scope`), so the program's collectives say which scope they
-belong to. A scope's traced copies (one per tick the executor traces, run once in line or once per
-repeat when scanned) run as often as the ticks they stand for; a stage runs the scope as often as
-its row of the table says. So a collective of scope ``X`` runs on stage ``s`` its executions times
-``X``'s slots on ``s`` over the executions of ``X``'s traced copies. Collectives outside every
-slot keep their executions, and so do those XLA combined from operations of a slot and others
-(:func:`mixed_collectives`), whose share of each is not known.
+The compiled step holds every branch (:mod:`~torsh_jax.runtime.pipeline.executor`) in one scanned
+tick, and a device runs one branch per tick, so counting every branch as run overstates what any
+device sends. A kind's chunk code runs in the kind's name scope (``F``, ``B``, ``B_last``, ``W``),
+and a branch's own part (the embedding of ``F_first`` and ``B_first``, the head of ``F_last``) in
+the branch's inside it (:func:`~torsh_jax.pipeline.slots.slot_scope`), so the program's
+collectives say which scope they belong to. Each runs once per tick of the scan; a stage runs the
+scope as often as its row of the table says. So a collective of scope ``X`` runs on stage ``s``
+its executions times ``X``'s slots on ``s`` over the ticks. Likewise a send's ``ppermute`` (in
+its sender pattern's scope, :func:`~torsh_jax.pipeline.slots.send_scope`) runs at the ticks with
+that pattern. Collectives outside every scope keep their executions, and so do those XLA combined
+from operations of a slot and others (:func:`mixed_collectives`), whose share of each is not known.
 
 Example:
     >>> from torsh_jax.pipeline.schedule import build_pipeline_schedule
-    >>> sites = branch_sites(build_pipeline_schedule("1f1b", stages=2, microbatches=2))
-    >>> sites["F_first"], sites["F"], sites["B_last"]
-    (2, 4, 2)
+    >>> from torsh_jax.analysis.hlo import Collective
+    >>> schedule = build_pipeline_schedule("1f1b", stages=2, microbatches=2)  # 6 ticks
+    >>> psum = Collective("all-reduce", "all-reduce", "ar", "f32", ("f32[8]",), ("f32[8]",), 32, 32,
+    ...                   ((0, 1),), (), 2, ("tensor",), "body", True, 6, 6, "jit(f)/pipeline_slot_F/psum")
+    >>> [c.executions for s in (0, 1) for c in stage_collectives([psum], schedule, s)]  # 2 F each
+    [2.0, 2.0]
 """
 
 from __future__ import annotations
@@ -29,31 +31,9 @@ from collections.abc import Sequence
 from torsh_jax.analysis.hlo import Collective
 from torsh_jax.analysis.report import collective_totals
 from torsh_jax.pipeline.schedule import Schedule
-from torsh_jax.pipeline.slots import (
-    BRANCHES,
-    MIXED,
-    executor_segments,
-    kind_of,
-    scoped_branch,
-    segment_ticks,
-    slot_plan,
-)
+from torsh_jax.pipeline.slots import BRANCHES, MIXED, kind_of, scoped_branch, scoped_send, slot_plan
 
-__all__ = ["branch_sites", "stage_collectives", "stage_totals", "mixed_collectives"]
-
-
-def branch_sites(schedule: Schedule) -> Counter:
-    """Per branch and per kind of branch (the scopes of a branch's own part and of its kind's chunk
-    code): how often the executor's traced copies of it run (every tick it stands for whose block
-    has some stage running the branch, or a branch of the kind)."""
-    plan = slot_plan(schedule)
-    sites: Counter = Counter()
-    for segment in executor_segments(plan, schedule):
-        for ticks in segment_ticks(segment):
-            present = {BRANCHES[b] for b in plan.branch[ticks].ravel().tolist()}
-            for scope in _scopes(present):
-                sites[scope] += len(ticks)
-    return sites
+__all__ = ["stage_collectives", "stage_totals", "mixed_collectives"]
 
 
 def _scopes(branches) -> set[str]:
@@ -62,17 +42,29 @@ def _scopes(branches) -> set[str]:
 
 
 def stage_collectives(found: list[Collective], schedule: Schedule, stage: int) -> list[Collective]:
-    """``found`` (the step's collectives, every branch counted as run) with the executions stage
-    ``stage`` runs: a branch's collectives scaled by its slots on that stage over its sites."""
+    """``found`` (the step's collectives, every branch and send counted as run at every tick) with
+    the executions stage ``stage`` runs: a scope's collectives scaled by the ticks it runs at
+    (its branch's or kind's slots on that stage; a send pattern's ticks) over all ticks."""
     plan = slot_plan(schedule)
+    ticks = plan.branch.shape[0]
     runs = Counter(scope for b in plan.branch[:, stage].tolist() for scope in _scopes({BRANCHES[b]}))
-    sites = branch_sites(schedule)
+    # the ticks each sender pattern sends at, by direction
+    sends = {
+        d: Counter(map(tuple, t.tolist())) for d, t in (("F", plan.sends_forward), ("B", plan.sends_backward))
+    }
+
+    def at_ticks(c: Collective) -> int | None:
+        """The ticks at which ``stage`` runs ``c``; ``None`` outside every scope (or mixed)."""
+        sent = scoped_send(c.op_name)
+        if sent is not None:
+            direction, pattern = sent
+            return sends[direction][pattern]
+        branch = scoped_branch(c.op_name)
+        return None if branch is None or branch == MIXED else runs[branch]
 
     def on_stage(c: Collective) -> Collective:
-        branch = scoped_branch(c.op_name)
-        if branch is None or branch == MIXED:
-            return c
-        return dataclasses.replace(c, executions=c.executions * runs[branch] / sites[branch])
+        run = at_ticks(c)
+        return c if run is None else dataclasses.replace(c, executions=c.executions * run / ticks)
 
     return [on_stage(c) for c in found]
 
