@@ -10,7 +10,7 @@ nothing timed), so the run needs no quiet machine.
 
 ``--tpu SET`` compiles a set of plans for a TPU target instead (:data:`TPU_SETS`: the demo model at
 150 M on v5e-16, 350 M on v5e-32, 1 B and 7 B on v5e-256, and at ``d_model`` 512 with 4 layers and
-768 with 6 layers on v5e-8; needs ``libtpu``, ``pip install
+768 with 6 layers on v5e-8; ``*_pp``, pipelines of three of them); needs ``libtpu``, ``pip install
 "torsh-jax[tpu-aot]"``; about half a minute a plan on 2 cores): the TPU compiler's peak against
 the prediction from the target's figures (:mod:`torsh_jax.planner.compilers`), what ``plan
 --target`` ranks by before it compiles. A plan the compiler refuses for memory is printed with no
@@ -26,8 +26,8 @@ Prints one ``planner_memory`` row per candidate (``plan``, ``kind``, ``predicted
 Usage:
     python benchmarks/bench_planner_memory.py [--model small|medium] [--match TEXT] [--every N]
         [--offset K] [--quick]
-    python benchmarks/bench_planner_memory.py --tpu 150m|350m|1b|7b|d512|d768 [--match TEXT]
-        [--global-batch N] [--scheduler-off]
+    python benchmarks/bench_planner_memory.py --tpu 150m|350m|1b|7b|d512|d768|d512_pp|150m_pp|1b_pp
+        [--match TEXT] [--global-batch N] [--scheduler-off]
 """
 
 from __future__ import annotations
@@ -77,6 +77,29 @@ TPU_SETS = {
         "zero1 fsdp=8 acc=2", "ddp data=8 acc=2", "zero2 fsdp=8 acc=2", "zero1 fsdp=8 acc=4",
         "zero2 fsdp=8 acc=4", "zero1 fsdp=8 remat acc=2", "zero1 fsdp=8 acc=1",
     )),
+    # pipelines, each stage costed as the step of its chunk on one micro-batch (every 27th and every
+    # 93rd of the two models' pipelined candidates, and the 1 B pipeline of docs/pipeline.md)
+    "d512_pp": ("demo:d_model=512,layers=4", "v5e-8", 32, (
+        "pp tensor=2 stage=4 1f1b m=4 acc=8", "pp tensor=4 stage=2 1f1b m=4 acc=2",
+        "pp fsdp=2 stage=4 1f1b m=8 zero2 acc=1", "pp fsdp=2 tensor=2 stage=2 1f1b m=4 zero1 acc=2",
+        "pp fsdp=2 tensor=2 stage=2 zb_h1 m=4 zero2 acc=2",
+        "pp fsdp=4 stage=2 interleaved v=2 m=2 zero1 acc=2", "pp fsdp=4 stage=2 1f1b m=2 zero3 acc=2",
+        "pp data=2 tensor=2 stage=2 1f1b m=2 acc=8", "pp data=2 fsdp=2 stage=2 1f1b m=4 zero1 acc=1",
+        "pp data=2 fsdp=2 stage=2 zb_h1 m=2 zero3 acc=1",
+    )),
+    "150m_pp": ("demo:150m", "v5e-16", 128, (
+        "pp tensor=2 stage=8 zb_h1 m=8 acc=1",
+        "pp fsdp=2 stage=8 1f1b m=16 zero1 acc=1",
+        "pp fsdp=2 tensor=2 stage=4 interleaved v=2 m=4 zero3 acc=1",
+        "pp fsdp=2 tensor=4 stage=2 1f1b m=2 zero3 acc=32",
+        "pp fsdp=4 tensor=2 stage=2 1f1b m=2 zero1 acc=4",
+        "pp fsdp=8 stage=2 1f1b m=4 zero1 acc=4",
+        "pp data=2 tensor=4 stage=2 1f1b m=2 acc=8",
+        "pp data=2 fsdp=2 tensor=2 stage=2 1f1b m=2 zero1 acc=1",
+        "pp data=2 fsdp=4 stage=2 1f1b m=4 zero1 acc=1",
+        "pp data=4 tensor=2 stage=2 interleaved v=2 m=4 acc=4",
+    )),
+    "1b_pp": ("demo:1b", "v5e-256", 512, ("pp data=16 tensor=8 stage=2 zb_h1 m=4 acc=2",)),
 }  # fmt: skip
 
 

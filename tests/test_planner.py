@@ -266,13 +266,15 @@ def test_the_planners_flops_are_the_compiled_gradients_cost_analysis(d_model):
     assert 1.0 <= compiled.cost_analysis()["flops"] / counted <= 1.02
 
 
-def test_a_tpu_targets_plans_without_a_pipeline_are_costed_as_the_tpu_compiler_holds_them():
-    """On a TPU target the plans without a pipeline take the TPU compiler's buffers: the logits
-    once, no stored gradients, the parameter-sized buffers its steps hold; a pipeline and a CPU
-    machine keep the formulas; the learned activation scale still scales the activations."""
+def test_a_tpu_targets_plans_are_costed_as_the_tpu_compiler_holds_them():
+    """On a TPU target the plans take the TPU compiler's buffers: the logits once, no stored
+    gradients, the parameter-sized buffers its steps hold; a pipeline stage as the step of its
+    chunk on one micro-batch, summing its micro-batches' gradients, with its stash; a CPU machine
+    keeps the formulas; the learned activation scale still scales the activations."""
     from dataclasses import replace
 
-    from torsh_jax.planner.compilers import TPU, step_memory
+    from torsh_jax.planner.compilers import TPU, residual_bytes, step_memory
+    from torsh_jax.planner.memory import _stash_bytes
 
     shape, tpu = ModelShape.demo("150m"), Machine.from_target("v5e-16")
     by_label = {c.label: c for c in candidates(shape, devices=16, global_batch=128)}
@@ -294,8 +296,17 @@ def test_a_tpu_targets_plans_without_a_pipeline_are_costed_as_the_tpu_compiler_h
     assert parts["gradients"] == int(buffers["per_step", False, True] * buffered * 4)
     on_cpu = replace(tpu, platform="cpu")
     assert predict(zero1, shape, on_cpu).memory["logits"] == 2 * parts["logits"]  # and their gradient
-    [pipeline] = [c for c in by_label.values() if c.sizes["stage"] > 1][:1]
-    assert predict(pipeline, shape, tpu).memory == predict(pipeline, shape, on_cpu).memory
+    pipeline = by_label["pp data=2 fsdp=4 stage=2 1f1b m=4 zero1 acc=1"]
+    staged = predict(pipeline, shape, tpu).memory
+    tokens = pipeline.plan.batch.micro_batch_size // 4 * shape.seq_len  # one micro-batch
+    assert staged["logits"] == 4 * shape.vocab * tokens
+    chunk = shape.layers // 2
+    stash = _stash_bytes(pipeline, shape)
+    assert staged["activations"] == int(residual_bytes(TPU, shape) * chunk * tokens + stash)
+    stage_params = chunk * shape.layer_params + shared
+    summed = stage_params - (1 - TPU.shared_accumulating) * shared  # summing its micro-batches'
+    assert staged["gradients"] == int(buffers["per_step", False, True] * summed * 4)
+    assert staged != predict(pipeline, shape, on_cpu).memory
     learned = predict(zero1, shape, replace(tpu, activation_scale=1.5)).memory
     assert learned["activations"] == pytest.approx(1.5 * memory["activations"], rel=1e-6)
 
@@ -311,6 +322,27 @@ def test_a_tpu_targets_pick_is_predicted_within_5_percent_of_its_compiled_peak(c
     assert main([*args, "--json", "--top", "1"]) == 0
     [best] = json.loads(capsys.readouterr().out)["plans"]
     assert best["compiled"]["fits"] and abs(best["compiled"]["memory_error"]) <= 0.05, best["compiled"]
+
+
+@pytest.mark.slow
+def test_a_tpu_targets_pipeline_is_predicted_within_5_percent_of_its_compiled_peak():
+    """A pipeline stage on a TPU target, costed as the step of its chunk on one micro-batch (nothing
+    in the profile fitted to pipelines), against libtpu's peak: ZeRO-3 gathering the stage's
+    parameters once, two accumulation passes (-1.8 % compiled for v5e-8; about 30 s on 2 cores)."""
+    from torsh_jax.targets import target_devices
+
+    if missing_compiler("v5e-8") is not None:
+        pytest.skip(missing_compiler("v5e-8"))
+    shape, machine, target = (
+        parse_model("demo:d_model=512,layers=4"),
+        Machine.from_target("v5e-8"),
+        parse_target("v5e-8"),
+    )
+    by_label = {c.label: c for c in candidates(shape, devices=8, global_batch=32)}
+    pipeline = by_label["pp fsdp=4 stage=2 1f1b m=2 zero3 acc=2"]
+    predicted = predict(pipeline, shape, machine, opt_factor=optimizer_state_factor(pipeline.plan))
+    compiled = verify(predicted, shape, target_devices(target), target=target)
+    assert compiled["fits"] and abs(compiled["memory_error"]) <= 0.05, compiled
 
 
 def test_a_plan_the_compiler_refused_stays_in_the_ranking_with_its_figures():

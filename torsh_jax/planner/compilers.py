@@ -1,4 +1,4 @@
-"""Per-device memory of a step as an accelerator's compiler holds it, for plans without a pipeline.
+"""Per-device memory of a step as an accelerator's compiler holds it.
 
 The rest of the cost model (:mod:`torsh_jax.planner.cost`) is measured on XLA:CPU's programs. The
 TPU compiler keeps other buffers. Read from its buffer reports (``--xla_dump_to``:
@@ -25,9 +25,16 @@ step holds:
   :attr:`CompilerProfile.shared_accumulating` of a layer parameter's;
 * gathering each layer on use (ZeRO-3), the head's float32 weights.
 
-A pipeline keeps the formulas. Activations scale with the compute dtype from float32 and with the
-machine's ``activation_scale`` (which ``plan --verify`` learns from a refusal). How close the
-profile comes to the compiled peaks: :data:`TPU`, ``benchmarks/bench_planner_memory.py --tpu SET``.
+A pipeline stage holds the same parts as the step of a model of its chunk's layers on one
+micro-batch that sums its micro-batches' gradients (accumulating, whatever the plan's
+accumulation), with the stage's stash (the runtime's slots, as on the CPU) among the activations;
+ZeRO-3 gathers the stage's parameters once instead of each layer on use, so its layers are not
+recomputed and its gradient buffers are ZeRO-2's. Nothing in it was fitted to pipelines: compiled
+for v5e-8 (``d_model`` 512, 4 layers) 8 of 10 pipelined plans came within 5 % (-5.0 % to +6.8 %),
+for v5e-16 (150 M) 3 of 10 (-14.6 % to +21.8 %; the formulas had +3.5 % to +55 %, 1 of the 20
+within 5 %). Activations scale with the compute dtype from float32 and with the machine's
+``activation_scale`` (which ``plan --verify`` learns from a refusal). How close the profile comes
+to the compiled peaks: :data:`TPU`, ``benchmarks/bench_planner_memory.py --tpu SET``.
 A GPU profile read the same way from XLA:GPU's H100 programs was not kept: on the two model sizes
 it was not read from, 4 of 7 plans came within 5 %, against 6 of 7 with the formulas
 (docs/planner.md).
@@ -51,7 +58,7 @@ from dataclasses import dataclass, field
 
 from torsh_jax.analysis.theory import DTYPE_BYTES
 from torsh_jax.plan.roles import compose
-from torsh_jax.planner.per_device import split_part, tensor_shares
+from torsh_jax.planner.per_device import chunk_layers, split_part, tensor_shares, tokens_per_micro_step
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Candidate
 
@@ -166,22 +173,27 @@ def step_memory(
     shared_params: int,
     opt_factor: float,
     activation_scale: float = 1.0,
-) -> dict[str, int] | None:
+    stash_bytes: float = 0.0,
+) -> dict[str, int]:
     """The parts of a device's peak (``state``, ``gradients``, ``gathered``, ``activations``,
     ``logits``; not the caller's ``feedback`` and ``total``) for candidate ``c`` under
     ``profile``, whose devices each hold ``local_params`` parameters before ZeRO (its ``1/tensor``),
-    ``shared_params`` of them the embedding's and head's; ``None`` for a pipeline (the formulas)."""
-    if c.sizes["stage"] > 1:
-        return None
+    ``shared_params`` of them the embedding's and head's. A pipeline stage's is the step of a model
+    of its chunk's layers on one micro-batch that sums its micro-batches' gradients (its backward
+    recomputes the chunk from a stashed input; ZeRO-3 gathers the stage's parameters once), with
+    ``stash_bytes`` (its stash, the caller's slots) among the activations."""
     plan, t, fsdp = c.plan, c.sizes["tensor"], c.sizes["fsdp"]
     roles = compose(plan, c.sizes)
     on_use = roles.gather == "on_use"  # ZeRO-3: every layer recomputed
+    staged = c.sizes["stage"] > 1
     reduce = "per_step" if roles.reduce == "per_step" else "per_micro_step"
     count, shares = local_params, tensor_shares(c, shape)  # what the plan splits over ``tensor``
     pb, cb = DTYPE_BYTES[plan.precision.param_dtype], DTYPE_BYTES[plan.precision.compute_dtype]
     working = (profile.recompute_on_use or profile.recompute) if on_use else profile.recompute
-    per_token = _activation_bytes_per_token(c, shape, profile, working if c.remat or on_use else None)
-    tokens, accumulating = plan.batch.micro_batch_size * shape.seq_len, plan.batch.accumulation_steps > 1
+    layers = chunk_layers(c, shape) if staged else shape.layers
+    per_token = _activation_bytes_per_token(c, shape, profile, working if c.remat or on_use else None, layers)
+    tokens = tokens_per_micro_step(c, shape)
+    accumulating = plan.batch.accumulation_steps > 1 or staged
     buffered = count - (1 - profile.shared_accumulating) * shared_params if accumulating else count
     parts = {
         "state": count * pb / (fsdp if plan.zero.stage == 3 else 1)
@@ -189,27 +201,38 @@ def step_memory(
         "gradients": 0.0
         if on_use
         else profile.parameter_buffers[reduce, c.remat, accumulating] * buffered * 4,
-        "gathered": split_part(shares.shared, shape.head_params / t, shape.head_params) * 4
-        if on_use
-        else 0.0,
-        "activations": per_token * cb / 4 * activation_scale * tokens,  # read in float32
+        "gathered": _gathered(roles.gather, shape, shares, t, count * cb),
+        "activations": per_token * cb / 4 * activation_scale * tokens + stash_bytes,  # read in float32
         "logits": split_part(shares.vocab, 4 * shape.vocab / t, 4 * shape.vocab) * tokens,
     }
     return {k: int(v) for k, v in parts.items()}
 
 
+def _gathered(gather: str, shape: ModelShape, shares, t: int, stage_bytes: int) -> float:
+    """ZeRO-3's gathered parameters: gathering each layer on use, the head's float32 weights (of
+    the device's share over ``tensor``); a pipeline stage gathered once, its parameters whole
+    (``stage_bytes``, in the compute dtype); else none."""
+    if gather == "on_use":
+        return split_part(shares.shared, shape.head_params / t, shape.head_params) * 4
+    return stage_bytes if gather == "per_stage" else 0.0
+
+
 def _activation_bytes_per_token(
-    c: Candidate, shape: ModelShape, profile: CompilerProfile, recomputed: tuple[float, float, float] | None
+    c: Candidate,
+    shape: ModelShape,
+    profile: CompilerProfile,
+    recomputed: tuple[float, float, float] | None,
+    layers: int,
 ) -> float:
-    """Float32 bytes per token of every layer's residuals, or, each layer ``recomputed`` (the
+    """Float32 bytes per token of ``layers`` layers' residuals, or, each layer ``recomputed`` (the
     working set's ``(attention, mlp, d)``), of every layer's input and one layer's working set;
     over ``tensor``, of the share of a layer the plan splits at ``tensor``, the rest whole."""
     t, layer = c.sizes["tensor"], tensor_shares(c, shape).layer
     sp = t > 1 and c.plan.tensor.sequence_parallel
     if recomputed is None:
         split = residual_bytes(profile, shape, t, sp)
-        return shape.layers * split_part(layer, split, residual_bytes(profile, shape))
+        return layers * split_part(layer, split, residual_bytes(profile, shape))
     attention, mlp, d = recomputed
     working = lambda t: attention * shape.heads * shape.seq_len / t + mlp * shape.mlp / t + d * shape.d_model
-    inputs = shape.layers * 4 * shape.d_model / (t if sp else 1)
+    inputs = layers * 4 * shape.d_model / (t if sp else 1)
     return inputs + split_part(layer, working(t), working(1))

@@ -27,9 +27,9 @@ over ``tensor``, its layers' bytes per token at the formula's share, :func:`_ten
 whole but the logits), else the chunk's layers by the formula. Where each layer is recomputed
 without a pipeline, the model's gradient recomputing every layer as the machine compiled it
 (:attr:`Machine.remat_gradient_bytes`, likewise over ``tensor``: :func:`_compiled_remat_bytes`). An
-accelerator target's plan without a pipeline is costed as its compiler holds the buffers instead
-where that compiler has a profile (:mod:`~torsh_jax.planner.compilers`: the TPU's, read from its
-buffer reports).
+accelerator target's plan is costed as its compiler holds the buffers instead where that compiler
+has a profile (:mod:`~torsh_jax.planner.compilers`: the TPU's, read from its buffer reports; a
+pipeline stage as the step of its chunk on one micro-batch, with its stash).
 
 Example:
     >>> from torsh_jax.planner.machine import Machine
@@ -158,6 +158,7 @@ def _as_compiled(
         shared_params=shared,
         opt_factor=opt_factor,
         activation_scale=machine.activation_scale,
+        stash_bytes=_stash_bytes(c, shape) if c.sizes["stage"] > 1 else 0,
     )
 
 
@@ -249,6 +250,15 @@ def _stash_rows(c: Candidate, chunk: int) -> float:
     return activations + gradients + 2 * chunk * weights + SCANNED_STAGE[c.plan.pipeline.schedule][1]
 
 
+def _stash_bytes(c: Candidate, shape: ModelShape) -> float:
+    """A pipeline stage's stash (:func:`_stash_rows` hidden states per token of a micro-batch) in
+    the compute dtype."""
+    rows = _stash_rows(c, chunk_layers(c, shape))
+    return (
+        rows * shape.d_model * DTYPE_BYTES[c.plan.precision.compute_dtype] * tokens_per_micro_step(c, shape)
+    )
+
+
 def full_layer_bytes_per_token(shape: ModelShape, tensor: int = 1, sequence_parallel: bool = False) -> float:
     """Korthikanti et al.'s activation bytes of one layer per token, at 16 bits, at the shape's MLP
     width: ``10 d`` whole over ``tensor`` (the norms' inputs, the blocks' inputs, the dropout
@@ -326,7 +336,7 @@ def _stage_activation_bytes(
     backward :data:`ZB_H1_CHUNK_SHARE` of it), else the chunk's layers at ``layer_bytes`` per token
     each (the formula's)."""
     chunk = chunk_layers(c, shape)
-    stash = _stash_rows(c, chunk) * shape.d_model * DTYPE_BYTES[c.plan.precision.compute_dtype] * tokens
+    stash = _stash_bytes(c, shape)
     compiled = _compiled_chunk_bytes(c, shape, machine, chunk, tokens, layer_bytes)
     if compiled is not None:
         share = ZB_H1_CHUNK_SHARE if schedule_figures(c).splits_backward else 1.0
