@@ -95,7 +95,7 @@ def test_each_schedule_stashes_what_its_table_holds_in_flight(tiny, found):
     c = stash["zb_h1"]
     row = c.plan.batch.micro_batch_size // 4 * tiny.seq_len * tiny.d_model * 4  # one hidden state, f32
     weight_slots = slot_plan(build_pipeline_schedule("zb_h1", stages=2, microbatches=4)).weight_slots
-    sent = SCANNED_STAGE["zb_h1"][1] - SCANNED_STAGE["1f1b"][1]  # what a tick holds of its sends
+    sent = SCANNED_STAGE["zb_h1"].hidden_states_more - SCANNED_STAGE["1f1b"].hidden_states_more
     expected = (2 * 2 * weight_slots + sent) * row  # chunks of 2 layers
     assert memory["zb_h1"] - memory["1f1b"] == pytest.approx(expected, abs=2)
     # interleaved stashes more chunk inputs, but each recomputed chunk is half the stage's layers

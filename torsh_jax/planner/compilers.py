@@ -27,11 +27,11 @@ step holds:
 
 A pipeline stage holds the same parts as the step of a model of its chunk's layers on one
 micro-batch that sums its micro-batches' gradients (accumulating, whatever the plan's
-accumulation), with the stage's stash (the runtime's slots, as on the CPU) among the activations;
+accumulation), with the stage's stash (the runtime's slots) among the activations;
 ZeRO-3 gathers the stage's parameters once instead of each layer on use, so its layers are not
 recomputed and its gradient buffers are ZeRO-2's. Nothing in it was fitted to pipelines: compiled
-for v5e-8 (``d_model`` 512, 4 layers) 8 of 10 pipelined plans came within 5 % (-5.0 % to +6.8 %),
-for v5e-16 (150 M) 3 of 10 (-14.6 % to +21.8 %; the formulas had +3.5 % to +55 %, 1 of the 20
+for v5e-8 (``d_model`` 512, 4 layers) 8 of 10 pipelined plans came within 5 % (-5.1 % to +6.5 %),
+for v5e-16 (150 M) 3 of 10 (-14.7 % to +21.1 %; the formulas had +3.5 % to +55 %, 1 of the 20
 within 5 %). Activations scale with the compute dtype from float32 and with the machine's
 ``activation_scale`` (which ``plan --verify`` learns from a refusal). How close the profile comes
 to the compiled peaks: :data:`TPU`, ``benchmarks/bench_planner_memory.py --tpu SET``.

@@ -44,6 +44,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from torsh_jax.analysis.theory import DTYPE_BYTES, theoretical_memory_per_device
 from torsh_jax.plan.compressors import METHODS
 from torsh_jax.plan.roles import compose
@@ -66,6 +68,7 @@ __all__ = [
     "memory_parts",
     "full_layer_bytes_per_token",
     "SCANNED_STAGE",
+    "ScannedStage",
     "ZB_H1_CHUNK_SHARE",
     "ZERO3_GATHERED_LAYERS",
 ]
@@ -79,15 +82,28 @@ __all__ = [
 ZB_H1_CHUNK_SHARE = 0.7
 
 
-#: What a pipeline stage's compiled step holds against the formulas, by schedule: ``(layer
-#: gradients fewer, hidden states per token more)``. The executor runs every tick in one scan whose
-#: carry holds the stage's layers' gradient, so the stage makes no whole reduced copy of it (a
-#: split backward, ZB-H1's, adds one layer's weight gradients at a time: less still), and every
-#: tick makes the activation and gradient it sends, whether it sends or not. Read from XLA:CPU's
+class ScannedStage(NamedTuple):
+    """What a pipeline stage's compiled step holds against the formulas on XLA:CPU
+    (:data:`SCANNED_STAGE`)."""
+
+    layer_gradients_fewer: float
+    hidden_states_more: float
+
+
+#: What a pipeline stage's compiled step holds against the formulas, by schedule. The executor runs
+#: every tick in one scan whose carry holds the stage's layers' gradient, so the stage makes no
+#: whole reduced copy of it (a split backward, ZB-H1's, adds one layer's weight gradients at a
+#: time: less still), and every tick makes the activation and gradient it sends, whether it sends
+#: or not (hidden states per token of a micro-batch, beside the stash slots). Read from XLA:CPU's
 #: compiled steps of the smaller benchmark model (all 243 pipelined candidates within 5 %: -3.2 %
 #: to +4.0 %); held out, every fourth of the larger model's (77): 69 within 5 %, -5.6 % to +6.1 %.
-#: GPipe runs 1F1B's branches.
-SCANNED_STAGE = {"gpipe": (0.45, 0.5), "1f1b": (0.45, 0.5), "interleaved": (0.65, 1.0), "zb_h1": (1.3, 2.0)}
+#: GPipe runs 1F1B's branches. A TPU target's stages do not read it (:mod:`~.compilers`).
+SCANNED_STAGE = {
+    "gpipe": ScannedStage(0.45, 0.5),
+    "1f1b": ScannedStage(0.45, 0.5),
+    "interleaved": ScannedStage(0.65, 1.0),
+    "zb_h1": ScannedStage(1.3, 2.0),
+}
 
 
 #: Layers a ZeRO-3 step gathering on use holds gathered beside the compiled recomputing gradient's
@@ -197,7 +213,7 @@ def _scanned_layer_gradients(c: Candidate, layer_bytes: int) -> int:
     (:data:`SCANNED_STAGE`); ``0`` without a pipeline."""
     if c.sizes["stage"] == 1:
         return 0
-    return int(SCANNED_STAGE[c.plan.pipeline.schedule][0] * layer_bytes)
+    return int(SCANNED_STAGE[c.plan.pipeline.schedule].layer_gradients_fewer * layer_bytes)
 
 
 def _accumulated_sum_bytes(c: Candidate, reduce: str, param_bytes: int, layer_bytes: int) -> int:
@@ -243,17 +259,16 @@ def _feedback_bytes(c: Candidate, param_bytes: int) -> int:
 
 def _stash_rows(c: Candidate, chunk: int) -> float:
     """Hidden states per token a pipeline stage's stash holds: the runtime's slots
-    (:func:`~torsh_jax.pipeline.slots.slot_plan`) for received activations and gradients,
-    ZB-H1's ``W`` slots of every chunk layer's input and output gradient, and the tick's
-    activation and gradient sent on (:data:`SCANNED_STAGE`)."""
+    (:func:`~torsh_jax.pipeline.slots.slot_plan`) for received activations and gradients, and
+    ZB-H1's ``W`` slots of every chunk layer's input and output gradient."""
     activations, gradients, weights = schedule_figures(c).stash
-    return activations + gradients + 2 * chunk * weights + SCANNED_STAGE[c.plan.pipeline.schedule][1]
+    return activations + gradients + 2 * chunk * weights
 
 
-def _stash_bytes(c: Candidate, shape: ModelShape) -> float:
-    """A pipeline stage's stash (:func:`_stash_rows` hidden states per token of a micro-batch) in
-    the compute dtype."""
-    rows = _stash_rows(c, chunk_layers(c, shape))
+def _stash_bytes(c: Candidate, shape: ModelShape, more_rows: float = 0.0) -> float:
+    """A pipeline stage's stash (:func:`_stash_rows` hidden states per token of a micro-batch, and
+    ``more_rows``) in the compute dtype."""
+    rows = _stash_rows(c, chunk_layers(c, shape)) + more_rows
     return (
         rows * shape.d_model * DTYPE_BYTES[c.plan.precision.compute_dtype] * tokens_per_micro_step(c, shape)
     )
@@ -330,13 +345,14 @@ def _stage_activation_bytes(
     c: Candidate, shape: ModelShape, machine: Machine, layer_bytes: float, tokens: int, logits: int
 ) -> int:
     """A pipeline stage's activations beside the logits: its stash (:func:`_stash_rows` hidden
-    states per token) and its chunk's backward, which recomputes the chunk from a stashed input
+    states per token, and the tick's activation and gradient sent on: :data:`SCANNED_STAGE`) and
+    its chunk's backward, which recomputes the chunk from a stashed input
     on one micro-batch: the gradient of a model of the chunk's layers, as compiled on the machine
     (:attr:`Machine.chunk_gradient_bytes`, less the logits counted beside it; ZB-H1's split
     backward :data:`ZB_H1_CHUNK_SHARE` of it), else the chunk's layers at ``layer_bytes`` per token
     each (the formula's)."""
     chunk = chunk_layers(c, shape)
-    stash = _stash_bytes(c, shape)
+    stash = _stash_bytes(c, shape, SCANNED_STAGE[c.plan.pipeline.schedule].hidden_states_more)
     compiled = _compiled_chunk_bytes(c, shape, machine, chunk, tokens, layer_bytes)
     if compiled is not None:
         share = ZB_H1_CHUNK_SHARE if schedule_figures(c).splits_backward else 1.0

@@ -10,7 +10,7 @@ layer at a time. :mod:`torsh_jax.runtime.pipeline.executor` runs the branches.
 The stages running a kind of branch at a tick (:data:`~torsh_jax.pipeline.slots.KINDS`: every
 forward, ``F_first``, ``F_mid`` and ``F_last``, is one kind) share one copy of its code: the chunk
 once, the embedding and the head under a ``lax.cond`` on the stages whose branch runs them. The
-compiled step holds one chunk per kind and tick, not one per branch.
+compiled step (one scanned tick) holds one chunk per kind, not one per branch.
 
 Example:
     >>> Carry._fields

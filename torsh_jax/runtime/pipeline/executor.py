@@ -212,7 +212,7 @@ class _Ticks(NamedTuple):
 
         ways = [sent_from(pattern) for pattern in patterns]
         value = cast_vma(value, target)
-        received = jax.lax.switch(jnp.asarray(at)[tick], ways, value) if len(ways) > 1 else ways[0](value)
+        received = jax.lax.switch(jnp.asarray(at)[tick], ways, value)
         buffer = _receive(getattr(carry, field), received, _at(receive, tick, self.stage))
         return carry._replace(**{field: buffer})
 
