@@ -221,10 +221,12 @@ def _accumulated_sum_bytes(c: Candidate, reduce: str, param_bytes: int, layer_by
     own gradient. Where the step reduces once (:attr:`~torsh_jax.plan.roles.Roles.reduce`
     ``per_step``: DDP, ZeRO-1), the whole local gradient (``param_bytes``), or with each layer
     recomputed the stacked layers' (``layer_bytes``: the embedding's and head's are made after the
-    peak); the ``fsdp`` shard where each micro-step is reduced (ZeRO-2, a pipeline stage gathered
-    once); nothing where ZeRO-3 reduces each layer's gradient into the stored shard in the
-    backward pass."""
+    peak), but nothing under a pipeline, whose passes add into one gradient carry; the ``fsdp``
+    shard where each micro-step is reduced (ZeRO-2, a pipeline stage gathered once); nothing
+    where ZeRO-3 reduces each layer's gradient into the stored shard in the backward pass."""
     if c.plan.batch.accumulation_steps == 1 or reduce == "in_backward":
+        return 0
+    if reduce == "per_step" and c.sizes["stage"] > 1:
         return 0
     if reduce == "per_step":
         return layer_bytes if layer_remat(c) else param_bytes

@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from torsh_jax.plan.spec import ParallelPlan
-from torsh_jax.runtime.accumulate import accumulate, local_gradients
+from torsh_jax.runtime.accumulate import accumulate, local_gradients, summed_over_steps
 from torsh_jax.runtime.compiler_axes import manual_over, tree_only, tree_without
 from torsh_jax.runtime.data_parallel import batch_specs, mark_varying
 from torsh_jax.runtime.decide import StepPlan
@@ -53,10 +53,16 @@ __all__ = ["build_program", "gradient_program"]
 
 
 def _accumulate(plan: ParallelPlan, loss_fn, params, batch, scale, per_step=None, passes=None):
-    """``(grads, mean loss, extras)`` over the accumulation micro-steps; ``passes``: a pipeline
-    pass ``(params, batch, scale) -> (grads, loss, slots)`` instead of differentiating ``loss_fn``."""
-    options = {"steps": plan.batch.accumulation_steps, "reduce": plan.batch.accumulation_reduce,
-               "accum_dtype": jax.numpy.dtype(plan.precision.param_dtype), "per_step": per_step}  # fmt: skip
+    """``(grads, mean loss, extras)`` over the accumulation micro-steps; ``passes``: pipeline passes
+    ``(params, batch, scale, passes) -> (grads, summed loss, slots)`` instead of differentiating
+    ``loss_fn``, all in the pipeline's own scan unless each pass's gradients are reduced apart
+    (``per_step``)."""
+    steps, reduce = plan.batch.accumulation_steps, plan.batch.accumulation_reduce
+    options = {"steps": steps, "reduce": reduce, "accum_dtype": jax.numpy.dtype(plan.precision.param_dtype),
+               "per_step": per_step}  # fmt: skip
+    if passes is not None and per_step is None:
+        grads, loss_sum, slots = passes(params, batch, scale, steps)
+        return (*summed_over_steps(grads, loss_sum, steps=steps, reduce=reduce), slots)
     if passes is not None:
         return accumulate(lambda p, b: passes(p, b, scale), params, batch, **options)
     grads, loss = local_gradients(loss_fn, params, batch, loss_scale=scale, **options)

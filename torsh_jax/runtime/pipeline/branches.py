@@ -74,16 +74,18 @@ def _add(tree: PyTree, value: PyTree) -> PyTree:
 
 
 class StagePass:
-    """The branches of one pipeline pass over ``m`` micro-batches (closes over parameters and batch)."""
+    """The branches of pipeline passes over ``m`` micro-batches each (closes over parameters and
+    the passes' batch: micro-batch ``i`` of pass ``k`` is ``k m + i``)."""
 
-    def __init__(self, model: LayeredModel, schedule: Schedule, params, batch, seed):
+    def __init__(self, model: LayeredModel, schedule: Schedule, params, batch, seed, passes: int = 1):
         self.model, self.v = model, schedule.virtual_stages
         self.split = schedule.splits_backward
         self.embed_p, layers, self.head_p = split_params(model, params)
         # this stage's chunks [v, layers per chunk, ...]: stored so when interleaved (layer_chunks)
         self.chunks = layers if self.v > 1 else jax.tree.map(lambda x: x[None], layers)
         self.per_chunk = jax.tree.leaves(self.chunks)[0].shape[1]  # layers per chunk
-        self.micro = split_micro_batches(batch, schedule.microbatches)
+        self.m = schedule.microbatches
+        self.micro = split_micro_batches(batch, self.m * passes)
         self.seed = seed
         self._made: dict = {}
 

@@ -96,13 +96,17 @@ def _pairs(sends: np.ndarray, step: int, stages: int) -> list[tuple[int, int]]:
 def pipeline_gradients(
     model: LayeredModel, schedule: Schedule, *, accum_dtype: Any = jnp.float32, axis: str = STAGE_AXIS
 ) -> Callable:
-    """Per device: ``(params, batch, scale) -> (grads, mean loss, [[forward, backward, weight]] slots
-    run)``.
+    """Per device: ``(params, batch, scale, passes) -> (grads, loss, [[forward, backward, weight]]
+    slots run)``.
 
     ``params`` hold this stage's layers (``[layers / stage, ...]``, or its
     ``[v, layers / (v stage), ...]`` chunks when interleaved); ``batch`` is
-    one pass's batch, split into ``schedule.microbatches``. Gradients are of the
-    mean loss times ``scale`` (1 when ``None``), in ``accum_dtype``. The
+    ``passes`` passes' batches one after another, each split into
+    ``schedule.microbatches``. Gradients are of each pass's mean loss times
+    ``scale`` (1 when ``None``), summed over the passes in ``accum_dtype``, and
+    the loss is that sum of means: the passes run one after another in the
+    same scan, adding into one gradient carry (accumulating passes outside
+    would hold a second sum of the stage's gradients beside it). The
     embedding and head gradients and the loss are this stage's share (zero
     off the first / last stage): :func:`reduce_over_stage` sums them once per
     step, after the last pass.
@@ -110,15 +114,15 @@ def pipeline_gradients(
     plan = slot_plan(schedule)
     p, m = schedule.stages, schedule.microbatches
 
-    def run(params, batch, scale=None):
-        """``(grads, mean loss, slots run [1, 3])``."""
+    def run(params, batch, scale=None, passes: int = 1):
+        """``(grads, summed mean loss, slots run [1, 3])`` over ``passes`` passes."""
         stage = jax.lax.axis_index(axis)
         # every value below varies over stage: typed so up front, the backward of a branch sums no
         # parameter gradient over stage inside it (only some devices run it); the caller types the
         # parameters as varying over the batch axes whose sum it places itself
         params = cast_vma(params, jax.tree.map(lambda _: frozenset({axis}), params))
         seed = (jnp.float32(1.0) if scale is None else scale.astype(jnp.float32)) / m
-        one = StagePass(model, schedule, params, batch, seed)
+        one = StagePass(model, schedule, params, batch, seed, passes)
         shape = jax.eval_shape(lambda: model.embed(one.embed_p, one.batch_of(0)))
         # activations vary as the embedding's output does (and over stage) from the first tick on: a
         # scanned tick reading the stash before anything arrived sees the type it will have
@@ -129,7 +133,7 @@ def pipeline_gradients(
         carry = Carry(acts=hidden(plan.activation_slots), cots=hidden(plan.gradient_slots),
                        wstash=hidden(plan.weight_slots, 2, one.per_chunk), grads=grads,
                        loss_sum=jnp.float32(0.0), counts=jnp.zeros(3, jnp.int32))  # fmt: skip
-        carry = _scan_ticks(_Ticks(stage, plan, one, axis, p, types={}, gated={}), carry)
+        carry = _scan_ticks(_Ticks(stage, plan, one, axis, p, types={}, gated={}), carry, passes)
         g_embed, g_chunks, g_head = carry.grads
         g_layers = g_chunks if schedule.virtual_stages > 1 else jax.tree.map(lambda x: x[0], g_chunks)
         grads = join_params(model, g_embed, g_layers, g_head)  # a tied embedding: both parts summed
@@ -146,15 +150,15 @@ def reduce_over_stage(grads: dict, loss: jax.Array, layers_key: str, axis: str =
     return {**shared, layers_key: grads[layers_key]}, loss
 
 
-def _scan_ticks(ticks: _Ticks, carry):
-    """Every tick of the table in one ``lax.scan``: the step's code is one tick's, whatever the
-    schedule, ``m`` and ``p``."""
+def _scan_ticks(ticks: _Ticks, carry, passes: int):
+    """Every tick of the table, ``passes`` times, in one ``lax.scan``: the step's code is one
+    tick's, whatever the schedule, ``m``, ``p`` and the passes."""
 
     def tick(carry, t):
         return ticks.run(carry, t), None
 
     tick, carry = settled(tick, carry, jnp.int32(0))
-    count = ticks.plan.branch.shape[0]
+    count = ticks.plan.branch.shape[0] * passes
     return jax.lax.scan(tick, carry, jnp.arange(count, dtype=jnp.int32))[0]
 
 
@@ -181,11 +185,15 @@ class _Ticks(NamedTuple):
     types: dict
     gated: dict  # by (kind, variants): ``((carry, sent forward, sent backward), ints) -> (that,)``
 
-    def run(self, carry, tick: jax.Array):
-        """One tick (traced once, scanned over all): each stage runs its branch, then the senders
-        ``ppermute`` forward and backward."""
+    def run(self, carry, t: jax.Array):
+        """Tick ``t`` of the passes (traced once, scanned over all): each stage runs its branch at
+        the table's tick, for that pass's micro-batch, then the senders ``ppermute`` forward and
+        backward."""
         plan = self.plan
+        ticks = plan.branch.shape[0]
+        tick = t % ticks
         ints = _ints(plan, tick, self.stage)
+        ints["micro"] = ints["micro"] + (t // ticks) * self.one.m
         carry, forward, backward = self._branch(carry, ints, _at(plan.branch, tick, self.stage))
         carry = self._send(carry, tick, forward, "F", plan.sends_forward, plan.receive_activation)
         return self._send(carry, tick, backward, "B", plan.sends_backward, plan.receive_gradient)
