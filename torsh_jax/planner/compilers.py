@@ -30,11 +30,13 @@ micro-batch that sums its micro-batches' gradients (accumulating, whatever the p
 accumulation), with the stage's stash (the runtime's slots) among the activations;
 ZeRO-3 gathers the stage's parameters once instead of each layer on use, so its layers are not
 recomputed and its gradient buffers are ZeRO-2's. Nothing in it was fitted to pipelines: compiled
-for v5e-8 (``d_model`` 512, 4 layers) 8 of 10 pipelined plans came within 5 % (-5.1 % to +6.5 %),
-for v5e-16 (150 M) 3 of 10 (-14.7 % to +21.1 %; the formulas had +3.5 % to +55 %, 1 of the 20
-within 5 %). Activations scale with the compute dtype from float32 and with the machine's
-``activation_scale`` (which ``plan --verify`` learns from a refusal). How close the profile comes
-to the compiled peaks: :data:`TPU`, ``benchmarks/bench_planner_memory.py --tpu SET``.
+for v5e-8 (``d_model`` 512, 4 layers) 4 of 10 pipelined plans came within 5 % (-1.9 % to +15.9 %),
+for v5e-16 (150 M) 7 of 10 (-2.2 % to +21.1 %), with the passes of DDP's and ZeRO-1's
+accumulation adding into the stage's one gradient carry (with their sum beside it, 8 and 3 of
+10; the formulas had 1 of the 20 within 5 %). Activations scale with the compute dtype from
+float32 and with the machine's ``activation_scale`` (which ``plan --verify`` learns from a
+refusal). How close the profile comes to the compiled peaks: :data:`TPU`,
+``benchmarks/bench_planner_memory.py --tpu SET``.
 A GPU profile read the same way from XLA:GPU's H100 programs was not kept: on the two model sizes
 it was not read from, 4 of 7 plans came within 5 %, against 6 of 7 with the formulas
 (docs/planner.md).

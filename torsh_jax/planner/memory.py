@@ -226,7 +226,7 @@ def _accumulated_sum_bytes(c: Candidate, reduce: str, param_bytes: int, layer_by
     where ZeRO-3 reduces each layer's gradient into the stored shard in the backward pass."""
     if c.plan.batch.accumulation_steps == 1 or reduce == "in_backward":
         return 0
-    if reduce == "per_step" and c.sizes["stage"] > 1:
+    if c.sizes["stage"] > 1 and reduce != "per_micro_step":  # the runtime's condition (program.py)
         return 0
     if reduce == "per_step":
         return layer_bytes if layer_remat(c) else param_bytes

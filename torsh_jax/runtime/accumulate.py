@@ -26,7 +26,7 @@ from torsh_jax.runtime.traced import traced_once
 from torsh_jax.tensor.axis import vary_over
 from torsh_jax.typing import PyTree
 
-__all__ = ["local_gradients", "accumulate", "split_micro_batches", "summed_over_steps"]
+__all__ = ["local_gradients", "accumulate", "split_micro_batches", "from_step_sums"]
 
 
 def _zeros_of(shape: jax.ShapeDtypeStruct) -> jax.Array:
@@ -121,17 +121,17 @@ def accumulate(
     # every micro-step in the loop, from zeros: a first step outside it would keep its activations
     # apart from the loop body's (two micro-steps' activations at the peak, seen on XLA:CPU and TPU)
     (grads, loss_sum, extras), _ = jax.lax.scan(body, jax.tree.map(_zeros_of, shapes), micro)
-    return (*summed_over_steps(grads, loss_sum, steps=steps, reduce=reduce), extras)
+    return (*from_step_sums(grads, loss_sum, steps=steps, reduce=reduce), extras)
 
 
-def summed_over_steps(
+def from_step_sums(
     grads: PyTree, loss_sum: jax.Array, *, steps: int, reduce: str
 ) -> tuple[PyTree, jax.Array]:
-    """``(grads, mean loss)`` from the sums over ``steps`` micro-steps: the gradients averaged
-    (``reduce`` ``mean``) or kept summed (``sum``), the loss averaged either way.
+    """The step's ``(grads, mean loss)`` from their sums over ``steps`` micro-steps: the gradients
+    averaged (``reduce`` ``mean``) or kept summed (``sum``), the loss averaged either way.
 
     Example:
-        >>> grads, loss = summed_over_steps({"w": jnp.float32(6.0)}, jnp.float32(3.0), steps=2, reduce="mean")
+        >>> grads, loss = from_step_sums({"w": jnp.float32(6.0)}, jnp.float32(3.0), steps=2, reduce="mean")
         >>> float(grads["w"]), float(loss)
         (3.0, 1.5)
     """

@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from torsh_jax.plan.spec import ParallelPlan
-from torsh_jax.runtime.accumulate import accumulate, local_gradients, summed_over_steps
+from torsh_jax.runtime.accumulate import accumulate, from_step_sums, local_gradients
 from torsh_jax.runtime.compiler_axes import manual_over, tree_only, tree_without
 from torsh_jax.runtime.data_parallel import batch_specs, mark_varying
 from torsh_jax.runtime.decide import StepPlan
@@ -52,19 +52,19 @@ from torsh_jax.typing import PyTree
 __all__ = ["build_program", "gradient_program"]
 
 
-def _accumulate(plan: ParallelPlan, loss_fn, params, batch, scale, per_step=None, passes=None):
-    """``(grads, mean loss, extras)`` over the accumulation micro-steps; ``passes``: pipeline passes
-    ``(params, batch, scale, passes) -> (grads, summed loss, slots)`` instead of differentiating
-    ``loss_fn``, all in the pipeline's own scan unless each pass's gradients are reduced apart
-    (``per_step``)."""
+def _accumulate(plan: ParallelPlan, loss_fn, params, batch, scale, per_step=None, pipeline=None):
+    """``(grads, mean loss, extras)`` over the accumulation micro-steps; ``pipeline``: the pipeline's
+    passes ``(params, batch, scale, passes) -> (grads, summed loss, slots)`` instead of
+    differentiating ``loss_fn``, all in the pipeline's own scan unless each pass's gradients are
+    reduced apart (``per_step``)."""
     steps, reduce = plan.batch.accumulation_steps, plan.batch.accumulation_reduce
     options = {"steps": steps, "reduce": reduce, "accum_dtype": jax.numpy.dtype(plan.precision.param_dtype),
                "per_step": per_step}  # fmt: skip
-    if passes is not None and per_step is None:
-        grads, loss_sum, slots = passes(params, batch, scale, steps)
-        return (*summed_over_steps(grads, loss_sum, steps=steps, reduce=reduce), slots)
-    if passes is not None:
-        return accumulate(lambda p, b: passes(p, b, scale), params, batch, **options)
+    if pipeline is not None and per_step is None:
+        grads, loss_sum, slots = pipeline(params, batch, scale, steps)
+        return (*from_step_sums(grads, loss_sum, steps=steps, reduce=reduce), slots)
+    if pipeline is not None:
+        return accumulate(lambda p, b: pipeline(p, b, scale), params, batch, **options)
     grads, loss = local_gradients(loss_fn, params, batch, loss_scale=scale, **options)
     return grads, loss, ()
 
@@ -77,7 +77,8 @@ def _local_loss(decided: StepPlan, layout: StateLayout, split: PyTree) -> Callab
 
 
 def _pipeline_passes(decided: StepPlan, layout: StateLayout, split: PyTree) -> Callable | None:
-    """One pipeline pass ``(params, batch, scale) -> (grads, loss, slots)`` (``None``: no pipeline)."""
+    """The pipeline's passes ``(params, batch, scale, passes=1) -> (grads, summed loss, slots)``
+    (``None``: no pipeline)."""
     if decided.schedule is None:
         return None
     model = decided.model
@@ -96,7 +97,7 @@ def gradient_program(decided: StepPlan, layout: StateLayout) -> Callable:
     precision = plan.precision
     split = tree_only(layout.compute, compiler)
     loss_fn = _local_loss(decided, layout, split)
-    passes = _pipeline_passes(decided, layout, split)
+    pipeline = _pipeline_passes(decided, layout, split)
     per_micro_step = roles.reduce == "per_micro_step"
     cast_first = roles.gather != "on_use"  # gathered on use: cast after the gather, per leaf
     gather_stage = roles.gather == "per_stage"
@@ -117,12 +118,12 @@ def gradient_program(decided: StepPlan, layout: StateLayout) -> Callable:
             params = all_gather_params(params, layout.dims)
         per_step = (lambda g: reduce(g, (), None)[0]) if per_micro_step else None
         params = mark_varying(params, decided.vary)
-        grads, value, extras = _accumulate(plan, loss_fn, params, batch, scale, per_step, passes)
-        if passes is not None:
+        grads, value, extras = _accumulate(plan, loss_fn, params, batch, scale, per_step, pipeline)
+        if pipeline is not None:
             grads, value = reduce_over_stage(grads, value, decided.stacked_key)
         if sync.axes and not per_micro_step:
             grads, feedback = reduce(grads, feedback, step)
-        extras = {"pipeline_slots": extras} if passes is not None else {}
+        extras = {"pipeline_slots": extras} if pipeline is not None else {}
         value = jax.lax.pmean(value, roles.batch_axes)
         return cast_tree(grads, precision.param_dtype), value, feedback, extras
 

@@ -24,7 +24,7 @@ it. The embedding and head weight gradients are made in ``B`` of the first and
 last stage.
 
 Embedding and head parameters are replicated over ``stage``; their gradients,
-made on the first and last stage, are summed over ``stage`` once per pass. A
+made on the first and last stage, are summed over ``stage`` once per step. A
 key both read (a tied embedding) gets the sum of its embedding and head
 gradients (:func:`~torsh_jax.runtime.layered.join_params`) before that sum.
 
@@ -173,7 +173,7 @@ def _run_on_state(branch: Callable, state, ints) -> tuple:
 
 
 class _Ticks(NamedTuple):
-    """What every tick of one pass reads: this stage's index, the slot plan, the pass's branches,
+    """What every tick of the passes reads: this stage's index, the slot plan, the passes' branches,
     the stage axis and its size, and the branches' varying-axis types by input types
     (:func:`~torsh_jax.runtime.pipeline.varying.typed_switch`, filled as ticks are traced)."""
 
@@ -242,7 +242,7 @@ class _Ticks(NamedTuple):
         return state
 
     def _gated(self, kind: str, variants: frozenset) -> Callable:
-        """The kind's branch as the second way of its ``lax.switch``; made once per pass, so that
+        """The kind's branch as the second way of its ``lax.switch``; made once per run, so that
         :func:`typed_switch` finds it traced."""
         if (kind, variants) not in self.gated:
             self.gated[kind, variants] = partial(_run_on_state, self.one.branch(kind, variants))
