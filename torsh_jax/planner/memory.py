@@ -97,7 +97,7 @@ class ScannedStage(NamedTuple):
 #: or not (hidden states per token of a micro-batch, beside the stash slots). Read from XLA:CPU's
 #: compiled steps of the smaller benchmark model (all 243 pipelined candidates within 5 %: -3.2 %
 #: to +4.3 % with the accumulation passes in the tick scan); held out, every fourth of the larger
-#: model's (77): 69 within 5 %, -5.6 % to +6.1 %.
+#: model's (77): 69 within 5 %, -5.6 % to +6.9 %.
 #: GPipe runs 1F1B's branches. A TPU target's stages do not read it (:mod:`~.compilers`).
 SCANNED_STAGE = {
     "gpipe": ScannedStage(0.45, 0.5),
