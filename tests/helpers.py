@@ -66,6 +66,18 @@ def mlp_params(cfg: LMConfig, key: jax.Array) -> dict:
     }
 
 
+def mlp_step_peak(cfg: LMConfig, plan: ParallelPlan, devices: int) -> int:
+    """Bytes at the peak of ``plan``'s compiled step for :func:`mlp_model` of ``cfg`` on the first
+    ``devices`` simulated devices (nothing initialised or run)."""
+    from torsh_jax.analysis.memory import memory_report, peak_bytes
+
+    shapes = jax.eval_shape(lambda: mlp_params(cfg, jax.random.key(0)))
+    mesh = build_mesh(plan, jax.devices()[:devices])
+    train = make_train_step(mlp_model(cfg), optax.sgd(0.1), plan, mesh, shapes)
+    batch = synthetic_tokens(cfg, batch_size=train.global_batch_size, seed=0)
+    return peak_bytes(memory_report(train.lower(train.abstract_state(), batch).compile()), "cpu")
+
+
 def needs_tensor_blocks(plan: ParallelPlan) -> bool:
     """Whether ``plan`` has a tensor axis (the demo model's tensor blocks, not the MLP)."""
     return (plan.mesh.tensor.ici, plan.mesh.tensor.dcn) != (1, 1)

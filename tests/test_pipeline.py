@@ -12,7 +12,15 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import assert_matches_twin, mlp_model, mlp_params, model_for, needs_tensor_blocks, twin_report
+from helpers import (
+    assert_matches_twin,
+    mlp_model,
+    mlp_params,
+    mlp_step_peak,
+    model_for,
+    needs_tensor_blocks,
+    twin_report,
+)
 
 from torsh_jax import NotSupportedYetError, PlanError, load_plan
 from torsh_jax.cli.main import main
@@ -488,18 +496,6 @@ def test_a_ticks_branch_copies_no_gradient_or_stash_it_passes_on(schedule):
     assert _largest_copy_in_branches(text) < one_weight
 
 
-def _step_peak(plan) -> int:
-    """Bytes at the peak of ``plan``'s compiled step for the HEAVY MLP model, on this host's devices."""
-    from torsh_jax.analysis.memory import memory_report, peak_bytes
-
-    shapes = jax.eval_shape(lambda: mlp_params(HEAVY, jax.random.key(0)))
-    train = make_train_step(
-        mlp_model(HEAVY), optax.sgd(0.1), plan, build_mesh(plan, jax.devices()[:4]), shapes
-    )
-    batch = synthetic_tokens(HEAVY, batch_size=train.global_batch_size, seed=0)
-    return peak_bytes(memory_report(train.lower(train.abstract_state(), batch).compile()), "cpu")
-
-
 @pytest.mark.parametrize("zero", [0, 1])
 def test_accumulated_passes_add_into_the_stages_one_gradient_carry(zero):
     """DDP and ZeRO-1 (reduced once a step) run every accumulation pass in the pipeline's scan,
@@ -512,7 +508,7 @@ def test_accumulated_passes_add_into_the_stages_one_gradient_carry(zero):
     )  # fmt: skip
     stage_params = HEAVY.vocab * HEAVY.d_model * 2 + HEAVY.layers // 2 * 2 * HEAVY.d_model * HEAVY.mlp
     stage_gradient = stage_params * 4  # float32
-    assert _step_peak(plan(4)) - _step_peak(plan(1)) < stage_gradient / 4
+    assert mlp_step_peak(HEAVY, plan(4), 4) - mlp_step_peak(HEAVY, plan(1), 4) < stage_gradient / 4
 
 
 # ---------------------------------------------------------------- what is refused, with the fix

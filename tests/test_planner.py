@@ -290,10 +290,11 @@ def test_a_tpu_targets_plans_are_costed_as_the_tpu_compiler_holds_them():
     assert parts["state"] == pytest.approx(local * (1 + 2 / 16))  # the parameters, Adam's shard
     ratio = predict(zero2, shape, tpu).memory["gradients"] / memory["gradients"]
     buffers = TPU.parameter_buffers
-    assert ratio == pytest.approx(buffers["per_micro_step", False, True] / buffers["per_step", False, True])
+    summed = buffers["per_micro_step", False]["summed"] / buffers["per_step", False]["summed"]
+    assert ratio == pytest.approx(summed)
     # accumulating, the embedding and head hold their share of a layer parameter's buffers
     buffered = shape.param_count - (1 - TPU.shared_accumulating) * shared
-    assert parts["gradients"] == int(buffers["per_step", False, True] * buffered * 4)
+    assert parts["gradients"] == int(buffers["per_step", False]["summed"] * buffered * 4)
     on_cpu = replace(tpu, platform="cpu")
     assert predict(zero1, shape, on_cpu).memory["logits"] == 2 * parts["logits"]  # and their gradient
     pipeline = by_label["pp data=2 fsdp=4 stage=2 1f1b m=4 zero1 acc=1"]
@@ -305,7 +306,7 @@ def test_a_tpu_targets_plans_are_costed_as_the_tpu_compiler_holds_them():
     assert staged["activations"] == int(residual_bytes(TPU, shape) * chunk * tokens + stash)
     stage_params = chunk * shape.layer_params + shared
     summed = stage_params - (1 - TPU.shared_accumulating) * shared  # summing its micro-batches'
-    assert staged["gradients"] == int(buffers["per_step", False, True] * summed * 4)
+    assert staged["gradients"] == int(buffers["per_step", False]["staged"] * summed * 4)
     assert staged != predict(pipeline, shape, on_cpu).memory
     learned = predict(zero1, shape, replace(tpu, activation_scale=1.5)).memory
     assert learned["activations"] == pytest.approx(1.5 * memory["activations"], rel=1e-6)

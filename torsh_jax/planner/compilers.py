@@ -20,22 +20,22 @@ step holds:
   beside them;
 * float32 buffers the size of the device's parameters, ``P``, as many as
   :attr:`CompilerProfile.parameter_buffers` says for how the step makes its gradient (the
-  micro-step's gradient, the step's sum, the reduction's buffers; on a TPU the weights' bfloat16
-  copies too); accumulating, the embedding's and head's parameters count at
+  step's sum, a micro-step's gradients as it makes them, the reduction's buffers; on a TPU the
+  weights' bfloat16 copies too); accumulating, the embedding's and head's parameters count at
   :attr:`CompilerProfile.shared_accumulating` of a layer parameter's;
 * gathering each layer on use (ZeRO-3), the head's float32 weights.
 
 A pipeline stage holds the same parts as the step of a model of its chunk's layers on one
-micro-batch that sums its micro-batches' gradients (accumulating, whatever the plan's
-accumulation), with the stage's stash (the runtime's slots) among the activations;
-ZeRO-3 gathers the stage's parameters once instead of each layer on use, so its layers are not
-recomputed and its gradient buffers are ZeRO-2's. Nothing in it was fitted to pipelines: compiled
-for v5e-8 (``d_model`` 512, 4 layers) 4 of 10 pipelined plans came within 5 % (-1.9 % to +15.9 %),
-for v5e-16 (150 M) 7 of 10 (-2.2 % to +21.1 %), with the passes of DDP's and ZeRO-1's
-accumulation adding into the stage's one gradient carry (with their sum beside it, 8 and 3 of
-10; the formulas had 1 of the 20 within 5 %). Activations scale with the compute dtype from
-float32 and with the machine's ``activation_scale`` (which ``plan --verify`` learns from a
-refusal). How close the profile comes to the compiled peaks: :data:`TPU`,
+micro-batch that sums its micro-batches' gradients (the ``staged`` buffers: its passes make the
+chunk's gradient whole beside the sum, whatever the plan's accumulation), with the stage's stash
+(the runtime's slots) among the activations; ZeRO-3 gathers the stage's parameters once instead of
+each layer on use, so its layers are not recomputed and its gradient buffers are ZeRO-2's. Nothing
+in it was fitted to pipelines: compiled for v5e-8 (``d_model`` 512, 4 layers) 4 of 10 pipelined
+plans came within 5 % (-1.9 % to +15.9 %), for v5e-16 (150 M) 7 of 10 (-2.2 % to +21.1 %), with the
+passes of DDP's and ZeRO-1's accumulation adding into the stage's one gradient carry (with their sum
+beside it, 8 and 3 of 10; the formulas had 1 of the 20 within 5 %). Activations scale with the
+compute dtype from float32 and with the machine's ``activation_scale`` (which ``plan --verify``
+learns from a refusal). How close the profile comes to the compiled peaks: :data:`TPU`,
 ``benchmarks/bench_planner_memory.py --tpu SET``.
 A GPU profile read the same way from XLA:GPU's H100 programs was not kept: on the two model sizes
 it was not read from, 4 of 7 plans came within 5 %, against 6 of 7 with the formulas
@@ -50,8 +50,8 @@ Example:
     >>> shared = shape.embed_params + shape.head_params
     >>> parts = step_memory(plan, shape, TPU, local_params=shape.param_count, shared_params=shared,
     ...                     opt_factor=2.0)
-    >>> round(sum(parts.values()) / 2**30, 2)  # compiled for v5e-16: 5.56 GiB (libtpu's peak)
-    5.55
+    >>> round(sum(parts.values()) / 2**30, 2)  # compiled for v5e-16: 5.28 GiB (libtpu's peak)
+    5.19
 """
 
 from __future__ import annotations
@@ -82,9 +82,11 @@ class CompilerProfile:
         recompute_on_use: the same where ZeRO-3 gathers each layer on use, or ``None``: as
             ``recompute``.
         parameter_buffers: float32 buffers of the device's parameters' size beside the state, by
-            ``(reduce, recomputed, accumulating)``: ``reduce`` ``per_step`` (DDP, ZeRO-1: the whole
-            gradient reduced once) or ``per_micro_step`` (ZeRO-2: each micro-step's
-            reduce-scattered).
+            ``(reduce, recomputed)`` and how the gradient is made: ``reduce`` ``per_step`` (DDP,
+            ZeRO-1: the whole gradient reduced once) or ``per_micro_step`` (ZeRO-2: each
+            micro-step's reduce-scattered); made ``once`` (one micro-step), ``summed``
+            (accumulating micro-steps) or ``staged`` (a pipeline stage summing its
+            micro-batches).
         shared_accumulating: accumulating, the share of ``parameter_buffers`` the embedding's and
             head's parameters hold, of what a layer's parameter holds.
     """
@@ -97,7 +99,7 @@ class CompilerProfile:
     d_sequence_parallel: tuple[float, float]
     recompute: tuple[float, float, float]
     recompute_on_use: tuple[float, float, float] | None = None
-    parameter_buffers: dict[tuple[str, bool, bool], float] = field(default_factory=dict)
+    parameter_buffers: dict[tuple[str, bool], dict[str, float]] = field(default_factory=dict)
     shared_accumulating: float = 1.0
 
 
@@ -109,9 +111,12 @@ class CompilerProfile:
 #: ZeRO-3 step keeps part of a layer's working set and the gathered weights in the chip's VMEM,
 #: where the larger models' buffers do not fit: docs/planner.md). The recomputed working sets
 #: were fitted to those peaks. Parameter buffers, the median over the compiled plans of 150 M and
-#: 1 B of each kind: DDP and ZeRO-1 2.53 accumulating (8 plans), 1.38 not (1.32-1.45, 2); ZeRO-2
-#: 1.73 accumulating (7), 1.45 not (1); recomputing 1.42 (1.37-1.57, 5), accumulating 2.07 (2);
-#: ZeRO-2 recomputing 1.97 (1, accumulating). Accumulating, the embedding and head hold half a
+#: 1 B of each kind: DDP and ZeRO-1 1.38 not accumulating (1.32-1.45, 2), 1.80 accumulating
+#: (1.58-2.20, 8: each layer's gradient added into the step's sum in place,
+#: :mod:`torsh_jax.runtime.sink`; 2.53 when each micro-step's whole gradient was made beside the
+#: sum, which a pipeline stage's passes still are: ``staged``); ZeRO-2 1.73 accumulating (7), 1.45
+#: not (1); recomputing 1.42 (1.37-1.57, 5), accumulating 1.29 (1.11 and 1.46; 2.07 with the sum
+#: beside); ZeRO-2 recomputing 1.97 (1, accumulating). Accumulating, the embedding and head hold half a
 #: layer parameter's buffers (:attr:`~CompilerProfile.shared_accumulating`, chosen on the small
 #: model, where they are 73 % of the parameters: its accumulating plans had been +6.3 % and
 #: +7.6 % with the same count; at 150 M and 1 B, 40 % and 14 %, the medians absorb it). Checked
@@ -130,15 +135,11 @@ TPU = CompilerProfile(
     d_sequence_parallel=(0, 30),
     recompute=(4, 6, 18),
     recompute_on_use=(8, 6, 12),
-    parameter_buffers={
-        ("per_step", False, True): 2.53,
-        ("per_step", False, False): 1.38,
-        ("per_step", True, False): 1.42,
-        ("per_step", True, True): 2.07,
-        ("per_micro_step", False, True): 1.73,
-        ("per_micro_step", False, False): 1.45,
-        ("per_micro_step", True, False): 1.58,
-        ("per_micro_step", True, True): 1.97,
+    parameter_buffers={  # by how the gradient is made: once, summed, staged
+        ("per_step", False): {"once": 1.38, "summed": 1.80, "staged": 2.53},
+        ("per_step", True): {"once": 1.42, "summed": 1.29, "staged": 2.07},
+        ("per_micro_step", False): {"once": 1.45, "summed": 1.73, "staged": 1.73},
+        ("per_micro_step", True): {"once": 1.58, "summed": 1.97, "staged": 1.97},
     },
     shared_accumulating=0.5,
 )
@@ -195,14 +196,12 @@ def step_memory(
     layers = chunk_layers(c, shape) if staged else shape.layers
     per_token = _activation_bytes_per_token(c, shape, profile, working if c.remat or on_use else None, layers)
     tokens = tokens_per_micro_step(c, shape)
-    accumulating = plan.batch.accumulation_steps > 1 or staged
-    buffered = count - (1 - profile.shared_accumulating) * shared_params if accumulating else count
+    made = "staged" if staged else "summed" if plan.batch.accumulation_steps > 1 else "once"
+    buffered = count - (1 - profile.shared_accumulating) * shared_params if made != "once" else count
     parts = {
         "state": count * pb / (fsdp if plan.zero.stage == 3 else 1)
         + count * opt_factor * 4 / (fsdp if plan.zero.stage >= 1 else 1),
-        "gradients": 0.0
-        if on_use
-        else profile.parameter_buffers[reduce, c.remat, accumulating] * buffered * 4,
+        "gradients": 0.0 if on_use else profile.parameter_buffers[reduce, c.remat][made] * buffered * 4,
         "gathered": _gathered(roles.gather, shape, shares, t, count * cb),
         "activations": per_token * cb / 4 * activation_scale * tokens + stash_bytes,  # read in float32
         "logits": split_part(shares.vocab, 4 * shape.vocab / t, 4 * shape.vocab) * tokens,

@@ -4,32 +4,33 @@
 :func:`~torsh_jax.analysis.theory.theoretical_memory_per_device`) + gradient buffers (below ZeRO-3
 the whole local gradient, and its reduced copy where the layers are recomputed, accumulating or not,
 less a share of a pipeline stage's layers': :func:`_gradient_buffers`; ZeRO-3 gathering on use: one
-layer's whole gradient with the embedding's and head's; accumulating, the step's sum beside each
-micro-step's, :func:`_accumulated_sum_bytes`; ZeRO-3 on the compiled recomputing gradient,
-:func:`_accumulated_on_use_bytes`) + ZeRO-3's gathered working set (one layer twice, embedding and
-head once, in the compute dtype; on the compiled recomputing gradient, :data:`ZERO3_GATHERED_LAYERS`
-of one layer; under a pipeline, the stage's parameters gathered once: :func:`_gathered_bytes`) +
-compressed reductions' error feedback (a residual of the reduced gradient; two-phase methods such as
-int8 one more of its ``1/n`` chunk) + activations. Activations per token and layer follow
-Korthikanti et al. 2022 (eq. 2 and 4; ``34 d + 5 a s`` bytes in 16-bit with no tensor parallelism,
-``(10 + 24/t) d + 5 a s / t`` with ``t``, ``34 d / t + 5 a s / t`` with sequence parallelism),
-scaled by the compute dtype and the machine's ``activation_scale``, plus the working set of one
-layer's backward pass; a recomputed layer (the model's remat, or ZeRO-3 gathering each layer on use)
-keeps its input only (``2 d`` bytes), plus the working set of one layer while it is recomputed (the
-formula times the machine's ``recompute_scale``; not divided by ``tensor``: measured on CPU, that
-set does not shrink with it). The logits and their gradient are float32. A pipeline stage holds its
-stash, the runtime's slots for the activations and gradients it receives (about the inputs its
-schedule table holds in flight: ``min(microbatches, stages)`` for 1F1B and ZB-H1, interleaved's cap
-in chunk inputs, all ``microbatches`` for GPipe), ZB-H1's ``W`` slots and the tick's sends; its
-backward recomputes a chunk from a stashed input, which is the gradient of a model of the chunk's
-layers on one micro-batch: as the machine compiled it (:attr:`Machine.chunk_gradient_bytes`; split
-over ``tensor``, its layers' bytes per token at the formula's share, :func:`_tensor_share`, the rest
-whole but the logits), else the chunk's layers by the formula. Where each layer is recomputed
-without a pipeline, the model's gradient recomputing every layer as the machine compiled it
-(:attr:`Machine.remat_gradient_bytes`, likewise over ``tensor``: :func:`_compiled_remat_bytes`). An
-accelerator target's plan is costed as its compiler holds the buffers instead where that compiler
-has a profile (:mod:`~torsh_jax.planner.compilers`: the TPU's, read from its buffer reports; a
-pipeline stage as the step of its chunk on one micro-batch, with its stash).
+layer's whole gradient with the embedding's and head's; accumulating with each micro-step reduced
+apart, the step's sum beside each micro-step's, :func:`_accumulated_sum_bytes`; ZeRO-3 on the
+compiled recomputing gradient, :func:`_accumulated_on_use_bytes`) + ZeRO-3's gathered working set
+(one layer twice, embedding and head once, in the compute dtype; on the compiled recomputing
+gradient, :data:`ZERO3_GATHERED_LAYERS` of one layer; under a pipeline, the stage's parameters
+gathered once: :func:`_gathered_bytes`) + compressed reductions' error feedback (a residual of the
+reduced gradient; two-phase methods such as int8 one more of its ``1/n`` chunk) + activations.
+Activations per token and layer follow Korthikanti et al. 2022 (eq. 2 and 4; ``34 d + 5 a s`` bytes
+in 16-bit with no tensor parallelism, ``(10 + 24/t) d + 5 a s / t`` with ``t``, ``34 d / t + 5 a s /
+t`` with sequence parallelism), scaled by the compute dtype and the machine's ``activation_scale``,
+plus the working set of one layer's backward pass; a recomputed layer (the model's remat, or ZeRO-3
+gathering each layer on use) keeps its input only (``2 d`` bytes), plus the working set of one layer
+while it is recomputed (the formula times the machine's ``recompute_scale``; not divided by
+``tensor``: measured on CPU, that set does not shrink with it). The logits and their gradient are
+float32. A pipeline stage holds its stash, the runtime's slots for the activations and gradients it
+receives (about the inputs its schedule table holds in flight: ``min(microbatches, stages)`` for
+1F1B and ZB-H1, interleaved's cap in chunk inputs, all ``microbatches`` for GPipe), ZB-H1's ``W``
+slots and the tick's sends; its backward recomputes a chunk from a stashed input, which is the
+gradient of a model of the chunk's layers on one micro-batch: as the machine compiled it
+(:attr:`Machine.chunk_gradient_bytes`; split over ``tensor``, its layers' bytes per token at the
+formula's share, :func:`_tensor_share`, the rest whole but the logits), else the chunk's layers by
+the formula. Where each layer is recomputed without a pipeline, the model's gradient recomputing
+every layer as the machine compiled it (:attr:`Machine.remat_gradient_bytes`, likewise over
+``tensor``: :func:`_compiled_remat_bytes`). An accelerator target's plan is costed as its compiler
+holds the buffers instead where that compiler has a profile (:mod:`~torsh_jax.planner.compilers`:
+the TPU's, read from its buffer reports; a pipeline stage as the step of its chunk on one
+micro-batch, with its stash).
 
 Example:
     >>> from torsh_jax.planner.machine import Machine
@@ -145,7 +146,7 @@ def memory_parts(c: Candidate, shape: ModelShape, opt_factor: float, machine: Ma
             gradients = _accumulated_on_use_bytes(c, count * pb, shared * pb)
         else:
             gradients = count * pb - state.grad_bytes
-    gradients += _accumulated_sum_bytes(c, roles.reduce, count * pb, layers * pb)
+    gradients += _accumulated_sum_bytes(c, roles.reduce, count * pb)
     parts = {
         "state": state.total_bytes,
         "gradients": gradients,
@@ -154,6 +155,7 @@ def memory_parts(c: Candidate, shape: ModelShape, opt_factor: float, machine: Ma
         "logits": logits,
         "feedback": _feedback_bytes(c, count * pb),
     }
+    parts["gradients"] += _sum_after_backward(c, roles.reduce, count * pb, parts)
     return {**parts, "total": sum(parts.values())}
 
 
@@ -217,21 +219,34 @@ def _scanned_layer_gradients(c: Candidate, layer_bytes: int) -> int:
     return int(SCANNED_STAGE[c.plan.pipeline.schedule].layer_gradients_fewer * layer_bytes)
 
 
-def _accumulated_sum_bytes(c: Candidate, reduce: str, param_bytes: int, layer_bytes: int) -> int:
-    """What accumulating adds: the step's gradient sum beside each micro-step's (a pipeline pass's)
-    own gradient. Where the step reduces once (:attr:`~torsh_jax.plan.roles.Roles.reduce`
-    ``per_step``: DDP, ZeRO-1), the whole local gradient (``param_bytes``), or with each layer
-    recomputed the stacked layers' (``layer_bytes``: the embedding's and head's are made after the
-    peak), but nothing under a pipeline, whose passes add into one gradient carry; the ``fsdp``
-    shard where each micro-step is reduced (ZeRO-2, a pipeline stage gathered once); nothing
-    where ZeRO-3 reduces each layer's gradient into the stored shard in the backward pass."""
-    if c.plan.batch.accumulation_steps == 1 or reduce == "in_backward":
+def _accumulated_sum_bytes(c: Candidate, reduce: str, param_bytes: int) -> int:
+    """What accumulating adds: where each micro-step is reduced apart (ZeRO-2, a pipeline stage
+    gathered once), the step's ``fsdp`` shard of the gradient sum (of ``param_bytes``) beside each
+    micro-step's own gradient. Nothing where the step reduces once
+    (:attr:`~torsh_jax.plan.roles.Roles.reduce` ``per_step``: DDP, ZeRO-1), whose layers' gradients
+    add into the sum in place (:mod:`torsh_jax.runtime.sink`; under a pipeline, into the stage's
+    one gradient carry), nor where ZeRO-3 reduces each layer's gradient into the stored shard in
+    the backward pass. With :func:`_sum_after_backward`, the smaller benchmark model's 52
+    accumulating DDP and ZeRO-1 candidates without a pipeline all came within 5 % on XLA:CPU
+    (-4.5 % to +2.3 %); held out, every second of the larger model's (38), 34 (-7.0 % to +4.4 %;
+    the four under, over ``tensor = 4`` with sequence parallelism, were under before too)."""
+    if c.plan.batch.accumulation_steps == 1 or reduce != "per_micro_step":
         return 0
-    if c.sizes["stage"] > 1 and reduce != "per_micro_step":  # the runtime's condition (program.py)
-        return 0
-    if reduce == "per_step":
-        return layer_bytes if layer_remat(c) else param_bytes
     return param_bytes // c.sizes["fsdp"]
+
+
+def _sum_after_backward(c: Candidate, reduce: str, param_bytes: int, parts: dict) -> int:
+    """What a step accumulating in place (DDP, ZeRO-1 without a pipeline) adds where its peak is
+    after the backward pass: the step's sum, the whole local gradient (``param_bytes``), lives
+    through the reduction and the update beside the state, so the step holds at least that much
+    more than its state, however small a micro-step's buffers (``parts``) are. On XLA:CPU the
+    benchmark models' steps recomputing each layer held exactly one such gradient beside the
+    state at 2 and 4 accumulation steps (the larger model's ``ddp data=8 remat``: 147.55 MB, its
+    state and 29.51 MB), where a micro-step's buffers came to less."""
+    if c.plan.batch.accumulation_steps == 1 or reduce != "per_step" or c.sizes["stage"] > 1:
+        return 0
+    backward = parts["gradients"] + parts["gathered"] + parts["activations"] + parts["logits"]
+    return max(0, param_bytes - backward)
 
 
 def _accumulated_on_use_bytes(c: Candidate, param_bytes: int, shared_bytes: int) -> int:

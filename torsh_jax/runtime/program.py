@@ -43,6 +43,7 @@ from torsh_jax.runtime.layered import layered_loss
 from torsh_jax.runtime.layout import StateLayout
 from torsh_jax.runtime.pipeline import pipeline_gradients, reduce_over_stage
 from torsh_jax.runtime.precision import cast_tree
+from torsh_jax.runtime.sink import accumulate_into, sinks_layers
 from torsh_jax.runtime.state import TrainState
 from torsh_jax.runtime.sync import sync_gradients
 from torsh_jax.runtime.update import guarded_update, scaler_for
@@ -52,20 +53,22 @@ from torsh_jax.typing import PyTree
 __all__ = ["build_program", "gradient_program"]
 
 
-def _accumulate(plan: ParallelPlan, loss_fn, params, batch, scale, per_step=None, pipeline=None):
+def _accumulate(plan: ParallelPlan, loss_fn, params, batch, scale, per_step=None, pipeline=None, model=None):
     """``(grads, mean loss, extras)`` over the accumulation micro-steps; ``pipeline``: the pipeline's
     passes ``(params, batch, scale, passes) -> (grads, summed loss, slots)`` instead of
     differentiating ``loss_fn``, all in the pipeline's own scan unless each pass's gradients are
-    reduced apart (``per_step``)."""
+    reduced apart (``per_step``). ``model``: the layered model ``loss_fn`` computes, whose layers'
+    gradients add into the running sum in place where nothing is reduced between micro-steps."""
     steps, reduce = plan.batch.accumulation_steps, plan.batch.accumulation_reduce
-    options = {"steps": steps, "reduce": reduce, "accum_dtype": jax.numpy.dtype(plan.precision.param_dtype),
-               "per_step": per_step}  # fmt: skip
+    options = {"steps": steps, "reduce": reduce, "accum_dtype": jax.numpy.dtype(plan.precision.param_dtype)}
     if pipeline is not None and per_step is None:
         grads, loss_sum, slots = pipeline(params, batch, scale, steps)
         return (*from_step_sums(grads, loss_sum, steps=steps, reduce=reduce), slots)
     if pipeline is not None:
-        return accumulate(lambda p, b: pipeline(p, b, scale), params, batch, **options)
-    grads, loss = local_gradients(loss_fn, params, batch, loss_scale=scale, **options)
+        return accumulate(lambda p, b: pipeline(p, b, scale), params, batch, per_step=per_step, **options)
+    if steps > 1 and per_step is None and model is not None and sinks_layers(model, params):
+        return (*accumulate_into(model, params, batch, loss_scale=scale, **options), ())
+    grads, loss = local_gradients(loss_fn, params, batch, loss_scale=scale, per_step=per_step, **options)
     return grads, loss, ()
 
 
@@ -97,9 +100,10 @@ def gradient_program(decided: StepPlan, layout: StateLayout) -> Callable:
     precision = plan.precision
     split = tree_only(layout.compute, compiler)
     loss_fn = _local_loss(decided, layout, split)
-    pipeline = _pipeline_passes(decided, layout, split)
-    per_micro_step = roles.reduce == "per_micro_step"
     cast_first = roles.gather != "on_use"  # gathered on use: cast after the gather, per leaf
+    pipeline = _pipeline_passes(decided, layout, split)
+    model = decided.model if cast_first else None  # gathered on use: the loss is not the model's own
+    per_micro_step = roles.reduce == "per_micro_step"
     gather_stage = roles.gather == "per_stage"
 
     def reduce(grads, feedback, step):
@@ -118,7 +122,7 @@ def gradient_program(decided: StepPlan, layout: StateLayout) -> Callable:
             params = all_gather_params(params, layout.dims)
         per_step = (lambda g: reduce(g, (), None)[0]) if per_micro_step else None
         params = mark_varying(params, decided.vary)
-        grads, value, extras = _accumulate(plan, loss_fn, params, batch, scale, per_step, pipeline)
+        grads, value, extras = _accumulate(plan, loss_fn, params, batch, scale, per_step, pipeline, model)
         if pipeline is not None:
             grads, value = reduce_over_stage(grads, value, decided.stacked_key)
         if sync.axes and not per_micro_step:
