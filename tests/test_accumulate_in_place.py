@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import collections
+
 import chex
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from helpers import assert_matches_twin, mlp_model, mlp_params, mlp_step_peak, twin_report
 
 from torsh_jax.demo.model import LMConfig, synthetic_tokens
 from torsh_jax.plan import plan_from_dict
 from torsh_jax.runtime.accumulate import local_gradients
-from torsh_jax.runtime.layered import layered_loss
+from torsh_jax.runtime.layered import as_model, layered_loss
 from torsh_jax.runtime.precision import cast_tree
-from torsh_jax.runtime.sink import accumulate_into
+from torsh_jax.runtime.sink import accumulate_into, sinks_layers
 
 # layers large beside the embedding and head, as in a real model (4 x 2 x 128 x 512 against 2 x 64 x 128)
 HEAVY = LMConfig(vocab=64, d_model=128, heads=2, head_dim=64, mlp=512, layers=4, seq_len=8)
@@ -50,25 +53,53 @@ def test_bf16_compute_sums_each_layers_gradient_in_float32_within_stated_toleran
     assert report.max_grad_rel_err <= 0.15
 
 
-@pytest.mark.parametrize("remat", [False, True], ids=["saved", "remat"])
-def test_the_in_place_sum_is_the_plain_sum_bit_for_bit(remat):
+def _tied(model):
+    """The head also reads the embedding table (a tied embedding): one parameter, two readers."""
+
+    def head(p, h, batch):
+        logits = h @ p["head"]["w"] + h @ p["embed"]["table"].T
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    return model._replace(head=head, head_keys=("head", "embed"))
+
+
+def _reads_batch(model):
+    """Each layer reads the micro-batch it computes on (a mask from the inputs)."""
+    layer = model.layer
+    mask = lambda b, h: (b["inputs"][..., None] % 3).astype(h.dtype)
+    return model._replace(layer=lambda p, h, b: layer(p, h) * mask(b, h), layer_reads_batch=True)
+
+
+MODELS = {
+    "mlp": lambda m: m,
+    "remat": lambda m: m._replace(remat=True),
+    "tied": _tied,
+    "reads-batch-remat": lambda m: _reads_batch(m)._replace(remat=True),
+}
+
+
+@pytest.mark.parametrize("reduce", ["mean", "sum"])
+@pytest.mark.parametrize("variant", sorted(MODELS))
+def test_the_in_place_sum_is_the_plain_sum_bit_for_bit(variant, reduce):
     """The same float32 additions in the same order as summing each micro-step's whole gradient
-    (bf16 compute, a loss scale): every gradient and the loss equal bit for bit."""
-    model = mlp_model(HEAVY)._replace(remat=remat)
-    params = cast_tree(mlp_params(HEAVY, jax.random.key(0)), jnp.bfloat16)
+    (bf16 compute, a loss scale, a parameter no part reads): every gradient and the loss equal bit
+    for bit."""
+    model = MODELS[variant](mlp_model(HEAVY))
+    params = {**mlp_params(HEAVY, jax.random.key(0)), "unread": {"x": jnp.ones(3)}}
+    params = cast_tree(params, jnp.bfloat16)
     batch = synthetic_tokens(HEAVY, batch_size=8, seed=0)
-    options = {"steps": 4, "reduce": "mean", "loss_scale": jnp.float32(64.0)}
+    options = {"steps": 4, "reduce": reduce, "loss_scale": jnp.float32(64.0)}
+    assert sinks_layers(model, params)
     plain = jax.jit(lambda p, b: local_gradients(layered_loss(model), p, b, **options))(params, batch)
     sunk = jax.jit(lambda p, b: accumulate_into(model, p, b, **options))(params, batch)
     chex.assert_trees_all_equal(sunk, plain)
 
 
-def test_a_dynamic_loss_scale_seeds_the_in_place_backward():
-    """fp16 compute with a dynamic loss scale: the scale is the loss's cotangent in every micro-step
-    (the gradients come back scaled and are unscaled once), loss within 5e-3 of the fp16 twin,
-    as test_loss_scale_step.py states for fp16."""
-    precision = {"compute_dtype": "float16", "loss_scale": {"mode": "dynamic", "initial_scale_power": 12}}
-    report, _ = twin_report(_accumulating(0, precision), steps=4, mlp=True)
-    assert_matches_twin(report)
-    assert report.max_loss_rel_err <= 5e-3
-    assert report.losses[-1] < report.losses[0]
+def test_what_the_in_place_sum_does_not_serve_sums_the_plain_way():
+    """A plain loss, a head that reads the stacked layers, and parameters in another container
+    than a plain ``dict`` take the plain sum."""
+    model, params = mlp_model(HEAVY), mlp_params(HEAVY, jax.random.key(0))
+    assert sinks_layers(model, params)
+    assert not sinks_layers(as_model(layered_loss(model)), params)
+    assert not sinks_layers(model._replace(head_keys=("head", "layers")), params)
+    assert not sinks_layers(model, collections.OrderedDict(params))

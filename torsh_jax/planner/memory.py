@@ -220,29 +220,29 @@ def _scanned_layer_gradients(c: Candidate, layer_bytes: int) -> int:
 
 
 def _accumulated_sum_bytes(c: Candidate, reduce: str, param_bytes: int) -> int:
-    """What accumulating adds: where each micro-step is reduced apart (ZeRO-2, a pipeline stage
-    gathered once), the step's ``fsdp`` shard of the gradient sum (of ``param_bytes``) beside each
-    micro-step's own gradient. Nothing where the step reduces once
-    (:attr:`~torsh_jax.plan.roles.Roles.reduce` ``per_step``: DDP, ZeRO-1), whose layers' gradients
-    add into the sum in place (:mod:`torsh_jax.runtime.sink`; under a pipeline, into the stage's
-    one gradient carry), nor where ZeRO-3 reduces each layer's gradient into the stored shard in
-    the backward pass. With :func:`_sum_after_backward`, the smaller benchmark model's 52
-    accumulating DDP and ZeRO-1 candidates without a pipeline all came within 5 % on XLA:CPU
-    (-4.5 % to +2.3 %); held out, every second of the larger model's (38), 34 (-7.0 % to +4.4 %;
-    the four under, over ``tensor = 4`` with sequence parallelism, were under before too)."""
+    """What accumulating adds: where each micro-step is reduced apart (ZeRO-2 uncompressed, a stage gathered
+    once), the step's ``fsdp`` shard of the gradient sum (of ``param_bytes``) beside each micro-step's
+    own gradient. Nothing where the step reduces once (:attr:`~torsh_jax.plan.roles.Roles.reduce`
+    ``per_step``: DDP, ZeRO-1, ZeRO-2 with compressed gradients), whose layers' gradients add into the
+    sum in place (:mod:`torsh_jax.runtime.sink`; under a pipeline, into the stage's one gradient
+    carry), nor where ZeRO-3 reduces each layer's gradient into the stored shard in the backward pass.
+    With :func:`_sum_after_backward`, the smaller benchmark model's 52 accumulating DDP and ZeRO-1
+    candidates without a pipeline all came within 5 % on XLA:CPU (-4.5 % to +2.3 %); held out, every
+    second of the larger model's (38), 34 (-7.0 % to +4.4 %; the four under, over ``tensor = 4`` with
+    sequence parallelism, were under before too)."""
     if c.plan.batch.accumulation_steps == 1 or reduce != "per_micro_step":
         return 0
     return param_bytes // c.sizes["fsdp"]
 
 
 def _sum_after_backward(c: Candidate, reduce: str, param_bytes: int, parts: dict) -> int:
-    """What a step accumulating in place (DDP, ZeRO-1 without a pipeline) adds where its peak is
-    after the backward pass: the step's sum, the whole local gradient (``param_bytes``), lives
-    through the reduction and the update beside the state, so the step holds at least that much
-    more than its state, however small a micro-step's buffers (``parts``) are. On XLA:CPU the
-    benchmark models' steps recomputing each layer held exactly one such gradient beside the
-    state at 2 and 4 accumulation steps (the larger model's ``ddp data=8 remat``: 147.55 MB, its
-    state and 29.51 MB), where a micro-step's buffers came to less."""
+    """What a step accumulating in place (reduced once a step, without a pipeline) adds where its peak is
+    after the backward pass: the step's sum, the whole local gradient (``param_bytes``), lives through
+    the reduction and the update beside the state, so the step holds at least that much more than its
+    state, however small a micro-step's buffers (``parts``) are. On XLA:CPU the benchmark models'
+    steps recomputing each layer held exactly one such gradient beside the state at 2 and 4
+    accumulation steps (the larger model's ``ddp data=8 remat``: 147.55 MB, its state and 29.51 MB),
+    where a micro-step's buffers came to less."""
     if c.plan.batch.accumulation_steps == 1 or reduce != "per_step" or c.sizes["stage"] > 1:
         return 0
     backward = parts["gradients"] + parts["gathered"] + parts["activations"] + parts["logits"]

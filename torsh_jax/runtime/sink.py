@@ -39,11 +39,21 @@ __all__ = ["accumulate_into", "sinks_layers"]
 
 
 def sinks_layers(model: LayeredModel, params: PyTree) -> bool:
-    """Whether :func:`accumulate_into` serves ``model``: its stacked layers are a key of their own,
-    read by no embedding or head."""
+    """Whether :func:`accumulate_into` serves ``model`` and ``params``: the model has stacked layers
+    (not a plain loss, :func:`~torsh_jax.runtime.layered.as_model`) under a key that neither the
+    embedding nor the head reads, and ``params`` is a plain ``dict`` (the sums are rebuilt as one).
+    Any other step sums each micro-step's whole gradient (the same sum, one gradient more at the
+    peak), though the planner costs every layered model's step as summed in place.
+
+    Example:
+        >>> from torsh_jax.runtime.layered import LayeredModel, as_model
+        >>> model = LayeredModel(embed=None, layer=None, head=None)
+        >>> sinks_layers(model, {"embed": 0, "layers": 0, "head": 0}), sinks_layers(as_model(len), {})
+        (True, False)
+    """
     readers = (*model.embed_keys, *(model.head_keys or ()))
-    return model.stacked and model.head_keys is not None and model.layers_key not in readers and \
-        isinstance(params, dict)  # fmt: skip
+    plain = type(params) is dict
+    return model.stacked and model.head_keys is not None and model.layers_key not in readers and plain
 
 
 @jax.custom_jvp
@@ -99,12 +109,14 @@ def _zeros_like(x: jax.Array, dtype) -> jax.Array:
 
 
 def _kinds(sink: PyTree) -> PyTree:
+    """Each sink leaf's :class:`_Kind`, for the tap's backward (made where the sink is traced)."""
     return jax.tree.map(lambda s: _Kind(s.shape, s.dtype, varying_axes(s)), sink)
 
 
-def sunk_loss(model: LayeredModel, stacked: PyTree):
+def _sunk_loss(model: LayeredModel, stacked: PyTree):
     """``loss(rest, sink, batch) -> (loss, sink)``: the model's loss with its layers read from
-    ``stacked`` through the sink (``rest``: every other parameter)."""
+    ``stacked`` through the sink (``rest``: every other parameter). Differentiate it with respect to
+    ``rest`` and ``sink`` only: the layers' gradients go to the sink, and ``stacked`` gets none."""
 
     def loss(rest, sink, batch):
         tap, bound = _tap(_kinds(sink)), model.on(batch)
@@ -136,14 +148,24 @@ def accumulate_into(
     loss_scale: jax.Array | None = None,
 ) -> tuple[PyTree, jax.Array]:
     """:func:`~torsh_jax.runtime.accumulate.local_gradients` of a layered model, each layer's
-    gradient added into the running sum in place (no micro-step's whole layer gradient).
+    gradient added into the running sum in place (no micro-step's whole layer gradient): the same
+    additions in the same order, so the same sums bit for bit.
+
+    Args:
+        model: a model :func:`sinks_layers` serves.
+        params: its parameters (a plain ``dict``) in compute dtype.
+        batch: local batch, leading dim divisible by ``steps``.
+        steps: accumulation micro-steps.
+        reduce: ``mean`` or ``sum`` over micro-steps.
+        accum_dtype: dtype of the sums.
+        loss_scale: the loss's cotangent (the loss scale); default one.
 
     Returns:
         ``(grads in accum_dtype, mean unscaled loss)``.
     """
     key = model.layers_key
     stacked, rest = params[key], {k: v for k, v in params.items() if k != key}
-    loss_of = sunk_loss(model, stacked)
+    loss_of = _sunk_loss(model, stacked)
 
     def micro_step(carry, micro):
         sums, loss_sum = carry
