@@ -104,10 +104,11 @@ class CompilerProfile:
 
 
 #: libtpu 0.0.42.1, against its own peak: the demo model at 150 M on v5e-16 and 1 B on v5e-256
-#: (read from), 350 M on v5e-32 and 7 B on v5e-256 (not): 40 of 45 compiled plans within 5 %
-#: (11 with the CPU formulas), the mean absolute error 2.4 % (45 %); DDP and ZeRO-1 21 of 21,
-#: ZeRO-2 10 of 11, remat 10 of 10, ZeRO-3 9 of 13 (-8.7 % to +6.3 %); the plans not read from
-#: 8 of 10; a small model held out (``d_model`` 512, 4 layers, v5e-8) 6 of 10, to +18.7 % (its
+#: (read from), 350 M on v5e-32 and 7 B on v5e-256 (not): 38 of 41 compiled plans within 5 %,
+#: the mean absolute error 2.7 %; DDP and ZeRO-1 11 of 11, ZeRO-2 9 of 9, remat 9 of 9, ZeRO-3
+#: 9 of 12 (-8.7 % to +6.3 %); the plans not read from 8 of 10 (compiled with DDP's and ZeRO-1's
+#: accumulation summing in place; the CPU formulas had 11 of 45 within 5 % before it); a small
+#: model held out (``d_model`` 512, 4 layers, v5e-8) 6 of 10, to +18.7 % (its
 #: ZeRO-3 step keeps part of a layer's working set and the gathered weights in the chip's VMEM,
 #: where the larger models' buffers do not fit: docs/planner.md). The recomputed working sets
 #: were fitted to those peaks. Parameter buffers, the median over the compiled plans of 150 M and

@@ -3,7 +3,9 @@
 Runs inside ``shard_map``: the local batch ``[accum * micro, ...]`` is split
 into ``accum`` micro-batches, gradients are summed in ``accum_dtype`` with a
 ``lax.scan`` and averaged (DeepSpeed) or kept summed (Horovod). No collective
-is issued here, so the caller reduces exactly once per optimizer step.
+is issued here, so the caller reduces exactly once per optimizer step. A layered
+model whose micro-steps are not reduced apart adds each layer's gradient into the
+sum in place instead (:mod:`torsh_jax.runtime.sink`).
 
 Example:
     >>> import jax.numpy as jnp
