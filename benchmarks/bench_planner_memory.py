@@ -50,7 +50,8 @@ TPU_SETS = {
         "zero2 fsdp=16 acc=4", "zero1 fsdp=16 remat acc=1", "zero1 fsdp=16 remat acc=2",
         "zero1 fsdp=16 remat acc=4", "zero2 fsdp=16 remat acc=2", "ddp data=16 remat acc=1",
         "zero3 fsdp=16 acc=1", "zero3 fsdp=16 acc=2", "zero3 fsdp=16 acc=4", "zero1 fsdp=8 tensor=2 acc=2",
-        "zero2 fsdp=8 tensor=2 acc=4", "zero3 fsdp=8 tensor=2 acc=2",
+        "zero2 fsdp=8 tensor=2 acc=4", "zero3 fsdp=8 tensor=2 acc=2", "zero1 fsdp=16 remat acc=8",
+        "ddp data=16 remat acc=2", "ddp data=16 remat acc=4",
     )),
     "350m": ("demo:350m", "v5e-32", 128, (
         "zero1 fsdp=32 acc=2", "zero2 fsdp=32 acc=2", "zero3 fsdp=32 acc=1", "zero3 fsdp=32 acc=2",
@@ -64,6 +65,8 @@ TPU_SETS = {
         "zero2 fsdp=128 tensor=2 sp acc=2", "zero1 data=4 fsdp=32 tensor=2 remat acc=1",
         "zero1 data=4 fsdp=64 remat acc=1", "ddp data=128 tensor=2 remat acc=1", "zero3 fsdp=256 acc=1",
         "zero3 fsdp=256 acc=2", "zero3 data=2 fsdp=128 acc=1", "zero3 fsdp=128 tensor=2 acc=1",
+        "zero1 data=4 fsdp=32 tensor=2 remat acc=2", "zero1 data=4 fsdp=64 remat acc=2",
+        "ddp data=128 tensor=2 remat acc=2",
     )),
     "7b": ("demo:7b", "v5e-256", 512, (
         "zero3 fsdp=256 acc=1", "zero3 fsdp=128 tensor=2 acc=1", "zero1 fsdp=128 tensor=2 acc=4",

@@ -781,9 +781,9 @@ def test_a_pipeline_stage_holds_its_stash_and_its_chunks_compiled_gradient(tiny)
 
 def test_accumulation_a_stage_gathered_once_and_a_chunk_over_tensor_hold_what_the_runtime_keeps(tiny):
     """Accumulating adds the step's gradient sum beside each micro-step's or pipeline pass's own
-    (whole where the step reduces once, the stacked layers' with each layer recomputed, nothing
-    where a pipeline's passes add into its one gradient carry, the ``fsdp`` shard where each is
-    reduced, nothing under ZeRO-3 on use); an interleaved stage holds
+    where each is reduced (the ``fsdp`` shard), nothing where the step reduces once (the layers'
+    gradients add into the sum in place, or into a pipeline's one gradient carry; but the sum
+    lives through the update beside the state), nothing under ZeRO-3 on use; an interleaved stage holds
     what a stage of one chunk does; ZeRO-3 under a pipeline gathers the stage's parameters whole
     once and makes its whole gradient, the layers' with no reduced copy; a chunk split
     over ``tensor`` holds the compiled chunk's per-token bytes (less the logits) at the formula's
@@ -802,10 +802,14 @@ def test_accumulation_a_stage_gathered_once_and_a_chunk_over_tensor_hold_what_th
         memory(stage.format(zero, 2))["gradients"] - memory(stage.format(zero, 1))["gradients"]
     )
     assert added("zero1") == 0 and added("zero2") == params // 4 and added("zero3") == params // 4
-    whole, layers = (sum(local_params(by_label["ddp data=8 acc=1"], tiny)[:n]) * 4 for n in (2, 1))
-    for label, expected in (("ddp data=8 {}acc={}", whole), ("ddp data=8 remat {}acc={}", layers)):
-        more = memory(label.format("", 2))["gradients"] - memory(label.format("", 1))["gradients"]
-        assert more == expected  # with each layer recomputed, the stacked layers' sum only
+    # reduced once a step, each layer's gradient adds into the sum in place: nothing beside a
+    # micro-step's buffers, but the sum, a whole local gradient, beside the state after them
+    whole = sum(local_params(by_label["ddp data=8 acc=1"], tiny)) * 4
+    for label in ("ddp data=8 {}acc={}", "ddp data=8 remat {}acc={}"):
+        one, two = (memory(label.format("", steps)) for steps in (1, 2))
+        backward = one["gradients"] + two["gathered"] + two["activations"] + two["logits"]
+        assert two["gradients"] == one["gradients"] + max(0, whole - backward)
+        assert two["total"] >= two["state"] + two["feedback"] + whole
     no_more = memory("zero3 fsdp=8 acc=2")["gradients"] - memory("zero3 fsdp=8 acc=1")["gradients"]
     assert no_more == 0  # ZeRO-3 reduces into the stored shard in the backward pass
     zero3 = by_label[stage.format("zero3", 1)]

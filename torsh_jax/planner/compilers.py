@@ -104,29 +104,31 @@ class CompilerProfile:
 
 
 #: libtpu 0.0.42.1, against its own peak: the demo model at 150 M on v5e-16 and 1 B on v5e-256
-#: (read from), 350 M on v5e-32 and 7 B on v5e-256 (not): 38 of 41 compiled plans within 5 %,
-#: the mean absolute error 2.7 %; DDP and ZeRO-1 11 of 11, ZeRO-2 9 of 9, remat 9 of 9, ZeRO-3
-#: 9 of 12 (-8.7 % to +6.3 %); the plans not read from 8 of 10 (compiled with DDP's and ZeRO-1's
-#: accumulation summing in place; the CPU formulas had 11 of 45 within 5 % before it); a small
-#: model held out (``d_model`` 512, 4 layers, v5e-8) 6 of 10, to +18.7 % (its
+#: (read from), 350 M on v5e-32 and 7 B on v5e-256 (not): 41 of 47 compiled plans within 5 %, the
+#: mean absolute error 2.8 %; DDP and ZeRO-1 11 of 11, ZeRO-2 9 of 9, remat 12 of 15 (-7.4 % to
+#: +9.3 %), ZeRO-3 9 of 12 (-8.7 % to +6.3 %); the plans not read from 8 of 10 (compiled with
+#: DDP's and ZeRO-1's accumulation summing in place; the CPU formulas had 11 of 45 within 5 %
+#: before it); a small model held out (``d_model`` 512, 4 layers, v5e-8) 6 of 10, to +18.7 % (its
 #: ZeRO-3 step keeps part of a layer's working set and the gathered weights in the chip's VMEM,
-#: where the larger models' buffers do not fit: docs/planner.md). The recomputed working sets
-#: were fitted to those peaks. Parameter buffers, the median over the compiled plans of 150 M and
-#: 1 B of each kind: DDP and ZeRO-1 1.38 not accumulating (1.32-1.45, 2), 1.80 accumulating
+#: where the larger models' buffers do not fit: docs/planner.md). The recomputed working sets were
+#: fitted to those peaks. Parameter buffers, the median over the compiled plans of 150 M and 1 B
+#: of each kind: DDP and ZeRO-1 1.38 not accumulating (1.32-1.45, 2), 1.80 accumulating
 #: (1.58-2.20, 8: each layer's gradient added into the step's sum in place,
 #: :mod:`torsh_jax.runtime.sink`; 2.53 when each micro-step's whole gradient was made beside the
 #: sum, which a pipeline stage's passes still are: ``staged``); ZeRO-2 1.73 accumulating (7), 1.45
-#: not (1); recomputing 1.42 (1.37-1.57, 5), accumulating 1.29 (1.11 and 1.46; 2.07 with the sum
-#: beside); ZeRO-2 recomputing 1.97 (1, accumulating). Accumulating, the embedding and head hold half a
-#: layer parameter's buffers (:attr:`~CompilerProfile.shared_accumulating`, chosen on the small
-#: model, where they are 73 % of the parameters: its accumulating plans had been +6.3 % and
-#: +7.6 % with the same count; at 150 M and 1 B, 40 % and 14 %, the medians absorb it). Checked
-#: on a model compiled after that choice (``d_model`` 768, 6 layers, v5e-8, global batch 32; the
-#: embedding and head 54 % of it): its 5 accumulating plans without remat came within -0.7 % to
-#: +3.8 % (+3.2 % to +10.0 % counting them whole), the one recomputing at +14.1 % (+18.0 %).
-#: Read with every gradient reduced as a flat row; since a float32 one alone in its bucket is reduced
-#: in its own shape, 150 M's 12 plans without ZeRO-3 came within -4.6 % to +3.8 % again (ZeRO-3's
-#: per-layer reductions keep the row: docs/planner.md).
+#: not (1); recomputing 1.42 (1.37-1.57, 5), accumulating 1.54 (1.08-1.82, 9, with 1 B's ``ddp
+#: data=32 remat acc=8`` on two v5e-16 slices: higher the fewer tokens a micro-step has, 1.08-1.11
+#: at 150 M's 4 examples a chip, 1.82 at one; 1 B's 1.54-1.60; 2.07 with the sum beside); ZeRO-2
+#: recomputing 1.97 (1, accumulating). Accumulating, the embedding and head hold half a layer
+#: parameter's buffers (:attr:`~CompilerProfile.shared_accumulating`, chosen on the small model,
+#: where they are 73 % of the parameters: its accumulating plans had been +6.3 % and +7.6 % with
+#: the same count; at 150 M and 1 B, 40 % and 14 %, the medians absorb it). Checked on a model
+#: compiled after that choice (``d_model`` 768, 6 layers, v5e-8, global batch 32; the embedding
+#: and head 54 % of it): its 5 accumulating plans without remat came within -0.7 % to +3.8 %
+#: (+3.2 % to +10.0 % counting them whole), the one recomputing at +14.1 % (+18.0 %). Read with every
+#: gradient reduced as a flat row; since a float32 one alone in its bucket is reduced in its own
+#: shape, 150 M's 12 plans without ZeRO-3 came within -4.6 % to +3.8 % again (ZeRO-3's per-layer
+#: reductions keep the row: docs/planner.md).
 TPU = CompilerProfile(
     name="libtpu 0.0.42.1",
     attention=6,
@@ -138,7 +140,7 @@ TPU = CompilerProfile(
     recompute_on_use=(8, 6, 12),
     parameter_buffers={  # by how the gradient is made: once, summed, staged
         ("per_step", False): {"once": 1.38, "summed": 1.80, "staged": 2.53},
-        ("per_step", True): {"once": 1.42, "summed": 1.29, "staged": 2.07},
+        ("per_step", True): {"once": 1.42, "summed": 1.54, "staged": 2.07},
         ("per_micro_step", False): {"once": 1.45, "summed": 1.73, "staged": 1.73},
         ("per_micro_step", True): {"once": 1.58, "summed": 1.97, "staged": 1.97},
     },
