@@ -12,7 +12,7 @@ take the in-place way.
 
 Example:
     >>> import jax.numpy as jnp
-    >>> from torsh_jax.runtime.layered import LayeredModel
+    >>> from torsh_jax.runtime.layered import LayeredModel, shared_keys, split_params
     >>> model = LayeredModel(embed=lambda p, b: b * p["in"], layer=lambda p, h: h * p["w"],
     ...                      head=lambda p, h, b: jnp.sum(h), embed_keys=("in",), head_keys=())
     >>> params = {"in": jnp.float32(1.0), "layers": {"w": jnp.ones(2)}}
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from torsh_jax.runtime.accumulate import from_step_sums, split_micro_batches
-from torsh_jax.runtime.layered import LayeredModel
+from torsh_jax.runtime.layered import LayeredModel, shared_keys, split_params
 from torsh_jax.runtime.pipeline.varying import settled
 from torsh_jax.tensor.axis import vary_over, varying_axes
 from torsh_jax.typing import PyTree
@@ -51,9 +51,8 @@ def sinks_layers(model: LayeredModel, params: PyTree) -> bool:
         >>> sinks_layers(model, {"embed": 0, "layers": 0, "head": 0}), sinks_layers(as_model(len), {})
         (True, False)
     """
-    readers = (*model.embed_keys, *(model.head_keys or ()))
-    plain = type(params) is dict
-    return model.stacked and model.head_keys is not None and model.layers_key not in readers and plain
+    layers_apart = model.head_keys is not None and model.layers_key not in shared_keys(model)
+    return model.stacked and layers_apart and type(params) is dict
 
 
 @jax.custom_jvp
@@ -98,14 +97,13 @@ class _Kind:
 
 def _into_zeros(kind: _Kind, gradient: jax.Array, index: jax.Array) -> jax.Array:
     """``gradient`` at ``index`` of zeros of ``kind`` (the scan's transpose adds it into the sink)."""
-    axes = sorted(kind.axes)
-    zeros = vary_over(jnp.zeros(kind.shape, kind.dtype), axes)
-    return jax.lax.dynamic_update_index_in_dim(zeros, vary_over(gradient.astype(kind.dtype), axes), index, 0)
+    gradient = vary_over(gradient.astype(kind.dtype), sorted(kind.axes))
+    return jax.lax.dynamic_update_index_in_dim(_zeros(kind.shape, kind.dtype, kind.axes), gradient, index, 0)
 
 
-def _zeros_like(x: jax.Array, dtype) -> jax.Array:
-    """Zeros of ``x``'s shape in ``dtype``, varying over the manual axes ``x`` varies over."""
-    return vary_over(jnp.zeros(x.shape, dtype), sorted(varying_axes(x)))
+def _zeros(shape: tuple[int, ...], dtype, axes) -> jax.Array:
+    """Zeros of ``shape`` in ``dtype``, varying over the manual ``axes``."""
+    return vary_over(jnp.zeros(shape, dtype), sorted(axes))
 
 
 def _kinds(sink: PyTree) -> PyTree:
@@ -127,11 +125,11 @@ def _sunk_loss(model: LayeredModel, stacked: PyTree):
             one, index = layer
             return (body(tap(one, sink, index), hidden), _kept(sink)), None
 
+        embed, _, head = split_params(model, {**rest, model.layers_key: stacked})
         count = jax.tree.leaves(stacked)[0].shape[0]
-        hidden = model.embed({k: rest[k] for k in model.embed_keys}, batch)
         layers = (stacked, jnp.arange(count, dtype=jnp.int32))
-        (hidden, sink), _ = jax.lax.scan(step, (hidden, sink), layers)
-        return model.head({k: rest[k] for k in model.head_keys}, hidden, batch), sink
+        (hidden, sink), _ = jax.lax.scan(step, (model.embed(embed, batch), sink), layers)
+        return model.head(head, hidden, batch), sink
 
     return loss
 
@@ -177,7 +175,7 @@ def accumulate_into(
         return (sums, loss_sum + loss.astype(jnp.float32)), None
 
     micro = split_micro_batches(batch, steps)
-    zeros = (jax.tree.map(lambda p: _zeros_like(p, accum_dtype), params), jnp.float32(0))
+    zeros = (jax.tree.map(lambda p: _zeros(p.shape, accum_dtype, varying_axes(p)), params), jnp.float32(0))
     micro_step, zeros = settled(micro_step, zeros, jax.tree.map(lambda x: x[0], micro))
     (sums, loss_sum), _ = jax.lax.scan(micro_step, zeros, micro)
     return from_step_sums(sums, loss_sum, steps=steps, reduce=reduce)
