@@ -2,10 +2,9 @@
 
 Summing gradients over micro-steps the plain way makes each micro-step's whole stacked layer
 gradient and then adds it to the sum: two gradient-sized buffers at the backward pass's peak. Here
-the layer scan reads each layer's parameters through :func:`_tap`, whose backward writes that
-layer's gradient into a *sink*, a buffer the scan carries. Differentiated with the running sum as
-the sink's cotangent, the backward returns the sum plus this micro-step's layer gradients, added a
-layer at a time into the one buffer (XLA updates the slice in place, on CPU and TPU alike).
+the layers run through :func:`~torsh_jax.runtime.tap.scan_into`, differentiated with the running
+sum as its sink's cotangent: the backward returns the sum plus this micro-step's layer gradients,
+added a layer at a time into the one buffer.
 
 The embedding's and head's gradients are made whole and added, as before; only the stacked layers
 take the in-place way.
@@ -23,7 +22,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -32,6 +30,7 @@ import jax.numpy as jnp
 from torsh_jax.runtime.accumulate import from_step_sums, split_micro_batches
 from torsh_jax.runtime.layered import LayeredModel, shared_keys, split_params
 from torsh_jax.runtime.pipeline.varying import settled
+from torsh_jax.runtime.tap import scan_into, zeros_varying
 from torsh_jax.tensor.axis import vary_over, varying_axes
 from torsh_jax.typing import PyTree
 
@@ -55,80 +54,15 @@ def sinks_layers(model: LayeredModel, params: PyTree) -> bool:
     return model.stacked and layers_apart and type(params) is dict
 
 
-@jax.custom_jvp
-def _kept(sink: PyTree) -> PyTree:
-    """``sink`` as it is; its tangent is made anew (times one), so JAX does not lift the scan's
-    unchanged carry out of the loop, which would sum the layers' gradients apart from the sink."""
-    return sink
-
-
-@_kept.defjvp
-def _kept_jvp(primals, tangents):
-    (sink,), (tangent,) = primals, tangents
-    return sink, jax.tree.map(lambda t: t * jnp.ones((), t.dtype), tangent)
-
-
-def _tap(kinds: PyTree):
-    """``tap(one layer's params, sink, index) -> the params``, whose backward sends the layer's
-    gradient into ``sink[index]`` (``kinds``: the sink's leaves' shape, dtype and varying axes)."""
-
-    @jax.custom_vjp
-    def tap(one, sink, index):
-        return one
-
-    def forward(one, sink, index):
-        return one, index
-
-    def backward(index, cotangent):
-        return None, jax.tree.map(lambda k, g: _into_zeros(k, g, index), kinds, cotangent), None
-
-    tap.defvjp(forward, backward)
-    return tap
-
-
-@dataclasses.dataclass(frozen=True)
-class _Kind:
-    """A sink leaf's type: shape, dtype and the manual axes it varies over (a pytree leaf)."""
-
-    shape: tuple[int, ...]
-    dtype: Any
-    axes: frozenset
-
-
-def _into_zeros(kind: _Kind, gradient: jax.Array, index: jax.Array) -> jax.Array:
-    """``gradient`` at ``index`` of zeros of ``kind`` (the scan's transpose adds it into the sink)."""
-    gradient = vary_over(gradient.astype(kind.dtype), sorted(kind.axes))
-    return jax.lax.dynamic_update_index_in_dim(_zeros(kind.shape, kind.dtype, kind.axes), gradient, index, 0)
-
-
-def _zeros(shape: tuple[int, ...], dtype, axes) -> jax.Array:
-    """Zeros of ``shape`` in ``dtype``, varying over the manual ``axes``."""
-    return vary_over(jnp.zeros(shape, dtype), sorted(axes))
-
-
-def _kinds(sink: PyTree) -> PyTree:
-    """Each sink leaf's :class:`_Kind`, for the tap's backward (made where the sink is traced)."""
-    return jax.tree.map(lambda s: _Kind(s.shape, s.dtype, varying_axes(s)), sink)
-
-
 def _sunk_loss(model: LayeredModel, stacked: PyTree):
     """``loss(rest, sink, batch) -> (loss, sink)``: the model's loss with its layers read from
     ``stacked`` through the sink (``rest``: every other parameter). Differentiate it with respect to
     ``rest`` and ``sink`` only: the layers' gradients go to the sink, and ``stacked`` gets none."""
 
     def loss(rest, sink, batch):
-        tap, bound = _tap(_kinds(sink)), model.on(batch)
-        body = jax.checkpoint(bound.layer) if model.remat else bound.layer
-
-        def step(carry, layer):
-            hidden, sink = carry
-            one, index = layer
-            return (body(tap(one, sink, index), hidden), _kept(sink)), None
-
         embed, _, head = split_params(model, {**rest, model.layers_key: stacked})
-        count = jax.tree.leaves(stacked)[0].shape[0]
-        layers = (stacked, jnp.arange(count, dtype=jnp.int32))
-        (hidden, sink), _ = jax.lax.scan(step, (model.embed(embed, batch), sink), layers)
+        bound = model.on(batch)
+        hidden, sink = scan_into(bound.layer, stacked, model.embed(embed, batch), sink, remat=model.remat)
         return model.head(head, hidden, batch), sink
 
     return loss
@@ -175,7 +109,8 @@ def accumulate_into(
         return (sums, loss_sum + loss.astype(jnp.float32)), None
 
     micro = split_micro_batches(batch, steps)
-    zeros = (jax.tree.map(lambda p: _zeros(p.shape, accum_dtype, varying_axes(p)), params), jnp.float32(0))
+    sums = jax.tree.map(lambda p: zeros_varying(p.shape, accum_dtype, varying_axes(p)), params)
+    zeros = (sums, jnp.float32(0))
     micro_step, zeros = settled(micro_step, zeros, jax.tree.map(lambda x: x[0], micro))
     (sums, loss_sum), _ = jax.lax.scan(micro_step, zeros, micro)
     return from_step_sums(sums, loss_sum, steps=steps, reduce=reduce)

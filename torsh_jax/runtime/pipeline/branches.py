@@ -1,11 +1,13 @@
 """The branches of one pipeline pass: forward, backward (or input-gradient ``B`` and weight-gradient
 ``W``) and idle slots of one stage, and the carry the ticks thread through them.
 
-A backward recomputes its chunk's forward from the stashed input (``jax.vjp``). Under a schedule
-with ``W`` slots, ``B`` runs one ``vjp`` with respect to the chunk's input only (zeros added to every
-layer's output make their gradients the layers' output gradients) and leaves each layer's input
-and output gradient in a ``W`` stash slot; ``W`` makes the weight gradients from that slot, one
-layer at a time. :mod:`torsh_jax.runtime.pipeline.executor` runs the branches.
+A backward recomputes its chunk's forward from the stashed input (``jax.vjp``) and adds each layer's
+gradient into the stage's gradient carry as it makes it (:func:`~torsh_jax.runtime.tap.scan_into`).
+Under a schedule with ``W`` slots, ``B`` runs one ``vjp`` with respect to the chunk's input only
+(zeros added to every layer's output make their gradients the layers' output gradients) and leaves
+each layer's input and output gradient in a ``W`` stash slot; ``W`` makes the weight gradients from
+that slot, one layer at a time, adding each into the carry. :mod:`torsh_jax.runtime.pipeline.executor`
+runs the branches.
 
 The stages running a kind of branch at a tick (:data:`~torsh_jax.pipeline.slots.KINDS`: every
 forward, ``F_first``, ``F_mid`` and ``F_last``, is one kind) share one copy of its code: the chunk
@@ -33,7 +35,9 @@ from torsh_jax.pipeline.schedule import Schedule
 from torsh_jax.pipeline.slots import BRANCHES, slot_scope
 from torsh_jax.runtime.accumulate import split_micro_batches
 from torsh_jax.runtime.layered import LayeredModel, scan_layers, split_params
-from torsh_jax.runtime.pipeline.varying import cotangent_like, typed_cond
+from torsh_jax.runtime.pipeline.varying import cast_vma, cotangent_like, typed_cond
+from torsh_jax.runtime.tap import at_leading, scan_into
+from torsh_jax.tensor.axis import varying_axes
 from torsh_jax.typing import PyTree
 
 __all__ = ["Carry", "StagePass"]
@@ -62,11 +66,15 @@ def _put(tree: PyTree, index: jax.Array, value: PyTree) -> PyTree:
     return jax.tree.map(write, tree, value)
 
 
-def _add_at(tree: PyTree, index: jax.Array, value: PyTree) -> PyTree:
-    """``tree`` with ``value`` added at ``index`` of the leading axis, in place (:func:`_put`; the
+def _add_at(tree: PyTree, at: tuple, value: PyTree) -> PyTree:
+    """``tree`` with ``value`` added at the leading indices ``at``, in place (:func:`_put`; the
     one-row slice is added to, not a row taken out and put back, which XLA copies again)."""
-    row = lambda x, v: jax.lax.dynamic_slice_in_dim(x, index, 1) + v.astype(x.dtype)[None]
-    return jax.tree.map(lambda x, v: jax.lax.dynamic_update_slice_in_dim(x, row(x, v), index, 0), tree, value)
+
+    def add(x, v):
+        start, row = at_leading(at, v.astype(x.dtype))
+        return jax.lax.dynamic_update_slice(x, jax.lax.dynamic_slice(x, start, row.shape) + row, start)
+
+    return jax.tree.map(add, tree, value)
 
 
 def _add(tree: PyTree, value: PyTree) -> PyTree:
@@ -98,6 +106,19 @@ class StagePass:
 
     def run_chunk(self, chunk_params, hidden, micro):
         return scan_layers(self.layer_of(micro), chunk_params, hidden, remat=self.model.remat)
+
+    def _chunk_typed(self, g_chunks):
+        """The chunks' gradient sums typed as varying over every axis the chunks do too (what a
+        layer's gradient varies over), so adding into them in a scan keeps their type."""
+        axes = jax.tree.map(lambda g, c: varying_axes(g) | varying_axes(c), g_chunks, self.chunks)
+        return cast_vma(g_chunks, axes)
+
+    def _chunk_into(self, g_chunks, hidden, chunk, micro):
+        """``(chunk's output, g_chunks)``, differentiated with the chunks' gradient sums as the
+        second's cotangent: the backward adds each layer's gradient into ``g_chunks[chunk]`` in
+        place (:func:`~torsh_jax.runtime.tap.scan_into`), no chunk's whole gradient beside them."""
+        layer, params = self.layer_of(micro), _take(self.chunks, chunk)
+        return scan_into(layer, params, hidden, g_chunks, remat=self.model.remat, at=(chunk,))
 
     def branch(self, kind: str, variants: frozenset[str]) -> Callable:
         """``(carry, ints) -> (carry, sent forward, sent backward)`` of the stages running ``kind``
@@ -138,16 +159,17 @@ class StagePass:
             chunk_fn = lambda h, z: self._probed_chunk(_take(self.chunks, chunk), h, z, micro)
             out, pull, inputs = jax.vjp(chunk_fn, hidden, probes, has_aux=True)
         else:
-            chunk_fn = lambda c, h: self.run_chunk(c, h, micro)
-            out, pull = jax.vjp(chunk_fn, _take(self.chunks, chunk), hidden)
+            sums = self._chunk_typed(carry.grads[1])
+            chunk_fn = lambda sink, h: self._chunk_into(sink, h, chunk, micro)
+            (out, _), pull = jax.vjp(chunk_fn, sums, hidden)
         carry, cotangent = self._output_gradient(ends, carry, ints, out)
         if self.split:
             g_in, g_outs = pull(cotangent)
             saved = jnp.stack([inputs, g_outs.astype(inputs.dtype)])
             carry = carry._replace(wstash=_put(carry.wstash, ints["weight_stash"], saved))
         else:
-            g_chunk, g_in = pull(cotangent)
-            carry = _added(carry, chunk=(chunk, g_chunk))
+            g_chunks, g_in = pull((cotangent, sums))
+            carry = _with_chunk_gradients(carry, g_chunks)
         carry = self._embed_gradient(ends, carry, ints, g_in)
         return _counted(carry, 1), self.zeros, g_in.astype(self.dtype)
 
@@ -202,13 +224,14 @@ class StagePass:
         chunk, layer_fn = ints["chunk"], self.layer_of(ints["micro"])
         inputs, g_outs = carry.wstash[ints["weight_stash"]]
 
-        def one(_, layer):
-            params, hidden, g_out = layer
+        def one(g_chunks, layer):
+            params, hidden, g_out, index = layer
             out, vjp = jax.vjp(lambda w: layer_fn(w, hidden), params)
-            return None, vjp(cotangent_like(g_out, out))[0]
+            return _add_at(g_chunks, (chunk, index), vjp(cotangent_like(g_out, out))[0]), None
 
-        _, g_chunk = jax.lax.scan(one, None, (_take(self.chunks, chunk), inputs, g_outs))
-        return _counted(_added(carry, chunk=(chunk, g_chunk)), 2), self.zeros, self.zeros
+        layers = (_take(self.chunks, chunk), inputs, g_outs, jnp.arange(self.per_chunk, dtype=jnp.int32))
+        g_chunks, _ = jax.lax.scan(one, self._chunk_typed(carry.grads[1]), layers)
+        return _counted(_with_chunk_gradients(carry, g_chunks), 2), self.zeros, self.zeros
 
     def _probed_chunk(self, chunk_params, hidden, probes, micro):
         """The chunk's output with ``probes[i]`` added to layer ``i``'s output, and every layer's
@@ -270,10 +293,7 @@ def _counted(carry: Carry, which: int) -> Carry:
     return carry._replace(counts=carry.counts.at[which].add(1))
 
 
-def _added(carry: Carry, *, embed=None, chunk=None, head=None) -> Carry:
-    """``carry`` with gradients added: of the embedding, of chunk ``(index, grads)``, of the head."""
-    g_embed, g_chunks, g_head = carry.grads
-    g_embed = g_embed if embed is None else _add(g_embed, embed)
-    g_chunks = g_chunks if chunk is None else _add_at(g_chunks, chunk[0], chunk[1])
-    g_head = g_head if head is None else _add(g_head, head)
+def _with_chunk_gradients(carry: Carry, g_chunks: PyTree) -> Carry:
+    """``carry`` with the chunks' gradient sums ``g_chunks`` (the embedding's and head's as they were)."""
+    g_embed, _, g_head = carry.grads
     return carry._replace(grads=(g_embed, g_chunks, g_head))
