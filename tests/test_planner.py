@@ -783,7 +783,9 @@ def test_accumulation_a_stage_gathered_once_and_a_chunk_over_tensor_hold_what_th
     """Accumulating adds the step's gradient sum beside each micro-step's or pipeline pass's own
     where each is reduced (the ``fsdp`` shard), nothing where the step reduces once (the layers'
     gradients add into the sum in place, or into a pipeline's one gradient carry; but the sum
-    lives through the update beside the state), nothing under ZeRO-3 on use; an interleaved stage holds
+    lives through the update beside the state), nothing under ZeRO-3 on use; a pipeline stage
+    accumulating holds less of its layers' gradient (its peak in a chunk's backward, where adding
+    into the carry in place saves most: ``SCANNED_STAGE``); an interleaved stage holds
     what a stage of one chunk does; ZeRO-3 under a pipeline gathers the stage's parameters whole
     once and makes its whole gradient, the layers' with no reduced copy; a chunk split
     over ``tensor`` holds the compiled chunk's per-token bytes (less the logits) at the formula's
@@ -798,10 +800,20 @@ def test_accumulation_a_stage_gathered_once_and_a_chunk_over_tensor_hold_what_th
     memory = lambda label, m=CPU8: predict(by_label[label], tiny, m).memory
     stage = "pp fsdp=4 stage=2 1f1b m=2 {} acc={}"
     params = sum(local_params(by_label[stage.format("zero1", 1)], tiny)) * 4  # float32
+    layers = local_params(by_label[stage.format("zero1", 1)], tiny)[0] * 4
+
+    # the whole gradient and its reduced copy, but a share of the layers' (the carry of the
+    # executor's scan over the ticks), another where the step accumulates
+    def scanned(schedule, steps=1):
+        figures = SCANNED_STAGE[schedule]
+        return int((figures.layer_gradients_fewer if steps == 1 else figures.accumulating_fewer) * layers)
+
     added = lambda zero: (
         memory(stage.format(zero, 2))["gradients"] - memory(stage.format(zero, 1))["gradients"]
     )
-    assert added("zero1") == 0 and added("zero2") == params // 4 and added("zero3") == params // 4
+    fewer = scanned("1f1b", 2) - scanned("1f1b", 1)
+    assert added("zero1") == -fewer
+    assert added("zero2") == params // 4 - fewer and added("zero3") == params // 4 - fewer
     # reduced once a step, each layer's gradient adds into the sum in place: nothing beside a
     # micro-step's buffers, but the sum, a whole local gradient, beside the state after them
     whole = sum(local_params(by_label["ddp data=8 acc=1"], tiny)) * 4
@@ -815,10 +827,6 @@ def test_accumulation_a_stage_gathered_once_and_a_chunk_over_tensor_hold_what_th
     zero3 = by_label[stage.format("zero3", 1)]
     held = memory(stage.format("zero3", 1))
     assert held["gathered"] == params // 4 * DTYPE_BYTES[zero3.plan.precision.compute_dtype]
-    layers = local_params(by_label[stage.format("zero1", 1)], tiny)[0] * 4
-    # the whole gradient and its reduced copy, but a share of the layers' (the carry of the
-    # executor's scan over the ticks)
-    scanned = lambda schedule: int(SCANNED_STAGE[schedule].layer_gradients_fewer * layers)
     assert held["gradients"] == 2 * params - scanned("1f1b") - params // 4
 
     # an interleaved stage copies neither a chunk's parameters nor its layers' gradients
@@ -826,7 +834,8 @@ def test_accumulation_a_stage_gathered_once_and_a_chunk_over_tensor_hold_what_th
     for steps in (1, 2):
         plain, split = memory(stage.format("zero1", steps)), memory(interleaved.format(steps))
         assert split["gathered"] == plain["gathered"] == 0
-        assert split["gradients"] - plain["gradients"] == scanned("1f1b") - scanned("interleaved")
+        less = scanned("1f1b", steps) - scanned("interleaved", steps)
+        assert split["gradients"] - plain["gradients"] == less
 
     # a chunk over tensor: its layers' bytes per token at the share; outside them (the line through
     # the scanned lengths 2 and 4 at no layers: 9000 - 2 * 3000) whole, but the logits split

@@ -26,14 +26,17 @@ step holds:
 * gathering each layer on use (ZeRO-3), the head's float32 weights.
 
 A pipeline stage holds the same parts as the step of a model of its chunk's layers on one
-micro-batch that sums its micro-batches' gradients (the ``staged`` buffers: its passes make the
-chunk's gradient whole beside the sum, whatever the plan's accumulation), with the stage's stash
+micro-batch that sums its micro-batches' gradients (the ``staged`` buffers, read while its passes
+made the chunk's gradient whole beside the sum; they now add each layer's gradient into it, which
+moved none of the sets' pipelined peaks by more than 2.5 %: their peaks are in the head's logits
+or the stash, not the chunk's backward), with the stage's stash
 (the runtime's slots) among the activations; ZeRO-3 gathers the stage's parameters once instead of
 each layer on use, so its layers are not recomputed and its gradient buffers are ZeRO-2's. Nothing
 in it was fitted to pipelines: compiled for v5e-8 (``d_model`` 512, 4 layers) 4 of 10 pipelined
-plans came within 5 % (-1.9 % to +15.9 %), for v5e-16 (150 M) 7 of 10 (-2.2 % to +21.1 %), with the
-passes of DDP's and ZeRO-1's accumulation adding into the stage's one gradient carry (with their sum
-beside it, 8 and 3 of 10; the formulas had 1 of the 20 within 5 %). Activations scale with the
+plans came within 5 % (-2.3 % to +15.9 %), for v5e-16 (150 M) 6 of 10 (-2.2 % to +21.1 %), with the
+passes of DDP's and ZeRO-1's accumulation adding into the stage's one gradient carry, each layer's
+gradient in place (with the passes' sum beside it, 8 and 3 of 10; the formulas had 1 of the 20
+within 5 %). Activations scale with the
 compute dtype from float32 and with the machine's ``activation_scale`` (which ``plan --verify``
 learns from a refusal). How close the profile comes to the compiled peaks: :data:`TPU`,
 ``benchmarks/bench_planner_memory.py --tpu SET``.
@@ -115,7 +118,7 @@ class CompilerProfile:
 #: of each kind: DDP and ZeRO-1 1.38 not accumulating (1.32-1.45, 2), 1.80 accumulating
 #: (1.58-2.20, 8: each layer's gradient added into the step's sum in place,
 #: :mod:`torsh_jax.runtime.sink`; 2.53 when each micro-step's whole gradient was made beside the
-#: sum, which a pipeline stage's passes still are: ``staged``); ZeRO-2 1.73 accumulating (7), 1.45
+#: sum, as a pipeline stage's passes did when ``staged`` was read); ZeRO-2 1.73 accumulating (7), 1.45
 #: not (1); recomputing 1.42 (1.37-1.57, 5), accumulating 1.54 (1.08-1.82, 9, with 1 B's ``ddp
 #: data=32 remat acc=8`` on two v5e-16 slices: higher the fewer tokens a micro-step has, 1.08-1.11
 #: at 150 M's 4 examples a chip, 1.82 at one; 1 B's 1.54-1.60; 2.07 with the sum beside); ZeRO-2

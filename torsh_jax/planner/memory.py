@@ -89,22 +89,27 @@ class ScannedStage(NamedTuple):
 
     layer_gradients_fewer: float
     hidden_states_more: float
+    accumulating_fewer: float  # layer gradients fewer where the step accumulates
 
 
 #: What a pipeline stage's compiled step holds against the formulas, by schedule. The executor runs
 #: every tick in one scan whose carry holds the stage's layers' gradient, so the stage makes no
-#: whole reduced copy of it (a split backward, ZB-H1's, adds one layer's weight gradients at a
-#: time: less still), and every tick makes the activation and gradient it sends, whether it sends
-#: or not (hidden states per token of a micro-batch, beside the stash slots). Read from XLA:CPU's
-#: compiled steps of the smaller benchmark model (all 243 pipelined candidates within 5 %: -3.2 %
-#: to +4.3 % with the accumulation passes in the tick scan); held out, every fourth of the larger
-#: model's (77): 69 within 5 %, -5.6 % to +6.9 %.
+#: whole reduced copy of it; a backward adds each layer's gradient into the carry as it makes it
+#: (:func:`~torsh_jax.runtime.tap.scan_into`; ZB-H1's ``W`` one layer at a time), so no chunk's
+#: whole gradient beside the carry either; and every tick makes the activation and gradient it
+#: sends, whether it sends or not (hidden states per token of a micro-batch, beside the stash
+#: slots). Read from XLA:CPU's compiled steps of the smaller benchmark model: all 243 pipelined
+#: candidates within 5 %, -4.6 % to +2.2 % (mean 1.2 %). Adding into the carry in place moved
+#: 1F1B's peaks (0.45 before, where 40 of its 90 went 5.1 % to 10.6 % over), most where the step
+#: accumulates, whose smaller micro-batches leave the peak in a chunk's backward: 1.4 there, one
+#: stage's layer gradient more than before, 1.1 in one pass. Held out, every fourth of the larger
+#: model's (77): 71 within 5 %, -4.9 % to +11.3 % (mean 2.5 %), the six over accumulating over tensor.
 #: GPipe runs 1F1B's branches. A TPU target's stages do not read it (:mod:`~.compilers`).
 SCANNED_STAGE = {
-    "gpipe": ScannedStage(0.45, 0.5),
-    "1f1b": ScannedStage(0.45, 0.5),
-    "interleaved": ScannedStage(0.65, 1.0),
-    "zb_h1": ScannedStage(1.3, 2.0),
+    "gpipe": ScannedStage(1.1, 0.5, 1.4),
+    "1f1b": ScannedStage(1.1, 0.5, 1.4),
+    "interleaved": ScannedStage(0.65, 1.0, 0.7),
+    "zb_h1": ScannedStage(1.3, 2.0, 1.3),
 }
 
 
@@ -216,7 +221,10 @@ def _scanned_layer_gradients(c: Candidate, layer_bytes: int) -> int:
     (:data:`SCANNED_STAGE`); ``0`` without a pipeline."""
     if c.sizes["stage"] == 1:
         return 0
-    return int(SCANNED_STAGE[c.plan.pipeline.schedule].layer_gradients_fewer * layer_bytes)
+    scanned = SCANNED_STAGE[c.plan.pipeline.schedule]
+    accumulating = c.plan.batch.accumulation_steps > 1
+    fewer = scanned.accumulating_fewer if accumulating else scanned.layer_gradients_fewer
+    return int(fewer * layer_bytes)
 
 
 def _accumulated_sum_bytes(c: Candidate, reduce: str, param_bytes: int) -> int:
