@@ -10,7 +10,8 @@ nothing timed), so the run needs no quiet machine.
 
 ``--tpu SET`` compiles a set of plans for a TPU target instead (:data:`TPU_SETS`: the demo model at
 150 M on v5e-16, 350 M on v5e-32, 1 B and 7 B on v5e-256, and at ``d_model`` 512 with 4 layers and
-768 with 6 layers on v5e-8; ``*_pp``, pipelines of three of them); needs ``libtpu``, ``pip install
+768 with 6 layers on v5e-8; ``*_pp``, pipelines of three of them and of a layer-bound model,
+``d_model`` 2048 with 8 layers, a vocabulary of 256 and 128 tokens); needs ``libtpu``, ``pip install
 "torsh-jax[tpu-aot]"``; about half a minute a plan on 2 cores): the TPU compiler's peak against
 the prediction from the target's figures (:mod:`torsh_jax.planner.compilers`), what ``plan
 --target`` ranks by before it compiles. A plan the compiler refuses for memory is printed with no
@@ -26,7 +27,7 @@ Prints one ``planner_memory`` row per candidate (``plan``, ``kind``, ``predicted
 Usage:
     python benchmarks/bench_planner_memory.py [--model small|medium] [--match TEXT] [--every N]
         [--offset K] [--quick]
-    python benchmarks/bench_planner_memory.py --tpu 150m|350m|1b|7b|d512|d768|d512_pp|150m_pp|1b_pp
+    python benchmarks/bench_planner_memory.py --tpu 150m|350m|1b|7b|d512|d768|d512_pp|150m_pp|1b_pp|d2048_pp
         [--match TEXT] [--global-batch N] [--scheduler-off]
 """
 
@@ -103,6 +104,13 @@ TPU_SETS = {
         "pp data=4 tensor=2 stage=2 interleaved v=2 m=4 acc=4",
     )),
     "1b_pp": ("demo:1b", "v5e-256", 512, ("pp data=16 tensor=8 stage=2 zb_h1 m=4 acc=2",)),
+    # layer-bound stages: wide layers, a small vocabulary, short sequences
+    "d2048_pp": ("demo:d_model=2048,layers=8,vocab=256,seq_len=128", "v5e-8", 32, (
+        "pp data=2 stage=4 1f1b m=4 acc=1", "pp data=2 stage=4 1f1b m=4 acc=2",
+        "pp stage=8 1f1b m=8 acc=1", "pp data=4 stage=2 1f1b m=4 acc=1",
+        "pp data=2 stage=4 zb_h1 m=4 acc=1", "pp data=2 stage=4 interleaved v=2 m=4 acc=1",
+        "pp fsdp=2 stage=4 1f1b m=4 zero1 acc=1", "pp fsdp=4 stage=2 1f1b m=4 zero3 acc=1",
+    )),
 }  # fmt: skip
 
 

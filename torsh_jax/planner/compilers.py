@@ -26,20 +26,23 @@ step holds:
 * gathering each layer on use (ZeRO-3), the head's float32 weights.
 
 A pipeline stage holds the same parts as the step of a model of its chunk's layers on one
-micro-batch that sums its micro-batches' gradients (the ``staged`` buffers, read while its passes
-made the chunk's gradient whole beside the sum; they now add each layer's gradient into it, which
-moved none of the sets' pipelined peaks by more than 2.5 %: their peaks are in the head's logits
-or the stash, not the chunk's backward), with the stage's stash
-(the runtime's slots) among the activations; ZeRO-3 gathers the stage's parameters once instead of
-each layer on use, so its layers are not recomputed and its gradient buffers are ZeRO-2's. Nothing
-in it was fitted to pipelines: compiled for v5e-8 (``d_model`` 512, 4 layers) 4 of 10 pipelined
-plans came within 5 % (-2.3 % to +15.9 %), for v5e-16 (150 M) 6 of 10 (-2.2 % to +21.1 %), with the
-passes of DDP's and ZeRO-1's accumulation adding into the stage's one gradient carry, each layer's
-gradient in place (with the passes' sum beside it, 8 and 3 of 10; the formulas had 1 of the 20
-within 5 %). Activations scale with the
-compute dtype from float32 and with the machine's ``activation_scale`` (which ``plan --verify``
-learns from a refusal). How close the profile comes to the compiled peaks: :data:`TPU`,
-``benchmarks/bench_planner_memory.py --tpu SET``.
+micro-batch, with the stage's stash (the runtime's slots) among the activations and the ``staged``
+buffers: the stage's float32 gradient carry, each layer's gradient added into it in place, and the
+bfloat16 copy of the stage's weights the matrix unit reads, made once before the tick loop (1.5;
+read from libtpu's live ranges, ``--xla_dump_to``'s ``*-live-range.txt``, of layer-bound stages:
+8 layers of ``d_model`` 2048 on v5e-8). ZeRO-3 gathers the stage's parameters once instead of each
+layer on use, so its layers are not recomputed and its gradient buffers are ZeRO-2's. Compiled
+(``bench_planner_memory.py --tpu d512_pp|150m_pp|1b_pp|d2048_pp``): the ``d_model`` 512 model's
+10 pipelined plans 9 within 5 % (-7.8 % to +4.7 %), 150 M's 4 of 10 (-12.6 % to +19.2 %), 1 B's
+one at +8.9 %, the layer-bound set 5 of 8 (-1.6 % to +43.5 %: its ZeRO-3 stage gathers its
+parameters in bfloat16, 407 MB where the profile counts them in float32; its stage of one layer
+peaks at the tick loop's entry, 970 MB live there against libtpu's 979 MB, with no layer's working
+set beside it). The embedding and head count at :attr:`~CompilerProfile.shared_staged` of a layer
+parameter's buffers (0.5: of 0.5 to 1.25, the most of the 29 plans within 5 %). Before the carry
+was read (2.53, the accumulating steps' figure with each micro-step's gradient made whole), 10 of
+the 29 came within 5 %. Activations scale with the compute dtype from float32 and with the
+machine's ``activation_scale`` (which ``plan --verify`` learns from a refusal). How close the
+profile comes to the compiled peaks: :data:`TPU`, ``benchmarks/bench_planner_memory.py --tpu SET``.
 A GPU profile read the same way from XLA:GPU's H100 programs was not kept: on the two model sizes
 it was not read from, 4 of 7 plans came within 5 %, against 6 of 7 with the formulas
 (docs/planner.md).
@@ -92,6 +95,7 @@ class CompilerProfile:
             micro-batches).
         shared_accumulating: accumulating, the share of ``parameter_buffers`` the embedding's and
             head's parameters hold, of what a layer's parameter holds.
+        shared_staged: the same in a pipeline stage.
     """
 
     name: str
@@ -104,6 +108,7 @@ class CompilerProfile:
     recompute_on_use: tuple[float, float, float] | None = None
     parameter_buffers: dict[tuple[str, bool], dict[str, float]] = field(default_factory=dict)
     shared_accumulating: float = 1.0
+    shared_staged: float = 1.0
 
 
 #: libtpu 0.0.42.1, against its own peak: the demo model at 150 M on v5e-16 and 1 B on v5e-256
@@ -118,7 +123,7 @@ class CompilerProfile:
 #: of each kind: DDP and ZeRO-1 1.38 not accumulating (1.32-1.45, 2), 1.80 accumulating
 #: (1.58-2.20, 8: each layer's gradient added into the step's sum in place,
 #: :mod:`torsh_jax.runtime.sink`; 2.53 when each micro-step's whole gradient was made beside the
-#: sum, as a pipeline stage's passes did when ``staged`` was read); ZeRO-2 1.73 accumulating (7), 1.45
+#: sum); ZeRO-2 1.73 accumulating (7), 1.45
 #: not (1); recomputing 1.42 (1.37-1.57, 5), accumulating 1.54 (1.08-1.82, 9, with 1 B's ``ddp
 #: data=32 remat acc=8`` on two v5e-16 slices: higher the fewer tokens a micro-step has, 1.08-1.11
 #: at 150 M's 4 examples a chip, 1.82 at one; 1 B's 1.54-1.60; 2.07 with the sum beside); ZeRO-2
@@ -131,7 +136,8 @@ class CompilerProfile:
 #: (+3.2 % to +10.0 % counting them whole), the one recomputing at +14.1 % (+18.0 %). Read with every
 #: gradient reduced as a flat row; since a float32 one alone in its bucket is reduced in its own
 #: shape, 150 M's 12 plans without ZeRO-3 came within -4.6 % to +3.8 % again (ZeRO-3's per-layer
-#: reductions keep the row: docs/planner.md).
+#: reductions keep the row: docs/planner.md). A pipeline stage's buffers (``staged``) are the
+#: module docstring's; no pipeline with remat was compiled, and its carry and copy are the same.
 TPU = CompilerProfile(
     name="libtpu 0.0.42.1",
     attention=6,
@@ -142,12 +148,13 @@ TPU = CompilerProfile(
     recompute=(4, 6, 18),
     recompute_on_use=(8, 6, 12),
     parameter_buffers={  # by how the gradient is made: once, summed, staged
-        ("per_step", False): {"once": 1.38, "summed": 1.80, "staged": 2.53},
-        ("per_step", True): {"once": 1.42, "summed": 1.54, "staged": 2.07},
-        ("per_micro_step", False): {"once": 1.45, "summed": 1.73, "staged": 1.73},
-        ("per_micro_step", True): {"once": 1.58, "summed": 1.97, "staged": 1.97},
+        ("per_step", False): {"once": 1.38, "summed": 1.80, "staged": 1.5},
+        ("per_step", True): {"once": 1.42, "summed": 1.54, "staged": 1.5},
+        ("per_micro_step", False): {"once": 1.45, "summed": 1.73, "staged": 1.5},
+        ("per_micro_step", True): {"once": 1.58, "summed": 1.97, "staged": 1.5},
     },
     shared_accumulating=0.5,
+    shared_staged=0.5,
 )
 
 #: Profiles by :attr:`~torsh_jax.planner.machine.Machine.platform`.
@@ -203,7 +210,8 @@ def step_memory(
     per_token = _activation_bytes_per_token(c, shape, profile, working if c.remat or on_use else None, layers)
     tokens = tokens_per_micro_step(c, shape)
     made = "staged" if staged else "summed" if plan.batch.accumulation_steps > 1 else "once"
-    buffered = count - (1 - profile.shared_accumulating) * shared_params if made != "once" else count
+    shared = {"once": 1.0, "summed": profile.shared_accumulating, "staged": profile.shared_staged}[made]
+    buffered = count - (1 - shared) * shared_params
     parts = {
         "state": count * pb / (fsdp if plan.zero.stage == 3 else 1)
         + count * opt_factor * 4 / (fsdp if plan.zero.stage >= 1 else 1),
