@@ -306,7 +306,7 @@ def test_a_tpu_targets_plans_are_costed_as_the_tpu_compiler_holds_them():
     assert staged["activations"] == int(residual_bytes(TPU, shape) * chunk * tokens + stash)
     stage_params = chunk * shape.layer_params + shared
     carried = stage_params - (1 - TPU.shared_staged) * shared  # the stage's gradient carry
-    assert staged["gradients"] == int(buffers["per_step", False]["staged"] * carried * 4)
+    assert staged["gradients"] == int(TPU.stage_buffers * carried * 4)
     assert staged != predict(pipeline, shape, on_cpu).memory
     learned = predict(zero1, shape, replace(tpu, activation_scale=1.5)).memory
     assert learned["activations"] == pytest.approx(1.5 * memory["activations"], rel=1e-6)

@@ -26,12 +26,13 @@ step holds:
 * gathering each layer on use (ZeRO-3), the head's float32 weights.
 
 A pipeline stage holds the same parts as the step of a model of its chunk's layers on one
-micro-batch, with the stage's stash (the runtime's slots) among the activations and the ``staged``
-buffers: the stage's float32 gradient carry, each layer's gradient added into it in place, and the
-bfloat16 copy of the stage's weights the matrix unit reads, made once before the tick loop (1.5;
-read from libtpu's live ranges, ``--xla_dump_to``'s ``*-live-range.txt``, of layer-bound stages:
-8 layers of ``d_model`` 2048 on v5e-8). ZeRO-3 gathers the stage's parameters once instead of each
-layer on use, so its layers are not recomputed and its gradient buffers are ZeRO-2's. Compiled
+micro-batch, with the stage's stash (the runtime's slots) among the activations and
+:attr:`~CompilerProfile.stage_buffers`: the stage's float32 gradient carry, each layer's gradient
+added into it in place, and the bfloat16 copy of the stage's weights the matrix unit reads, made
+once before the tick loop (1.5; read from libtpu's live ranges, ``--xla_dump_to``'s
+``*-live-range.txt``, of layer-bound stages: 8 layers of ``d_model`` 2048 on v5e-8). ZeRO-3
+gathers the stage's parameters once instead of each layer on use, so its layers are not
+recomputed. Compiled
 (``bench_planner_memory.py --tpu d512_pp|150m_pp|1b_pp|d2048_pp``): the ``d_model`` 512 model's
 10 pipelined plans 9 within 5 % (-7.8 % to +4.7 %), 150 M's 4 of 10 (-12.6 % to +19.2 %), 1 B's
 one at +8.9 %, the layer-bound set 5 of 8 (-1.6 % to +43.5 %: its ZeRO-3 stage gathers its
@@ -90,12 +91,13 @@ class CompilerProfile:
         parameter_buffers: float32 buffers of the device's parameters' size beside the state, by
             ``(reduce, recomputed)`` and how the gradient is made: ``reduce`` ``per_step`` (DDP,
             ZeRO-1: the whole gradient reduced once) or ``per_micro_step`` (ZeRO-2: each
-            micro-step's reduce-scattered); made ``once`` (one micro-step), ``summed``
-            (accumulating micro-steps) or ``staged`` (a pipeline stage summing its
-            micro-batches).
+            micro-step's reduce-scattered); made ``once`` (one micro-step) or ``summed``
+            (accumulating micro-steps).
         shared_accumulating: accumulating, the share of ``parameter_buffers`` the embedding's and
             head's parameters hold, of what a layer's parameter holds.
-        shared_staged: the same in a pipeline stage.
+        stage_buffers: the same buffers in a pipeline stage, whatever its reduction and remat
+            (its gradient carry and the weights' copy in the compiler's matrix dtype).
+        shared_staged: the embedding's and head's share of ``stage_buffers``.
     """
 
     name: str
@@ -108,6 +110,7 @@ class CompilerProfile:
     recompute_on_use: tuple[float, float, float] | None = None
     parameter_buffers: dict[tuple[str, bool], dict[str, float]] = field(default_factory=dict)
     shared_accumulating: float = 1.0
+    stage_buffers: float = 1.0
     shared_staged: float = 1.0
 
 
@@ -136,8 +139,8 @@ class CompilerProfile:
 #: (+3.2 % to +10.0 % counting them whole), the one recomputing at +14.1 % (+18.0 %). Read with every
 #: gradient reduced as a flat row; since a float32 one alone in its bucket is reduced in its own
 #: shape, 150 M's 12 plans without ZeRO-3 came within -4.6 % to +3.8 % again (ZeRO-3's per-layer
-#: reductions keep the row: docs/planner.md). A pipeline stage's buffers (``staged``) are the
-#: module docstring's; no pipeline with remat was compiled, and its carry and copy are the same.
+#: reductions keep the row: docs/planner.md). A pipeline stage's buffers (``stage_buffers``) are
+#: the module docstring's; no pipeline with remat was compiled, and its carry and copy are the same.
 TPU = CompilerProfile(
     name="libtpu 0.0.42.1",
     attention=6,
@@ -147,13 +150,14 @@ TPU = CompilerProfile(
     d_sequence_parallel=(0, 30),
     recompute=(4, 6, 18),
     recompute_on_use=(8, 6, 12),
-    parameter_buffers={  # by how the gradient is made: once, summed, staged
-        ("per_step", False): {"once": 1.38, "summed": 1.80, "staged": 1.5},
-        ("per_step", True): {"once": 1.42, "summed": 1.54, "staged": 1.5},
-        ("per_micro_step", False): {"once": 1.45, "summed": 1.73, "staged": 1.5},
-        ("per_micro_step", True): {"once": 1.58, "summed": 1.97, "staged": 1.5},
+    parameter_buffers={  # by how the gradient is made: once, summed
+        ("per_step", False): {"once": 1.38, "summed": 1.80},
+        ("per_step", True): {"once": 1.42, "summed": 1.54},
+        ("per_micro_step", False): {"once": 1.45, "summed": 1.73},
+        ("per_micro_step", True): {"once": 1.58, "summed": 1.97},
     },
     shared_accumulating=0.5,
+    stage_buffers=1.5,
     shared_staged=0.5,
 )
 
@@ -195,32 +199,42 @@ def step_memory(
     ``logits``; not the caller's ``feedback`` and ``total``) for candidate ``c`` under
     ``profile``, whose devices each hold ``local_params`` parameters before ZeRO (its ``1/tensor``),
     ``shared_params`` of them the embedding's and head's. A pipeline stage's is the step of a model
-    of its chunk's layers on one micro-batch that sums its micro-batches' gradients (its backward
-    recomputes the chunk from a stashed input; ZeRO-3 gathers the stage's parameters once), with
-    ``stash_bytes`` (its stash, the caller's slots) among the activations."""
+    of its chunk's layers on one micro-batch with the stage's buffers (its backward recomputes the
+    chunk from a stashed input; ZeRO-3 gathers the stage's parameters once), with ``stash_bytes``
+    (its stash, the caller's slots) among the activations."""
     plan, t, fsdp = c.plan, c.sizes["tensor"], c.sizes["fsdp"]
     roles = compose(plan, c.sizes)
     on_use = roles.gather == "on_use"  # ZeRO-3: every layer recomputed
     staged = c.sizes["stage"] > 1
-    reduce = "per_step" if roles.reduce == "per_step" else "per_micro_step"
     count, shares = local_params, tensor_shares(c, shape)  # what the plan splits over ``tensor``
     pb, cb = DTYPE_BYTES[plan.precision.param_dtype], DTYPE_BYTES[plan.precision.compute_dtype]
     working = (profile.recompute_on_use or profile.recompute) if on_use else profile.recompute
     layers = chunk_layers(c, shape) if staged else shape.layers
     per_token = _activation_bytes_per_token(c, shape, profile, working if c.remat or on_use else None, layers)
     tokens = tokens_per_micro_step(c, shape)
-    made = "staged" if staged else "summed" if plan.batch.accumulation_steps > 1 else "once"
-    shared = {"once": 1.0, "summed": profile.shared_accumulating, "staged": profile.shared_staged}[made]
-    buffered = count - (1 - shared) * shared_params
     parts = {
         "state": count * pb / (fsdp if plan.zero.stage == 3 else 1)
         + count * opt_factor * 4 / (fsdp if plan.zero.stage >= 1 else 1),
-        "gradients": 0.0 if on_use else profile.parameter_buffers[reduce, c.remat][made] * buffered * 4,
+        "gradients": 0.0 if on_use else _buffer_bytes(c, profile, roles.reduce, count, shared_params),
         "gathered": _gathered(roles.gather, shape, shares, t, count * cb),
         "activations": per_token * cb / 4 * activation_scale * tokens + stash_bytes,  # read in float32
         "logits": split_part(shares.vocab, 4 * shape.vocab / t, 4 * shape.vocab) * tokens,
     }
     return {k: int(v) for k, v in parts.items()}
+
+
+def _buffer_bytes(c: Candidate, profile: CompilerProfile, reduce: str, count: int, shared: int) -> float:
+    """The float32 parameter-sized buffers of a step reducing as ``reduce`` (a pipeline stage's
+    :attr:`~CompilerProfile.stage_buffers`, else :attr:`~CompilerProfile.parameter_buffers`) for
+    ``count`` parameters, ``shared`` of them the embedding's and head's, at their share."""
+    if c.sizes["stage"] > 1:
+        factor, share = profile.stage_buffers, profile.shared_staged
+    else:
+        summed = c.plan.batch.accumulation_steps > 1
+        kind = "per_step" if reduce == "per_step" else "per_micro_step"
+        factor = profile.parameter_buffers[kind, c.remat]["summed" if summed else "once"]
+        share = profile.shared_accumulating if summed else 1.0
+    return factor * (count - (1 - share) * shared) * 4
 
 
 def _gathered(gather: str, shape: ModelShape, shares, t: int, stage_bytes: int) -> float:
