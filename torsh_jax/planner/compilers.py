@@ -32,13 +32,15 @@ added into it in place, and the bfloat16 copy of the stage's weights the matrix 
 once before the tick loop (1.5; read from libtpu's live ranges, ``--xla_dump_to``'s
 ``*-live-range.txt``, of layer-bound stages: 8 layers of ``d_model`` 2048 on v5e-8). ZeRO-3
 gathers the stage's parameters once instead of each layer on use, so its layers are not
-recomputed. Compiled
+recomputed; libtpu gathers what the matrix unit reads (the layers' and the head's weights) in
+bfloat16 (:attr:`~CompilerProfile.matrix_bytes`), and that gather is the weights' copy, so the
+layers keep their carry alone beside it; the embedding, read by a lookup, is gathered in the
+compute dtype (the optimized HLO's ``all-gather`` results). Compiled
 (``bench_planner_memory.py --tpu d512_pp|150m_pp|1b_pp|d2048_pp``): the ``d_model`` 512 model's
-10 pipelined plans 9 within 5 % (-7.8 % to +4.7 %), 150 M's 4 of 10 (-12.6 % to +19.2 %), 1 B's
-one at +8.9 %, the layer-bound set 5 of 8 (-1.6 % to +43.5 %: its ZeRO-3 stage gathers its
-parameters in bfloat16, 407 MB where the profile counts them in float32; its stage of one layer
-peaks at the tick loop's entry, 970 MB live there against libtpu's 979 MB, with no layer's working
-set beside it). The embedding and head count at :attr:`~CompilerProfile.shared_staged` of a layer
+10 pipelined plans 8 within 5 % (-9.0 % to +4.7 %), 150 M's 4 of 10 (-12.6 % to +17.0 %), 1 B's
+one at +8.9 %, the layer-bound set 6 of 8 (-1.6 % to +12.4 %: its stage of one layer peaks at the
+tick loop's entry, 970 MB live there against libtpu's 979 MB, with no layer's working set beside
+it). The embedding and head count at :attr:`~CompilerProfile.shared_staged` of a layer
 parameter's buffers (0.5: of 0.5 to 1.25, the most of the 29 plans within 5 %). Before the carry
 was read (2.53, the accumulating steps' figure with each micro-step's gradient made whole), 10 of
 the 29 came within 5 %. Activations scale with the compute dtype from float32 and with the
@@ -98,6 +100,8 @@ class CompilerProfile:
         stage_buffers: the same buffers in a pipeline stage, whatever its reduction and remat
             (its gradient carry and the weights' copy in the compiler's matrix dtype).
         shared_staged: the embedding's and head's share of ``stage_buffers``.
+        matrix_bytes: bytes of the dtype the compiler's matrix unit reads weights in (libtpu:
+            bfloat16, whatever the compute dtype): a ZeRO-3 stage gathers its layers and head in it.
     """
 
     name: str
@@ -112,6 +116,7 @@ class CompilerProfile:
     shared_accumulating: float = 1.0
     stage_buffers: float = 1.0
     shared_staged: float = 1.0
+    matrix_bytes: int = 4
 
 
 #: libtpu 0.0.42.1, against its own peak: the demo model at 150 M on v5e-16 and 1 B on v5e-256
@@ -159,6 +164,7 @@ TPU = CompilerProfile(
     shared_accumulating=0.5,
     stage_buffers=1.5,
     shared_staged=0.5,
+    matrix_bytes=2,
 )
 
 #: Profiles by :attr:`~torsh_jax.planner.machine.Machine.platform`.
@@ -215,35 +221,46 @@ def step_memory(
     parts = {
         "state": count * pb / (fsdp if plan.zero.stage == 3 else 1)
         + count * opt_factor * 4 / (fsdp if plan.zero.stage >= 1 else 1),
-        "gradients": 0.0 if on_use else _buffer_bytes(c, profile, roles.reduce, count, shared_params),
-        "gathered": _gathered(roles.gather, shape, shares, t, count * cb),
+        "gradients": 0.0 if on_use else _buffer_bytes(c, profile, roles, count, shared_params),
+        "gathered": _gathered(roles.gather, shape, profile, shares, t, count, shared_params, cb),
         "activations": per_token * cb / 4 * activation_scale * tokens + stash_bytes,  # read in float32
         "logits": split_part(shares.vocab, 4 * shape.vocab / t, 4 * shape.vocab) * tokens,
     }
     return {k: int(v) for k, v in parts.items()}
 
 
-def _buffer_bytes(c: Candidate, profile: CompilerProfile, reduce: str, count: int, shared: int) -> float:
-    """The float32 parameter-sized buffers of a step reducing as ``reduce`` (a pipeline stage's
-    :attr:`~CompilerProfile.stage_buffers`, else :attr:`~CompilerProfile.parameter_buffers`) for
-    ``count`` parameters, ``shared`` of them the embedding's and head's, at their share."""
+def _buffer_bytes(c: Candidate, profile: CompilerProfile, roles, count: int, shared: int) -> float:
+    """The float32 parameter-sized buffers of a step reducing as ``roles.reduce`` (a pipeline
+    stage's :attr:`~CompilerProfile.stage_buffers`, else :attr:`~CompilerProfile.parameter_buffers`)
+    for ``count`` parameters, ``shared`` of them the embedding's and head's, at their share. A
+    stage gathered once (ZeRO-3) has its layers' copy in the matrix dtype in what it gathers
+    (:func:`_gathered`): its layers keep the carry alone."""
     if c.sizes["stage"] > 1:
         factor, share = profile.stage_buffers, profile.shared_staged
-    else:
-        summed = c.plan.batch.accumulation_steps > 1
-        kind = "per_step" if reduce == "per_step" else "per_micro_step"
-        factor = profile.parameter_buffers[kind, c.remat]["summed" if summed else "once"]
-        share = profile.shared_accumulating if summed else 1.0
+        copy = profile.matrix_bytes / 4 if roles.gather == "per_stage" else 0.0
+        return ((factor - copy) * (count - shared) + factor * share * shared) * 4
+    summed = c.plan.batch.accumulation_steps > 1
+    kind = "per_step" if roles.reduce == "per_step" else "per_micro_step"
+    factor = profile.parameter_buffers[kind, c.remat]["summed" if summed else "once"]
+    share = profile.shared_accumulating if summed else 1.0
     return factor * (count - (1 - share) * shared) * 4
 
 
-def _gathered(gather: str, shape: ModelShape, shares, t: int, stage_bytes: int) -> float:
+def _gathered(
+    gather: str, shape: ModelShape, profile: CompilerProfile, shares, t: int, count: int, shared: int, cb: int
+) -> float:
     """ZeRO-3's gathered parameters: gathering each layer on use, the head's float32 weights (of
-    the device's share over ``tensor``); a pipeline stage gathered once, its parameters whole
-    (``stage_bytes``, in the compute dtype); else none."""
+    the device's share over ``tensor``); a pipeline stage gathered once, its ``count`` parameters
+    whole, what the matrix unit reads in its dtype (:attr:`~CompilerProfile.matrix_bytes`, at most
+    the compute dtype's ``cb``) and the embedding, which a lookup reads, in the compute dtype; else
+    none."""
     if gather == "on_use":
         return split_part(shares.shared, shape.head_params / t, shape.head_params) * 4
-    return stage_bytes if gather == "per_stage" else 0.0
+    if gather != "per_stage":
+        return 0.0
+    both = shape.embed_params + shape.head_params
+    embedding = shared * shape.embed_params / both if both else 0.0
+    return (count - embedding) * min(cb, profile.matrix_bytes) + embedding * cb
 
 
 def _activation_bytes_per_token(
