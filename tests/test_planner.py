@@ -312,6 +312,25 @@ def test_a_tpu_targets_plans_are_costed_as_the_tpu_compiler_holds_them():
     assert learned["activations"] == pytest.approx(1.5 * memory["activations"], rel=1e-6)
 
 
+def test_a_zero3_stage_on_a_tpu_target_gathers_its_copy_in_bfloat16():
+    """A ZeRO-3 stage on a TPU target gathers the weights the matrix unit reads in bfloat16 and its
+    embedding in float32; that gather is the weights' copy, so its layers keep only their float32
+    carry beside it, where a stage that is not gathered holds the carry and the copy."""
+    from torsh_jax.planner.compilers import TPU
+
+    shape, tpu = ModelShape.demo("150m"), Machine.from_target("v5e-16")
+    by_label = {c.label: c for c in candidates(shape, devices=16, global_batch=128)}
+    gathered = predict(by_label["pp fsdp=8 stage=2 1f1b m=4 zero3 acc=1"], shape, tpu).memory
+    whole = predict(by_label["pp fsdp=8 stage=2 1f1b m=4 zero1 acc=1"], shape, tpu).memory
+    shared = shape.embed_params + shape.head_params
+    layers = shape.layers // 2 * shape.layer_params
+    assert gathered["gathered"] == shape.embed_params * 4 + (layers + shape.head_params) * 2
+    shared_buffers = TPU.stage_buffers * TPU.shared_staged * shared
+    assert gathered["gradients"] == int(((TPU.stage_buffers - 0.5) * layers + shared_buffers) * 4)
+    assert whole["gradients"] == int((TPU.stage_buffers * layers + shared_buffers) * 4)
+    assert whole["gathered"] == 0
+
+
 @pytest.mark.slow
 def test_a_tpu_targets_pick_is_predicted_within_5_percent_of_its_compiled_peak(capsys):
     """A model size the TPU figures were not read from (350 M; read from 150 M and 1 B): plan's
@@ -328,7 +347,9 @@ def test_a_tpu_targets_pick_is_predicted_within_5_percent_of_its_compiled_peak(c
 #: Pipelines of a layer-bound model on v5e-8 and libtpu's peak for each against its prediction: a
 #: stage whose float32 gradient carry and bfloat16 weights the profile's ``stage_buffers`` were read
 #: from (-0.3 %), and ZeRO-3 gathering the stage once, in bfloat16, where the gather is the weights'
-#: copy (+3.7 %; +43.5 % counting the gather in float32 beside the copy).
+#: copy (+3.7 %; +43.5 % counting the gather in float32 beside the copy). Not all pipelines are
+#: within 5 %: the ``d_model`` 512 model's ``pp fsdp=4 stage=2 1f1b m=2 zero3 acc=2`` is predicted
+#: 9.0 % under its peak, whose embedding's and head's float32 carries are whole (docs/planner.md).
 LAYER_BOUND = "demo:d_model=2048,layers=8,vocab=256,seq_len=128"
 TPU_PIPELINES = [
     (LAYER_BOUND, "pp data=2 stage=4 1f1b m=4 acc=2"),

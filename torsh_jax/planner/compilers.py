@@ -68,7 +68,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from torsh_jax.analysis.theory import DTYPE_BYTES
-from torsh_jax.plan.roles import compose
+from torsh_jax.plan.roles import Roles, compose
 from torsh_jax.planner.per_device import chunk_layers, split_part, tensor_shares, tokens_per_micro_step
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Candidate
@@ -98,10 +98,13 @@ class CompilerProfile:
         shared_accumulating: accumulating, the share of ``parameter_buffers`` the embedding's and
             head's parameters hold, of what a layer's parameter holds.
         stage_buffers: the same buffers in a pipeline stage, whatever its reduction and remat
-            (its gradient carry and the weights' copy in the compiler's matrix dtype).
+            (its gradient carry and the weights' copy in the compiler's matrix dtype; ZeRO-3's
+            layers without the copy, which is what they gather).
         shared_staged: the embedding's and head's share of ``stage_buffers``.
         matrix_bytes: bytes of the dtype the compiler's matrix unit reads weights in (libtpu:
-            bfloat16, whatever the compute dtype): a ZeRO-3 stage gathers its layers and head in it.
+            bfloat16, whatever the compute dtype), whose copy of a stage's weights
+            ``stage_buffers`` counts: a ZeRO-3 stage gathers its layers and head in it, and the
+            gather is that copy; ``None``: no such copy.
     """
 
     name: str
@@ -116,7 +119,7 @@ class CompilerProfile:
     shared_accumulating: float = 1.0
     stage_buffers: float = 1.0
     shared_staged: float = 1.0
-    matrix_bytes: int = 4
+    matrix_bytes: int | None = None
 
 
 #: libtpu 0.0.42.1, against its own peak: the demo model at 150 M on v5e-16 and 1 B on v5e-256
@@ -222,22 +225,25 @@ def step_memory(
         "state": count * pb / (fsdp if plan.zero.stage == 3 else 1)
         + count * opt_factor * 4 / (fsdp if plan.zero.stage >= 1 else 1),
         "gradients": 0.0 if on_use else _buffer_bytes(c, profile, roles, count, shared_params),
-        "gathered": _gathered(roles.gather, shape, profile, shares, t, count, shared_params, cb),
+        "gathered": _gathered(
+            roles.gather, shape, shares, t, _stage_gather_bytes(shape, profile, count, shared_params, cb)
+        ),
         "activations": per_token * cb / 4 * activation_scale * tokens + stash_bytes,  # read in float32
         "logits": split_part(shares.vocab, 4 * shape.vocab / t, 4 * shape.vocab) * tokens,
     }
     return {k: int(v) for k, v in parts.items()}
 
 
-def _buffer_bytes(c: Candidate, profile: CompilerProfile, roles, count: int, shared: int) -> float:
+def _buffer_bytes(c: Candidate, profile: CompilerProfile, roles: Roles, count: int, shared: int) -> float:
     """The float32 parameter-sized buffers of a step reducing as ``roles.reduce`` (a pipeline
     stage's :attr:`~CompilerProfile.stage_buffers`, else :attr:`~CompilerProfile.parameter_buffers`)
     for ``count`` parameters, ``shared`` of them the embedding's and head's, at their share. A
     stage gathered once (ZeRO-3) has its layers' copy in the matrix dtype in what it gathers
-    (:func:`_gathered`): its layers keep the carry alone."""
+    (:func:`_stage_gather_bytes`): its layers keep the carry alone."""
     if c.sizes["stage"] > 1:
         factor, share = profile.stage_buffers, profile.shared_staged
-        copy = profile.matrix_bytes / 4 if roles.gather == "per_stage" else 0.0
+        gathered_copy = roles.gather == "per_stage" and profile.matrix_bytes is not None
+        copy = profile.matrix_bytes / 4 if gathered_copy else 0.0
         return ((factor - copy) * (count - shared) + factor * share * shared) * 4
     summed = c.plan.batch.accumulation_steps > 1
     kind = "per_step" if roles.reduce == "per_step" else "per_micro_step"
@@ -246,21 +252,37 @@ def _buffer_bytes(c: Candidate, profile: CompilerProfile, roles, count: int, sha
     return factor * (count - (1 - share) * shared) * 4
 
 
-def _gathered(
-    gather: str, shape: ModelShape, profile: CompilerProfile, shares, t: int, count: int, shared: int, cb: int
-) -> float:
+def _gathered(gather: str, shape: ModelShape, shares, t: int, stage_bytes: float) -> float:
     """ZeRO-3's gathered parameters: gathering each layer on use, the head's float32 weights (of
-    the device's share over ``tensor``); a pipeline stage gathered once, its ``count`` parameters
-    whole, what the matrix unit reads in its dtype (:attr:`~CompilerProfile.matrix_bytes`, at most
-    the compute dtype's ``cb``) and the embedding, which a lookup reads, in the compute dtype; else
-    none."""
+    the device's share over ``tensor``); a pipeline stage gathered once, ``stage_bytes``
+    (:func:`_stage_gather_bytes`); else none."""
     if gather == "on_use":
         return split_part(shares.shared, shape.head_params / t, shape.head_params) * 4
-    if gather != "per_stage":
-        return 0.0
+    return stage_bytes if gather == "per_stage" else 0.0
+
+
+def _stage_gather_bytes(
+    shape: ModelShape, profile: CompilerProfile, count: int, shared: int, cb: int
+) -> float:
+    """Bytes of a pipeline stage's ``count`` parameters gathered whole (ZeRO-3): the embedding's
+    share of the ``shared`` embedding and head, which a lookup reads, in the compute dtype (``cb``
+    bytes); the rest (the layers, their norms' few bytes too, and the head) in the dtype the matrix
+    unit reads (:attr:`~CompilerProfile.matrix_bytes`), where the profile has one and it is the
+    narrower.
+
+    Example (a stage of two layers with the embedding and head, on a TPU: the embedding in
+    float32, the rest in bfloat16):
+        >>> shape = ModelShape.demo("tiny")
+        >>> shared = shape.embed_params + shape.head_params
+        >>> count = 2 * shape.layer_params + shared
+        >>> in_bfloat16 = count - shape.embed_params
+        >>> _stage_gather_bytes(shape, TPU, count, shared, 4) == shape.embed_params * 4 + in_bfloat16 * 2
+        True
+    """
+    matrix = min(cb, profile.matrix_bytes or cb)
     both = shape.embed_params + shape.head_params
     embedding = shared * shape.embed_params / both if both else 0.0
-    return (count - embedding) * min(cb, profile.matrix_bytes) + embedding * cb
+    return (count - embedding) * matrix + embedding * cb
 
 
 def _activation_bytes_per_token(
