@@ -37,11 +37,14 @@ bfloat16 (:attr:`~CompilerProfile.matrix_bytes`), and that gather is the weights
 layers keep their carry alone beside it; the embedding, read by a lookup, is gathered in the
 compute dtype (the optimized HLO's ``all-gather`` results). Compiled
 (``bench_planner_memory.py --tpu d512_pp|150m_pp|1b_pp|d2048_pp``): the ``d_model`` 512 model's
-10 pipelined plans 8 within 5 % (-9.0 % to +4.7 %), 150 M's 4 of 10 (-12.6 % to +17.0 %), 1 B's
-one at +8.9 %, the layer-bound set 6 of 8 (-1.6 % to +12.4 %: its stage of one layer peaks at the
+10 pipelined plans 3 within 5 % (-3.6 % to +15.3 %), 150 M's 6 of 10 (-7.6 % to +23.6 %), 1 B's
+one at +9.5 %, the layer-bound set 6 of 8 (-1.7 % to +12.7 %: its stage of one layer peaks at the
 tick loop's entry, 970 MB live there against libtpu's 979 MB, with no layer's working set beside
 it). The embedding and head count at :attr:`~CompilerProfile.shared_staged` of a layer
-parameter's buffers (0.5: of 0.5 to 1.25, the most of the 29 plans within 5 %). Before the carry
+parameter's buffers (0.5, 0.75 of their float32 bytes: the one float32 sum a stage carries for
+the two, :mod:`torsh_jax.runtime.pipeline.ends`, and the head's bfloat16 copy). The small model
+puts more plans within 5 % at 0.083 to 0.167 (17 of the 29), as its buffers sit in the chip's
+VMEM, the larger at 0.5 to 0.75, and 0.5's misses are over (docs/planner.md). Before the carry
 was read (2.53, the accumulating steps' figure with each micro-step's gradient made whole), 10 of
 the 29 came within 5 %. Activations scale with the compute dtype from float32 and with the
 machine's ``activation_scale`` (which ``plan --verify`` learns from a refusal). How close the

@@ -5,6 +5,7 @@
 * :mod:`~torsh_jax.runtime.pipeline.chunks`: layer-chunk storage under an interleaved schedule;
 * :mod:`~torsh_jax.runtime.pipeline.branches`: the forward, backward and idle slots of one stage;
 * :mod:`~torsh_jax.runtime.pipeline.executor`: one executor for every table (ticks, ``ppermute``);
+* :mod:`~torsh_jax.runtime.pipeline.ends`: the embedding's and head's gradient sums, sharing buffers;
 * :mod:`~torsh_jax.runtime.pipeline.varying`: the varying-axis types the branches must agree on.
 
 Example:

@@ -35,6 +35,7 @@ from torsh_jax.pipeline.schedule import Schedule
 from torsh_jax.pipeline.slots import BRANCHES, slot_scope
 from torsh_jax.runtime.accumulate import split_micro_batches
 from torsh_jax.runtime.layered import LayeredModel, scan_layers, split_params
+from torsh_jax.runtime.pipeline.ends import EndSums
 from torsh_jax.runtime.pipeline.varying import cast_vma, cotangent_like, typed_cond
 from torsh_jax.runtime.tap import at_leading, scan_into
 from torsh_jax.tensor.axis import varying_axes
@@ -49,7 +50,7 @@ class Carry(NamedTuple):
     acts: jax.Array  # [activation slots, *hidden]: inputs received, until their backward
     cots: jax.Array  # [gradient slots, *hidden]: gradients received, until their backward
     wstash: jax.Array  # [weight slots, 2, layers per chunk, *hidden]: (inputs, output grads) for W
-    grads: tuple  # (embed, chunks, head) accumulated in accum_dtype
+    grads: tuple  # (the embedding's and head's sums as StagePass.ends holds them, chunks' sums)
     loss_sum: jax.Array
     counts: jax.Array  # [3]: forward, backward, weight slots run
 
@@ -77,10 +78,6 @@ def _add_at(tree: PyTree, at: tuple, value: PyTree) -> PyTree:
     return jax.tree.map(add, tree, value)
 
 
-def _add(tree: PyTree, value: PyTree) -> PyTree:
-    return jax.tree.map(lambda x, v: x + v.astype(x.dtype), tree, value)
-
-
 class StagePass:
     """The branches of pipeline passes over ``m`` micro-batches each (closes over parameters and
     the passes' batch: micro-batch ``i`` of pass ``k`` is ``k m + i``)."""
@@ -95,6 +92,7 @@ class StagePass:
         self.m = schedule.microbatches
         self.micro = split_micro_batches(batch, self.m * passes)
         self.seed = seed
+        self.ends: EndSums | None = None  # how the embedding's and head's gradient sums are held
         self._made: dict = {}
 
     def batch_of(self, micro):
@@ -189,16 +187,16 @@ class StagePass:
         if last is False:
             return carry, cotangent_like(received, out)
         batch = self.batch_of(ints["micro"])
-        g_embed, g_chunks, g_head = carry.grads
+        sums, g_chunks = carry.grads
 
-        def through_head(g_head, received):
+        def through_head(sums, received):
             loss, pull = jax.vjp(lambda p, h: self.model.head(p, h, batch), self.head_p, out)
             g_params, g_out = pull(cotangent_like(self.seed, loss))
-            return _add(g_head, g_params), g_out.astype(out.dtype)
+            return self.ends.add(sums, "head", g_params), g_out.astype(out.dtype)
 
-        passed = lambda g_head, received: (g_head, cotangent_like(received, out))
-        g_head, g_out = _where(last, ends.name("last"), through_head, passed, g_head, received)
-        return carry._replace(grads=(g_embed, g_chunks, g_head)), cotangent_like(g_out, out)
+        passed = lambda sums, received: (sums, cotangent_like(received, out))
+        sums, g_out = _where(last, ends.name("last"), through_head, passed, sums, received)
+        return carry._replace(grads=(sums, g_chunks)), cotangent_like(g_out, out)
 
     def _embed_gradient(self, ends: _Ends, carry: Carry, ints, g_in) -> Carry:
         """``carry`` with, on the first stage, the embedding's gradient at the input's ``g_in``. Its
@@ -207,16 +205,14 @@ class StagePass:
         if first is False:
             return carry
         batch = self.batch_of(ints["micro"])
-        g_embed, g_chunks, g_head = carry.grads
+        sums, g_chunks = carry.grads
 
-        def through_embed(g_embed, g_in):
+        def through_embed(sums, g_in):
             hidden, pull = jax.vjp(lambda p: self.model.embed(p, batch), self.embed_p)
-            return _add(g_embed, pull(cotangent_like(g_in, hidden))[0])
+            return self.ends.add(sums, "embed", pull(cotangent_like(g_in, hidden))[0])
 
-        g_embed = _where(
-            first, ends.name("first"), through_embed, lambda g_embed, g_in: g_embed, g_embed, g_in
-        )
-        return carry._replace(grads=(g_embed, g_chunks, g_head))
+        sums = _where(first, ends.name("first"), through_embed, lambda sums, g_in: sums, sums, g_in)
+        return carry._replace(grads=(sums, g_chunks))
 
     def W(self, ends: _Ends, carry: Carry, ints):
         """The weight gradients of a chunk whose ``B`` ran: one ``vjp`` per layer with respect to its
@@ -295,5 +291,4 @@ def _counted(carry: Carry, which: int) -> Carry:
 
 def _with_chunk_gradients(carry: Carry, g_chunks: PyTree) -> Carry:
     """``carry`` with the chunks' gradient sums ``g_chunks`` (the embedding's and head's as they were)."""
-    g_embed, _, g_head = carry.grads
-    return carry._replace(grads=(g_embed, g_chunks, g_head))
+    return carry._replace(grads=(carry.grads[0], g_chunks))

@@ -27,6 +27,9 @@ Embedding and head parameters are replicated over ``stage``; their gradients,
 made on the first and last stage, are summed over ``stage`` once per step. A
 key both read (a tied embedding) gets the sum of its embedding and head
 gradients (:func:`~torsh_jax.runtime.layered.join_params`) before that sum.
+Until then a stage carries the two parts' sums in
+:class:`~torsh_jax.runtime.pipeline.ends.EndSums`' buffers, where a table and
+the head's transposed weight share one.
 
 Inside ``shard_map`` over a mesh with a ``stage`` axis the step calls
 ``grads, loss, slots = pipeline_gradients(model, schedule)(params, batch, scale)``.
@@ -63,6 +66,7 @@ from torsh_jax.pipeline.slots import BRANCHES, KINDS, SlotPlan, kind_of, send_pa
 from torsh_jax.plan.roles import STAGE_AXIS
 from torsh_jax.runtime.layered import LayeredModel, join_params
 from torsh_jax.runtime.pipeline.branches import Carry, StagePass
+from torsh_jax.runtime.pipeline.ends import EndSums, end_stages, ends_apart, every_axis_manual
 from torsh_jax.runtime.pipeline.varying import cast_vma, settled, typed_switch, vmas
 from torsh_jax.tensor.axis import varying_axes
 
@@ -129,12 +133,16 @@ def pipeline_gradients(
         hidden = lambda *lead: cast_vma(jnp.zeros((*lead, *shape.shape), shape.dtype), vmas(shape) | {axis})
         one.dtype, one.zeros = shape.dtype, hidden()
         zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, accum_dtype), tree)
-        grads = (zeros(one.embed_p), zeros(one.chunks), zeros(one.head_p))
+        shared = ends_apart(plan.branch) and every_axis_manual()
+        one.ends = EndSums.of(one.embed_p, one.head_p, shared=shared, dtype=accum_dtype)
+        grads = (one.ends.zeros(), zeros(one.chunks))
         carry = Carry(acts=hidden(plan.activation_slots), cots=hidden(plan.gradient_slots),
                        wstash=hidden(plan.weight_slots, 2, one.per_chunk), grads=grads,
                        loss_sum=jnp.float32(0.0), counts=jnp.zeros(3, jnp.int32))  # fmt: skip
         carry = _scan_ticks(_Ticks(stage, plan, one, axis, p, types={}, gated={}), carry, passes)
-        g_embed, g_chunks, g_head = carry.grads
+        sums, g_chunks = carry.grads
+        first, last = (jnp.isin(stage, end_stages(plan.branch, end)) for end in ("first", "last"))
+        g_embed, g_head = one.ends.parts(sums, first=first, last=last)
         g_layers = g_chunks if schedule.virtual_stages > 1 else jax.tree.map(lambda x: x[0], g_chunks)
         grads = join_params(model, g_embed, g_layers, g_head)  # a tied embedding: both parts summed
         return grads, carry.loss_sum / m, carry.counts[None]
