@@ -508,21 +508,44 @@ def _tick_loop_arrays(compiled_text: str) -> list:
 
 
 def test_end_sums_pair_a_table_with_its_tied_use_and_an_untied_heads_transpose():
-    """A tied table shares with its use in the head, an untied ``[d, vocab]`` head with the
-    ``[vocab, d]`` table (transposed); a square or unmatched leaf keeps its own buffer, and so does
-    everything where the first and last stages meet."""
+    """A tied table shares a buffer with its use in the head, an untied ``[d, vocab]`` head with the
+    ``[vocab, d]`` table (transposed); an unmatched leaf keeps its own. Each stage reads back the part
+    it made, exactly, and zeros for the other. Nothing is paired where the caller says not to or
+    where one stage makes both ends."""
     from torsh_jax.runtime.pipeline.ends import EndSums
 
-    table, head, square = jnp.zeros((5, 3)), jnp.zeros((3, 5)), jnp.zeros((3, 3))
-    tied = EndSums.of({"table": table}, {"table": table, "bias": jnp.zeros(5)}, shared=True)
-    untied = EndSums.of({"table": table, "norm": square}, {"w": head, "norm": jnp.zeros(3)}, shared=True)
-    apart = EndSums.of({"table": table}, {"w": head}, shared=False)
-    assert tied.shapes == ((5, 3), (5,)) and sorted(untied.shapes) == [(3,), (3, 3), (5, 3)]
-    assert apart.shapes == ((5, 3), (3, 5))
-    sums = untied.add(untied.add(untied.zeros(), "embed", {"table": table + 1, "norm": square}),
-                      "head", {"w": head + 2, "norm": jnp.ones(3)})  # fmt: skip
-    embed, last = untied.parts(sums, first=jnp.bool_(False), last=jnp.bool_(True))
-    assert float(jnp.abs(embed["table"]).max()) == 0.0 and float(last["w"].min()) == 3.0
+    two = slot_plan(build_pipeline_schedule("1f1b", stages=2, microbatches=2)).branch
+    one = slot_plan(build_pipeline_schedule("gpipe", stages=1, microbatches=2)).branch
+    table, head = jnp.arange(15.0).reshape(5, 3), jnp.arange(15.0).reshape(3, 5) + 100
+    tied = EndSums.of({"table": table}, {"table": table, "bias": jnp.zeros(5)}, table=two)
+    untied = EndSums.of({"table": table, "scale": jnp.zeros(2)}, {"w": head, "norm": jnp.zeros(3)}, table=two)
+    assert tied.shapes == ((5, 3), (5,)) and sorted(untied.shapes) == [(2,), (3,), (5, 3)]
+    assert EndSums.of({"table": table}, {"w": head}, table=two, pair=False).shapes == ((5, 3), (3, 5))
+    assert EndSums.of({"table": table}, {"w": head}, table=one).shapes == ((5, 3), (3, 5))
+    embed_sum = untied.add(untied.zeros(), "embed", {"table": table, "scale": jnp.ones(2)})
+    head_sum = untied.add(untied.zeros(), "head", {"w": head, "norm": jnp.ones(3)})
+    first_embed, first_head = untied.parts(embed_sum, stage=jnp.int32(0))
+    last_embed, last_head = untied.parts(head_sum, stage=jnp.int32(1))
+    assert (first_embed["table"] == table).all() and (last_head["w"] == head).all()
+    assert not first_head["w"].any() and not last_embed["table"].any()
+
+
+def test_end_sums_pair_no_leaves_that_vary_over_different_axes():
+    """A gradient varies as its parameter does, and a buffer read back must too."""
+    from jax.sharding import PartitionSpec as P
+
+    from torsh_jax.runtime.pipeline.ends import EndSums
+
+    table = slot_plan(build_pipeline_schedule("1f1b", stages=2, microbatches=2)).branch
+    explicit = (jax.sharding.AxisType.Explicit,)
+    mesh = jax.make_mesh((2,), ("stage",), axis_types=explicit, devices=jax.devices()[:2])
+
+    def buffers(embed, head):
+        embed = jax.lax.pcast(embed, "stage", to="varying")
+        return jnp.zeros(len(EndSums.of({"e": embed}, {"h": head}, table=table).shapes))
+
+    count = jax.shard_map(buffers, mesh=mesh, in_specs=(P(), P()), out_specs=P())
+    assert count(jnp.zeros((2, 3)), jnp.zeros((3, 2))).shape == (2,)  # transposed, but kept apart
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "interleaved"])

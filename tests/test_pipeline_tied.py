@@ -151,3 +151,14 @@ def test_a_head_reading_the_stacked_layers_is_refused_under_a_pipeline():
     with pytest.raises(NotSupportedYetError, match="head reads the stacked layers 'layers'") as info:
         make_train_step(model, optax.sgd(0.1), plan, build_mesh(plan), shapes)
     assert info.value.key == "loss_fn.head_keys" and "mesh.stage = 1" in info.value.fix
+
+
+def test_a_head_given_the_whole_tree_is_refused_under_a_pipeline():
+    """``head_keys=None`` hands the head every parameter, the stacked layers too; under a pipeline
+    the embedding's and layers' gradients were dropped (the head's alone came back)."""
+    plan = load_plan("pp_1f1b")
+    model = tied_mlp()._replace(head_keys=None)
+    shapes = jax.eval_shape(lambda: tied_mlp_params(PIPE, jax.random.key(0)))
+    with pytest.raises(NotSupportedYetError, match="head reads the stacked layers 'layers'") as info:
+        make_train_step(model, optax.sgd(0.1), plan, build_mesh(plan), shapes)
+    assert info.value.key == "loss_fn.head_keys"

@@ -331,6 +331,27 @@ def test_a_zero3_stage_on_a_tpu_target_gathers_its_copy_in_bfloat16():
     assert whole["gathered"] == 0
 
 
+def test_a_stage_whose_tensor_axis_the_compiler_partitions_holds_both_end_sums():
+    """The runtime pairs the embedding's and head's gradient sums in one buffer
+    (:mod:`~torsh_jax.runtime.pipeline.ends`) unless the compiler partitions ``tensor`` (a model
+    without tensor blocks): such a stage holds the smaller sum more, on a TPU target and on
+    XLA:CPU alike."""
+    from torsh_jax.planner.per_device import paired_end_sums
+
+    blocks = ModelShape.demo("150m")
+    blockless = dataclasses.replace(blocks, tensor_blocks=False)
+    label = "pp tensor=2 stage=8 1f1b m=8 acc=1"
+    c = {c.label: c for c in candidates(blocks, devices=16, global_batch=128)}[label]
+    smaller, paired = paired_end_sums(c, blocks)
+    assert paired and not paired_end_sums(c, blockless)[1]
+    whole = min(blocks.embed_params, blocks.head_params)
+    assert whole / 2 <= smaller <= 0.51 * whole  # the tables split over tensor, the rest whole
+    tpu = Machine.from_target("v5e-16")
+    for machine in (tpu, dataclasses.replace(tpu, platform="cpu")):
+        apart, one = (predict(c, shape, machine).memory["gradients"] for shape in (blockless, blocks))
+        assert apart - one == smaller * 4, machine.platform
+
+
 @pytest.mark.slow
 def test_a_tpu_targets_pick_is_predicted_within_5_percent_of_its_compiled_peak(capsys):
     """A model size the TPU figures were not read from (350 M; read from 150 M and 1 B): plan's
@@ -816,14 +837,15 @@ def test_accumulation_a_stage_gathered_once_and_a_chunk_over_tensor_hold_what_th
     accumulating holds less of its layers' gradient (its peak in a chunk's backward, where adding
     into the carry in place saves most: ``SCANNED_STAGE``); an interleaved stage holds
     what a stage of one chunk does; ZeRO-3 under a pipeline gathers the stage's parameters whole
-    once and makes its whole gradient, the layers' with no reduced copy; a chunk split
+    once and makes its whole gradient, the layers' with no reduced copy, the embedding's and
+    head's paired in one sum; a chunk split
     over ``tensor`` holds the compiled chunk's per-token bytes (less the logits) at the formula's
     share."""
     from dataclasses import replace
 
     from torsh_jax.analysis.theory import DTYPE_BYTES
     from torsh_jax.planner.memory import SCANNED_STAGE, _stash_rows, _tensor_share
-    from torsh_jax.planner.per_device import local_params
+    from torsh_jax.planner.per_device import local_params, paired_end_sums
 
     by_label = {c.label: c for c in candidates(tiny, devices=8, global_batch=64)}
     memory = lambda label, m=CPU8: predict(by_label[label], tiny, m).memory
@@ -856,7 +878,8 @@ def test_accumulation_a_stage_gathered_once_and_a_chunk_over_tensor_hold_what_th
     zero3 = by_label[stage.format("zero3", 1)]
     held = memory(stage.format("zero3", 1))
     assert held["gathered"] == params // 4 * DTYPE_BYTES[zero3.plan.precision.compute_dtype]
-    assert held["gradients"] == 2 * params - scanned("1f1b") - params // 4
+    paired = paired_end_sums(zero3, tiny)[0] * 4  # the smaller end's sum, in the larger's buffer
+    assert held["gradients"] == 2 * params - scanned("1f1b") - paired - params // 4
 
     # an interleaved stage copies neither a chunk's parameters nor its layers' gradients
     interleaved = "pp fsdp=4 stage=2 interleaved v=2 m=2 zero1 acc={}"

@@ -42,9 +42,10 @@ one at +9.5 %, the layer-bound set 6 of 8 (-1.7 % to +12.7 %: its stage of one l
 tick loop's entry, 970 MB live there against libtpu's 979 MB, with no layer's working set beside
 it). The embedding and head count at :attr:`~CompilerProfile.shared_staged` of a layer
 parameter's buffers (0.5, 0.75 of their float32 bytes: the one float32 sum a stage carries for
-the two, :mod:`torsh_jax.runtime.pipeline.ends`, and the head's bfloat16 copy). The small model
-puts more plans within 5 % at 0.083 to 0.167 (17 of the 29), as its buffers sit in the chip's
-VMEM, the larger at 0.5 to 0.75, and 0.5's misses are over (docs/planner.md). Before the carry
+the two, :mod:`torsh_jax.runtime.pipeline.ends`, and the head's bfloat16 copy; where a stage
+carries the two apart, the smaller one's more). The small model puts more of its plans within
+5 % at 0.083 to 0.167 (8 and 7 of its 10; 17 of all 29), as its buffers sit in the chip's VMEM,
+the larger at 0.5 to 0.75, and 0.5's misses are over (docs/planner.md). Before the carry
 was read (2.53, the accumulating steps' figure with each micro-step's gradient made whole), 10 of
 the 29 came within 5 %. Activations scale with the compute dtype from float32 and with the
 machine's ``activation_scale`` (which ``plan --verify`` learns from a refusal). How close the
@@ -72,7 +73,13 @@ from dataclasses import dataclass, field
 
 from torsh_jax.analysis.theory import DTYPE_BYTES
 from torsh_jax.plan.roles import Roles, compose
-from torsh_jax.planner.per_device import chunk_layers, split_part, tensor_shares, tokens_per_micro_step
+from torsh_jax.planner.per_device import (
+    chunk_layers,
+    paired_end_sums,
+    split_part,
+    tensor_shares,
+    tokens_per_micro_step,
+)
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Candidate
 
@@ -227,7 +234,7 @@ def step_memory(
     parts = {
         "state": count * pb / (fsdp if plan.zero.stage == 3 else 1)
         + count * opt_factor * 4 / (fsdp if plan.zero.stage >= 1 else 1),
-        "gradients": 0.0 if on_use else _buffer_bytes(c, profile, roles, count, shared_params),
+        "gradients": 0.0 if on_use else _buffer_bytes(c, shape, profile, roles, count, shared_params),
         "gathered": _gathered(
             roles.gather, shape, shares, t, _stage_gather_bytes(shape, profile, count, shared_params, cb)
         ),
@@ -237,17 +244,23 @@ def step_memory(
     return {k: int(v) for k, v in parts.items()}
 
 
-def _buffer_bytes(c: Candidate, profile: CompilerProfile, roles: Roles, count: int, shared: int) -> float:
+def _buffer_bytes(
+    c: Candidate, shape: ModelShape, profile: CompilerProfile, roles: Roles, count: int, shared: int
+) -> float:
     """The float32 parameter-sized buffers of a step reducing as ``roles.reduce`` (a pipeline
     stage's :attr:`~CompilerProfile.stage_buffers`, else :attr:`~CompilerProfile.parameter_buffers`)
     for ``count`` parameters, ``shared`` of them the embedding's and head's, at their share. A
     stage gathered once (ZeRO-3) has its layers' copy in the matrix dtype in what it gathers
-    (:func:`_stage_gather_bytes`): its layers keep the carry alone."""
+    (:func:`_stage_gather_bytes`): its layers keep the carry alone. A stage that carries the
+    embedding's and head's sums apart (:func:`~torsh_jax.planner.per_device.paired_end_sums`) holds
+    the smaller one's more."""
     if c.sizes["stage"] > 1:
         factor, share = profile.stage_buffers, profile.shared_staged
         gathered_copy = roles.gather == "per_stage" and profile.matrix_bytes is not None
         copy = profile.matrix_bytes / 4 if gathered_copy else 0.0
-        return ((factor - copy) * (count - shared) + factor * share * shared) * 4
+        smaller_end, paired = paired_end_sums(c, shape)
+        unpaired = 0 if paired else smaller_end  # both sums carried: the smaller one more
+        return ((factor - copy) * (count - shared) + factor * share * shared + unpaired) * 4
     summed = c.plan.batch.accumulation_steps > 1
     kind = "per_step" if roles.reduce == "per_step" else "per_micro_step"
     factor = profile.parameter_buffers[kind, c.remat]["summed" if summed else "once"]

@@ -24,6 +24,7 @@ from torsh_jax.planner.space import Candidate
 
 __all__ = [
     "local_params",
+    "paired_end_sums",
     "TensorShares",
     "tensor_shares",
     "split_part",
@@ -44,6 +45,26 @@ def local_params(c: Candidate, shape: ModelShape) -> tuple[int, int]:
     one_layer = split_part(shares.layer, shape.layer_params / t, shape.layer_params)
     both = shape.embed_params + shape.head_params
     return shape.layers // s * round(one_layer), round(split_part(shares.shared, both / t, both))
+
+
+def paired_end_sums(c: Candidate, shape: ModelShape) -> tuple[int, bool]:
+    """``(parameters of the device's smaller part of the embedding and head, whether a pipeline
+    stage carries their gradient sums paired)``: the runtime's stages share one buffer between
+    the two parts' sums (:mod:`torsh_jax.runtime.pipeline.ends`) unless the compiler partitions
+    ``tensor`` (a model without tensor blocks), where each stage carries both.
+
+    Example:
+        >>> from torsh_jax.planner.space import candidates
+        >>> shape = ModelShape.demo("tiny")
+        >>> found = {c.label: c for c in candidates(shape, devices=8, global_batch=64)}
+        >>> smaller = min(shape.embed_params, shape.head_params)
+        >>> paired_end_sums(found["pp fsdp=4 stage=2 1f1b m=2 zero1 acc=1"], shape) == (smaller, True)
+        True
+    """
+    t = c.sizes["tensor"]
+    smaller = min(shape.embed_params, shape.head_params)
+    paired = c.sizes["stage"] > 1 and (t == 1 or shape.tensor_blocks)
+    return round(split_part(tensor_shares(c, shape).shared, smaller / t, smaller)), paired
 
 
 class TensorShares(NamedTuple):

@@ -88,7 +88,9 @@ def _pipeline_passes(decided: StepPlan, layout: StateLayout, split: PyTree) -> C
     if decided.roles.gather == "on_use":  # gather one layer at a time in every slot
         model = gathering_model(decided, layout.dims, specs=split)
     accum_dtype = jax.numpy.dtype(decided.plan.precision.param_dtype)
-    return pipeline_gradients(model, decided.schedule, accum_dtype=accum_dtype)
+    # the compiler's axes: a sum laid out as another part's there may move between devices
+    pair_ends = all(decided.roles.size(axis) == 1 for axis in decided.compiler_axes)
+    return pipeline_gradients(model, decided.schedule, accum_dtype=accum_dtype, pair_ends=pair_ends)
 
 
 def gradient_program(decided: StepPlan, layout: StateLayout) -> Callable:

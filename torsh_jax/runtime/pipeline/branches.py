@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from torsh_jax.pipeline.schedule import Schedule
-from torsh_jax.pipeline.slots import BRANCHES, slot_scope
+from torsh_jax.pipeline.slots import BRANCHES, slot_plan, slot_scope
 from torsh_jax.runtime.accumulate import split_micro_batches
 from torsh_jax.runtime.layered import LayeredModel, scan_layers, split_params
 from torsh_jax.runtime.pipeline.ends import EndSums
@@ -82,7 +82,12 @@ class StagePass:
     """The branches of pipeline passes over ``m`` micro-batches each (closes over parameters and
     the passes' batch: micro-batch ``i`` of pass ``k`` is ``k m + i``)."""
 
-    def __init__(self, model: LayeredModel, schedule: Schedule, params, batch, seed, passes: int = 1):
+    def __init__(
+        self, model: LayeredModel, schedule: Schedule, params, batch, seed, passes: int = 1, *,
+        pair_ends: bool = True, accum_dtype=jnp.float32,
+    ):  # fmt: skip
+        """``pair_ends``: let the embedding's and head's gradient sums share buffers (:class:`EndSums`),
+        summed in ``accum_dtype``."""
         self.model, self.v = model, schedule.virtual_stages
         self.split = schedule.splits_backward
         self.embed_p, layers, self.head_p = split_params(model, params)
@@ -92,7 +97,8 @@ class StagePass:
         self.m = schedule.microbatches
         self.micro = split_micro_batches(batch, self.m * passes)
         self.seed = seed
-        self.ends: EndSums | None = None  # how the embedding's and head's gradient sums are held
+        table = slot_plan(schedule).branch
+        self.ends = EndSums.of(self.embed_p, self.head_p, table=table, pair=pair_ends, dtype=accum_dtype)
         self._made: dict = {}
 
     def batch_of(self, micro):

@@ -4,81 +4,62 @@ both.
 Every stage runs the same program, so every stage carries the same sums. Only the first stage adds
 into the embedding's and only the last into the head's, so on every other stage both are zeros for
 the whole step. Where the first and last stages differ, an embedding parameter and a head parameter
-of the same shape (a tied table and its use in the head), or of one 2-D shape and its transpose
-(a token table ``[vocab, d]`` and an untied head ``[d, vocab]``), and of the same varying axes,
-share one buffer: it holds the sum its stage makes, the embedding's on the first stage, the head's
-(transposed where it is) on the last. Each stage then carries one vocabulary-sized float32 sum, not
-two. Leaves have no other layout than their own (a flattened or reshaped sum is a relayout copy of
-the gradient each micro-batch on a TPU). :meth:`EndSums.parts` reads the sums back, zero where the
-stage made none, before they are summed over ``stage``. Nothing is shared where a stage makes both
-(the first and last stages meet) or where the compiler partitions a mesh axis inside the
-``shard_map`` (``tensor.rules = "auto"``): a leaf laid out in another's shape there can be moved
-between devices inside the first stage's branch alone, which the other stages never join.
+that vary over the same axes and have the same shape (a tied table and its use in the head, or a
+norm's scale and another's) or one 2-D shape and its transpose (a token table ``[vocab, d]`` and an
+untied head ``[d, vocab]``) share one buffer. It holds the sum its stage makes: the embedding's on
+the first stage, the head's (transposed where it is) on the last. Each stage then carries one
+vocabulary-sized float32 sum, not two. A leaf is kept in its own shape or its transpose, never
+flattened (a flattened buffer raised two TPU stages' peaks: docs/pipeline.md).
+:meth:`EndSums.parts` reads the sums back, zero where the stage made none, before they are summed
+over ``stage``.
 
-Example (an untied table and head sharing one buffer: the embedding's sum on stage 0):
+Nothing is paired where a stage makes both (the first and last stages meet), nor where the caller
+says not to: the step does not pair where the compiler partitions a mesh axis inside the
+``shard_map`` (``tensor`` for a model without tensor blocks). There a flattened buffer moved data
+between devices inside the first stage's branch alone and the step hung; pairing is not tried.
+
+Example (an untied table and head sharing one buffer: the embedding's sum on stage 0 of 2):
     >>> import jax.numpy as jnp
+    >>> from torsh_jax.pipeline.schedule import build_pipeline_schedule
+    >>> from torsh_jax.pipeline.slots import slot_plan
+    >>> table = slot_plan(build_pipeline_schedule("1f1b", stages=2, microbatches=2)).branch
     >>> ends = EndSums.of({"table": jnp.zeros((3, 2))}, {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3)},
-    ...                   shared=True)
+    ...                   table=table)
     >>> sums = ends.add(ends.zeros(), "embed", {"table": jnp.ones((3, 2))})
-    >>> embed, head = ends.parts(sums, first=jnp.bool_(True), last=jnp.bool_(False))
-    >>> embed["table"].shape, head["w"].shape, float(head["w"].sum()), len(sums)
-    ((3, 2), (2, 3), 0.0, 2)
+    >>> embed, head = ends.parts(sums, stage=jnp.int32(0))
+    >>> float(embed["table"].sum()), float(head["w"].sum()), head["w"].shape, len(sums)
+    (6.0, 0.0, (2, 3), 2)
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType
 
 from torsh_jax.pipeline.slots import BRANCHES
 from torsh_jax.tensor.axis import varying_axes
 from torsh_jax.typing import PyTree
 
-__all__ = ["EndSums", "end_stages", "ends_apart", "every_axis_manual"]
+__all__ = ["EndSums", "end_stages"]
 
 _PARTS = ("embed", "head")
 
 
-def end_stages(branch: np.ndarray, end: str) -> np.ndarray:
-    """The stages of the slot table ``branch`` (``[ticks, stages]`` indices into
+def end_stages(table: np.ndarray, end: str) -> tuple[int, ...]:
+    """The stages of the slot table ``table`` (``[ticks, stages]`` indices into
     :data:`~torsh_jax.pipeline.slots.BRANCHES`) that run the ``first`` (``last``) stage's branches.
 
     Example:
         >>> first, last = BRANCHES.index("F_first"), BRANCHES.index("B_last")
-        >>> end_stages(np.array([[first, 0], [0, last]]), "last").tolist()
-        [1]
+        >>> end_stages(np.array([[first, 0], [0, last]]), "last")
+        (1,)
     """
-    names = np.asarray(BRANCHES)[branch]
-    return np.flatnonzero(np.isin(names, (f"F_{end}", f"B_{end}")).any(axis=0))
-
-
-def ends_apart(branch: np.ndarray) -> bool:
-    """Whether no stage of the slot table ``branch`` runs both a first and a last stage's branch.
-
-    Example:
-        >>> first, last = BRANCHES.index("F_first"), BRANCHES.index("F_last")
-        >>> ends_apart(np.array([[first, 0], [0, last]])), ends_apart(np.array([[first], [last]]))
-        (True, False)
-    """
-    return not set(end_stages(branch, "first").tolist()) & set(end_stages(branch, "last").tolist())
-
-
-def every_axis_manual() -> bool:
-    """Whether every axis of the mesh being traced over that has more than one device is a
-    ``shard_map`` manual axis (no leaf is split by the compiler here).
-
-    Example:
-        >>> every_axis_manual()  # outside any mesh
-        True
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    sizes = zip(mesh.axis_types, mesh.axis_sizes, strict=True)
-    return all(kind == AxisType.Manual or size == 1 for kind, size in sizes)
+    names = np.asarray(BRANCHES)[table]
+    return tuple(np.flatnonzero(np.isin(names, (f"F_{end}", f"B_{end}")).any(axis=0)).tolist())
 
 
 class _Slot(NamedTuple):
@@ -87,39 +68,43 @@ class _Slot(NamedTuple):
 
     buffer: int
     transposed: bool
-    shared: bool
+    paired: bool
 
 
-class EndSums(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class EndSums:
     """How a stage carries the embedding's and head's gradient sums, in ``dtype``: the buffers'
-    shapes, and each part's parameters' :class:`_Slot` in them (per part, in leaf order) and
-    tree."""
+    ``shapes``, each part's parameters' :class:`_Slot` (``slots``, per part in leaf order) and
+    tree (``trees``), and the stages that make each part (``stages``: first, last)."""
 
     shapes: tuple[tuple[int, ...], ...]
     slots: tuple[tuple[_Slot, ...], tuple[_Slot, ...]]
     trees: tuple
+    stages: tuple[tuple[int, ...], tuple[int, ...]]
     dtype: Any
 
     @classmethod
-    def of(cls, embed: PyTree, head: PyTree, *, shared: bool, dtype: Any = jnp.float32) -> EndSums:
-        """The sums of gradients shaped and typed as ``embed``'s and ``head``'s parameters;
-        ``shared``: pair the two parts' parameters that can share a buffer."""
+    def of(
+        cls, embed: PyTree, head: PyTree, *, table: np.ndarray, pair: bool = True, dtype: Any = jnp.float32
+    ):
+        """The sums of gradients shaped and typed as ``embed``'s and ``head``'s parameters under the
+        slot table ``table``; ``pair``: let the two parts' parameters share buffers where no stage
+        makes both."""
+        stages = (end_stages(table, "first"), end_stages(table, "last"))
         leaves = (jax.tree.leaves(embed), jax.tree.leaves(head))
-        pairs = _pairs(*leaves) if shared else {}
-        shapes, slots = [], ([], [])
-        for i, leaf in enumerate(leaves[0]):
-            slots[0].append(_Slot(len(shapes), False, i in pairs))
-            shapes.append(tuple(leaf.shape))
-        partners = {j: (i, transposed) for i, (j, transposed) in pairs.items()}
+        apart = all(stages) and not set(stages[0]) & set(stages[1])
+        partners = _partners(*leaves) if pair and apart else {}
+        shapes = [tuple(leaf.shape) for leaf in leaves[0]]
+        embed_slots = tuple(_Slot(i, False, i in partners.values()) for i in range(len(shapes)))
+        head_slots = []
         for j, leaf in enumerate(leaves[1]):
             if j in partners:
-                i, transposed = partners[j]
-                slots[1].append(_Slot(slots[0][i].buffer, transposed, True))
+                head_slots.append(_Slot(partners[j], tuple(leaf.shape) != shapes[partners[j]], True))
             else:
-                slots[1].append(_Slot(len(shapes), False, False))
+                head_slots.append(_Slot(len(shapes), False, False))
                 shapes.append(tuple(leaf.shape))
         trees = (jax.tree.structure(embed), jax.tree.structure(head))
-        return cls(tuple(shapes), (tuple(slots[0]), tuple(slots[1])), trees, dtype)
+        return cls(tuple(shapes), (embed_slots, tuple(head_slots)), trees, stages, dtype)
 
     def zeros(self) -> tuple:
         """The sums before any gradient, one buffer each."""
@@ -133,32 +118,35 @@ class EndSums(NamedTuple):
             sums[slot.buffer] = sums[slot.buffer] + (g.T if slot.transposed else g)
         return tuple(sums)
 
-    def parts(self, sums: tuple, *, first: jax.Array, last: jax.Array) -> tuple[PyTree, PyTree]:
-        """``(embed, head)`` sums of a stage that is the ``first`` and / or ``last`` one (a shared
-        buffer's read as zero where the stage is not the end that part is made on)."""
-        return self._read(sums, 0, first), self._read(sums, 1, last)
+    def parts(self, sums: tuple, *, stage: jax.Array) -> tuple[PyTree, PyTree]:
+        """``(embed, head)`` sums on ``stage`` (a paired buffer read as zero for the part that
+        stage does not make)."""
+        return self._read(sums, 0, stage), self._read(sums, 1, stage)
 
-    def _read(self, sums: tuple, index: int, made: jax.Array) -> PyTree:
+    def _read(self, sums: tuple, index: int, stage: jax.Array) -> PyTree:
+        makes = jnp.isin(stage, jnp.asarray(self.stages[index], jnp.int32))
+
         def leaf(slot: _Slot):
-            value = jnp.where(made, sums[slot.buffer], 0) if slot.shared else sums[slot.buffer]
+            value = jnp.where(makes, sums[slot.buffer], 0) if slot.paired else sums[slot.buffer]
             return value.T if slot.transposed else value
 
         return jax.tree.unflatten(self.trees[index], [leaf(slot) for slot in self.slots[index]])
 
 
-def _pairs(embed: list, head: list) -> dict[int, tuple[int, bool]]:
-    """``{embedding leaf: (head leaf, transposed)}`` for the leaves that can share a buffer: the
-    same varying axes and the same shape, or a 2-D shape and its transpose; the largest first."""
-    by_size = sorted(range(len(embed)), key=lambda i: -math.prod(embed[i].shape))
-    free, pairs = set(range(len(head))), {}
-    for i in by_size:
-        e = embed[i]
-        for j in sorted(free):
-            h = head[j]
-            if varying_axes(h) != varying_axes(e):
-                continue
-            if h.shape == e.shape or (e.ndim == 2 and h.shape == e.shape[::-1] and e.shape[0] != e.shape[1]):
-                pairs[i] = (j, h.shape != e.shape)
-                free.discard(j)
-                break
-    return pairs
+def _partners(embed: list, head: list) -> dict[int, int]:
+    """``{head leaf: embedding leaf}`` for the leaves that can share a buffer: the same varying axes
+    and the same shape, or else a 2-D shape and its transpose (each leaf once)."""
+    free, partners = set(range(len(embed))), {}
+    same = lambda e, h: e.shape == h.shape
+    transposed = lambda e, h: e.ndim == 2 and h.shape == e.shape[::-1]
+    for fits in (same, transposed):
+        for j, h in enumerate(head):
+            match = next((i for i in sorted(free) if j not in partners and _fits(embed[i], h, fits)), None)
+            if match is not None:
+                partners[j] = match
+                free.discard(match)
+    return partners
+
+
+def _fits(e, h, shapes_fit) -> bool:
+    return varying_axes(e) == varying_axes(h) and shapes_fit(e, h)

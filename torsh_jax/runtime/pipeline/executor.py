@@ -66,7 +66,6 @@ from torsh_jax.pipeline.slots import BRANCHES, KINDS, SlotPlan, kind_of, send_pa
 from torsh_jax.plan.roles import STAGE_AXIS
 from torsh_jax.runtime.layered import LayeredModel, join_params
 from torsh_jax.runtime.pipeline.branches import Carry, StagePass
-from torsh_jax.runtime.pipeline.ends import EndSums, end_stages, ends_apart, every_axis_manual
 from torsh_jax.runtime.pipeline.varying import cast_vma, settled, typed_switch, vmas
 from torsh_jax.tensor.axis import varying_axes
 
@@ -98,7 +97,12 @@ def _pairs(sends: np.ndarray, step: int, stages: int) -> list[tuple[int, int]]:
 
 
 def pipeline_gradients(
-    model: LayeredModel, schedule: Schedule, *, accum_dtype: Any = jnp.float32, axis: str = STAGE_AXIS
+    model: LayeredModel,
+    schedule: Schedule,
+    *,
+    accum_dtype: Any = jnp.float32,
+    axis: str = STAGE_AXIS,
+    pair_ends: bool = True,
 ) -> Callable:
     """Per device: ``(params, batch, scale, passes) -> (grads, loss, [[forward, backward, weight]]
     slots run)``.
@@ -113,7 +117,9 @@ def pipeline_gradients(
     would hold a second sum of the stage's gradients beside it). The
     embedding and head gradients and the loss are this stage's share (zero
     off the first / last stage): :func:`reduce_over_stage` sums them once per
-    step, after the last pass.
+    step, after the last pass. ``pair_ends``: let the embedding's and head's gradient sums share
+    buffers (:class:`~torsh_jax.runtime.pipeline.ends.EndSums`); not where the compiler partitions
+    an axis inside the ``shard_map``.
     """
     plan = slot_plan(schedule)
     p, m = schedule.stages, schedule.microbatches
@@ -126,23 +132,22 @@ def pipeline_gradients(
         # parameters as varying over the batch axes whose sum it places itself
         params = cast_vma(params, jax.tree.map(lambda _: frozenset({axis}), params))
         seed = (jnp.float32(1.0) if scale is None else scale.astype(jnp.float32)) / m
-        one = StagePass(model, schedule, params, batch, seed, passes)
+        one = StagePass(
+            model, schedule, params, batch, seed, passes, pair_ends=pair_ends, accum_dtype=accum_dtype
+        )
         shape = jax.eval_shape(lambda: model.embed(one.embed_p, one.batch_of(0)))
         # activations vary as the embedding's output does (and over stage) from the first tick on: a
         # scanned tick reading the stash before anything arrived sees the type it will have
         hidden = lambda *lead: cast_vma(jnp.zeros((*lead, *shape.shape), shape.dtype), vmas(shape) | {axis})
         one.dtype, one.zeros = shape.dtype, hidden()
         zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, accum_dtype), tree)
-        shared = ends_apart(plan.branch) and every_axis_manual()
-        one.ends = EndSums.of(one.embed_p, one.head_p, shared=shared, dtype=accum_dtype)
         grads = (one.ends.zeros(), zeros(one.chunks))
         carry = Carry(acts=hidden(plan.activation_slots), cots=hidden(plan.gradient_slots),
                        wstash=hidden(plan.weight_slots, 2, one.per_chunk), grads=grads,
                        loss_sum=jnp.float32(0.0), counts=jnp.zeros(3, jnp.int32))  # fmt: skip
         carry = _scan_ticks(_Ticks(stage, plan, one, axis, p, types={}, gated={}), carry, passes)
         sums, g_chunks = carry.grads
-        first, last = (jnp.isin(stage, end_stages(plan.branch, end)) for end in ("first", "last"))
-        g_embed, g_head = one.ends.parts(sums, first=first, last=last)
+        g_embed, g_head = one.ends.parts(sums, stage=stage)
         g_layers = g_chunks if schedule.virtual_stages > 1 else jax.tree.map(lambda x: x[0], g_chunks)
         grads = join_params(model, g_embed, g_layers, g_head)  # a tied embedding: both parts summed
         return grads, carry.loss_sum / m, carry.counts[None]
