@@ -466,6 +466,19 @@ def test_1f1b_temporary_memory_is_flat_in_microbatches_and_gpipe_grows():
 HEAVY = LMConfig(vocab=512, d_model=128, heads=2, head_dim=64, mlp=512, layers=4, seq_len=8)
 
 
+@functools.cache
+def _heavy_step_text(schedule: str) -> str:
+    """The optimized HLO of the MLP model's step under ``schedule`` over 2 stages, 4 micro-batches
+    (compiled once for the tests that read it)."""
+    shapes = jax.eval_shape(lambda: mlp_params(HEAVY, jax.random.key(0)))
+    plan = pipeline_plan(schedule, stages=2, microbatches=4)
+    train = make_train_step(
+        mlp_model(HEAVY), optax.sgd(0.1), plan, build_mesh(plan, jax.devices()[:2]), shapes
+    )
+    batch = synthetic_tokens(HEAVY, batch_size=train.global_batch_size, seed=0)
+    return train.lower(train.abstract_state(), batch).compile().as_text()
+
+
 def _largest_copy_in_branches(compiled_text: str) -> int:
     """Bytes of the largest ``copy`` inside a conditional's branches of a compiled program."""
     from torsh_jax.analysis._hlo_text import parse_module, shape_bytes
@@ -487,13 +500,7 @@ def test_a_ticks_branch_copies_no_gradient_or_stash_it_passes_on(schedule):
     large as one weight of a layer. The MLP blocks hold the same accumulators and stashes as the
     transformer's and compile in a quarter of the time; before the fix, each schedule's branches
     copied 512 KiB here (two weights)."""
-    shapes = jax.eval_shape(lambda: mlp_params(HEAVY, jax.random.key(0)))
-    plan = pipeline_plan(schedule, stages=2, microbatches=4)
-    train = make_train_step(
-        mlp_model(HEAVY), optax.sgd(0.1), plan, build_mesh(plan, jax.devices()[:2]), shapes
-    )
-    batch = synthetic_tokens(HEAVY, batch_size=train.global_batch_size, seed=0)
-    text = train.lower(train.abstract_state(), batch).compile().as_text()
+    text = _heavy_step_text(schedule)
     one_weight = HEAVY.d_model * HEAVY.mlp * 4
     assert _largest_copy_in_branches(text) < one_weight
 
@@ -556,13 +563,7 @@ def test_a_stage_carries_one_buffer_for_the_embeddings_and_heads_gradient_sums(s
     model's vocabulary-sized float32 buffer less on every stage (131 MB a device at 150 M on
     v5e-16: ``pp fsdp=8 stage=2 1f1b m=4 zero1 acc=4`` peaked at 2,435 MB with both sums, 2,304 MB
     with one). Before, the loop carried ``[512, 128]`` and ``[128, 512]`` twice each."""
-    shapes = jax.eval_shape(lambda: mlp_params(HEAVY, jax.random.key(0)))
-    plan = pipeline_plan(schedule, stages=2, microbatches=4)
-    train = make_train_step(
-        mlp_model(HEAVY), optax.sgd(0.1), plan, build_mesh(plan, jax.devices()[:2]), shapes
-    )
-    batch = synthetic_tokens(HEAVY, batch_size=train.global_batch_size, seed=0)
-    text = train.lower(train.abstract_state(), batch).compile().as_text()
+    text = _heavy_step_text(schedule)
     v, d = HEAVY.vocab, HEAVY.d_model
     vocab_sized = [a.dims for a in _tick_loop_arrays(text) if a.dtype == "f32" and math.prod(a.dims) == v * d]
     assert sorted(vocab_sized) == sorted([(v, d), (d, v), (v, d)])  # the two parameters, one sum
