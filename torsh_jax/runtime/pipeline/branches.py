@@ -30,9 +30,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from torsh_jax.pipeline.schedule import Schedule
-from torsh_jax.pipeline.slots import BRANCHES, slot_plan, slot_scope
+from torsh_jax.pipeline.slots import BRANCHES, slot_scope
 from torsh_jax.runtime.accumulate import split_micro_batches
 from torsh_jax.runtime.layered import LayeredModel, scan_layers, split_params
 from torsh_jax.runtime.pipeline.ends import EndSums
@@ -84,10 +85,11 @@ class StagePass:
 
     def __init__(
         self, model: LayeredModel, schedule: Schedule, params, batch, seed, passes: int = 1, *,
-        pair_ends: bool = True, accum_dtype=jnp.float32,
+        table: np.ndarray, pair_ends: bool = True, accum_dtype=jnp.float32,
     ):  # fmt: skip
-        """``pair_ends``: let the embedding's and head's gradient sums share buffers (:class:`EndSums`),
-        summed in ``accum_dtype``."""
+        """``table``: the schedule's slot table (:attr:`~torsh_jax.pipeline.slots.SlotPlan.branch`);
+        ``pair_ends``: let the embedding's and head's gradient sums share buffers
+        (:class:`EndSums`), summed in ``accum_dtype``."""
         self.model, self.v = model, schedule.virtual_stages
         self.split = schedule.splits_backward
         self.embed_p, layers, self.head_p = split_params(model, params)
@@ -97,7 +99,6 @@ class StagePass:
         self.m = schedule.microbatches
         self.micro = split_micro_batches(batch, self.m * passes)
         self.seed = seed
-        table = slot_plan(schedule).branch
         self.ends = EndSums.of(self.embed_p, self.head_p, table=table, pair=pair_ends, dtype=accum_dtype)
         self._made: dict = {}
 

@@ -141,7 +141,9 @@ def _partners(embed: list, head: list) -> dict[int, int]:
     transposed = lambda e, h: e.ndim == 2 and h.shape == e.shape[::-1]
     for fits in (same, transposed):
         for j, h in enumerate(head):
-            match = next((i for i in sorted(free) if j not in partners and _fits(embed[i], h, fits)), None)
+            if j in partners:
+                continue
+            match = next((i for i in sorted(free) if _fits(embed[i], h, fits)), None)
             if match is not None:
                 partners[j] = match
                 free.discard(match)

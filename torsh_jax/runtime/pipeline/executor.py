@@ -132,9 +132,8 @@ def pipeline_gradients(
         # parameters as varying over the batch axes whose sum it places itself
         params = cast_vma(params, jax.tree.map(lambda _: frozenset({axis}), params))
         seed = (jnp.float32(1.0) if scale is None else scale.astype(jnp.float32)) / m
-        one = StagePass(
-            model, schedule, params, batch, seed, passes, pair_ends=pair_ends, accum_dtype=accum_dtype
-        )
+        one = StagePass(model, schedule, params, batch, seed, passes, table=plan.branch,
+                        pair_ends=pair_ends, accum_dtype=accum_dtype)  # fmt: skip
         shape = jax.eval_shape(lambda: model.embed(one.embed_p, one.batch_of(0)))
         # activations vary as the embedding's output does (and over stage) from the first tick on: a
         # scanned tick reading the stash before anything arrived sees the type it will have
