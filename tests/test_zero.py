@@ -294,3 +294,57 @@ def test_a_float32_leaf_alone_in_its_bucket_is_reduce_scattered_in_its_own_shape
     chex.assert_trees_all_equal(alone, packed)
     _, [[bf16]] = synced({"g": jax.random.normal(c, (16, 3), jnp.bfloat16)}, {"g": 0}, 0)
     assert bf16 == "f32[8,6]"  # its row, widened on the CPU
+
+
+def _f32(shape) -> str:
+    return f"f32[{','.join(map(str, shape))}]"
+
+
+def test_zero3_reduces_each_gradient_in_its_own_shape():
+    """ZeRO-3's per-layer reductions in the gather's backward take each float32 gradient as it is
+    (a layer's slice, the embedding, the head), not as a flat ``[fsdp, n]`` row: every
+    reduce-scatter of the compiled step has a parameter's shape."""
+    from torsh_jax.analysis.hlo import collectives_from_text
+
+    _, state, compiled, _ = _compiled_preset("zero3", layers=2)
+    params = state.params
+    layer = {_f32(x.shape[1:]) for x in jax.tree.leaves(params["layers"])}
+    whole = {_f32(x.shape) for key in ("embed", "head") for x in jax.tree.leaves(params[key])}
+    reductions = [c for c in collectives_from_text(compiled.as_text()) if c.kind == "reduce-scatter"]
+    scattered = {shape for c in reductions for shape in c.operand_shapes}
+    assert len(reductions) >= 6
+    assert scattered <= layer | whole, scattered - layer - whole
+
+
+def test_one_leaf_reduced_in_its_own_shape_equals_its_row():
+    """:func:`~torsh_jax.runtime.sync.sync_leaf` (ZeRO-3's backward): a float32 leaf is
+    reduce-scattered as it is and its shard equals the one its flat row gives, exactly; a bfloat16
+    leaf is sent as its row."""
+    import chex
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from torsh_jax.analysis.hlo import collectives_from_text
+    from torsh_jax.runtime.sync import SyncSpec, sync_gradients, sync_leaf
+
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    spec = SyncSpec(axes=("fsdp",), scatter_axis="fsdp", scatter_size=8, bucket_bytes=2**20)
+
+    def run(fn, g, dim):
+        out = P(*([None] * dim), "fsdp")
+        step = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=out))
+        [operands] = [c.operand_shapes for c in collectives_from_text(step.lower(g).compile().as_text())]
+        return step(g), operands
+
+    def packed(x):  # a second leaf in the bucket: the leaf travels in the bucket's row
+        pair = {"g": x, "pad": jnp.zeros((8,))}
+        return sync_gradients(pair, (), spec=spec, dims={"g": 1, "pad": 0})[0]["g"]
+
+    g = jax.random.normal(jax.random.key(0), (6, 40))
+    own, operands = run(lambda x: sync_leaf(x, 1, spec), g, 1)
+    assert operands == ("f32[6,40]",)
+    row, row_operands = run(packed, g, 1)
+    assert row_operands == ("f32[8,31]",)
+    chex.assert_trees_all_equal(own, row)
+    _, bf16 = run(lambda x: sync_leaf(x, 0, spec), jnp.zeros((16, 3), jnp.bfloat16), 0)
+    assert bf16 == ("f32[8,6]",)  # its row, widened on the CPU

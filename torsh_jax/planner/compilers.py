@@ -135,7 +135,8 @@ class CompilerProfile:
 #: libtpu 0.0.42.1, against its own peak: the demo model at 150 M on v5e-16 and 1 B on v5e-256
 #: (read from), 350 M on v5e-32 and 7 B on v5e-256 (not): 41 of 47 compiled plans within 5 %, the
 #: mean absolute error 2.8 %; DDP and ZeRO-1 11 of 11, ZeRO-2 9 of 9, remat 12 of 15 (-7.4 % to
-#: +9.3 %), ZeRO-3 9 of 12 (-8.7 % to +6.3 %); the plans not read from 8 of 10 (compiled with
+#: +9.3 %), ZeRO-3 9 of 12 (-8.7 % to +6.3 %, its reductions as rows; in their own shape 7 of
+#: 15, -4.7 % to +56.1 %, an upper bound, below); the plans not read from 8 of 10 (compiled with
 #: DDP's and ZeRO-1's accumulation summing in place; the CPU formulas had 11 of 45 within 5 %
 #: before it); a small model held out (``d_model`` 512, 4 layers, v5e-8) 6 of 10, to +18.7 % (its
 #: ZeRO-3 step keeps part of a layer's working set and the gathered weights in the chip's VMEM,
@@ -156,9 +157,13 @@ class CompilerProfile:
 #: and head 54 % of it): its 5 accumulating plans without remat came within -0.7 % to +3.8 %
 #: (+3.2 % to +10.0 % counting them whole), the one recomputing at +14.1 % (+18.0 %). Read with every
 #: gradient reduced as a flat row; since a float32 one alone in its bucket is reduced in its own
-#: shape, 150 M's 12 plans without ZeRO-3 came within -4.6 % to +3.8 % again (ZeRO-3's per-layer
-#: reductions keep the row: docs/planner.md). A pipeline stage's buffers (``stage_buffers``) are
-#: the module docstring's; no pipeline with remat was compiled, and its carry and copy are the same.
+#: shape, 150 M's 12 plans without ZeRO-3 came within -4.6 % to +3.8 % again. ZeRO-3's per-layer
+#: reductions take the same path, and libtpu then either keeps the logits through the layers'
+#: backward, as the profile counts (150 M's ``fsdp=16``, 1 B, 7 B: -4.7 % to +8.6 %), or frees
+#: them first (``d_model`` 512, 350 M, 150 M over ``tensor``: +20 % to +56 %); no share of the
+#: terms fits both without putting the first kind 20 % under (docs/planner.md). A pipeline
+#: stage's buffers (``stage_buffers``) are the module docstring's; no pipeline with remat was
+#: compiled, and its carry and copy are the same.
 TPU = CompilerProfile(
     name="libtpu 0.0.42.1",
     attention=6,

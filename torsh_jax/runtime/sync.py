@@ -14,7 +14,7 @@ keeps its row: XLA:CPU runs a bfloat16 collective in float32, and where the
 cast to bfloat16 directly precedes it, the compiler drops the rounding
 (excess precision allowed) and sends float32 (a ZeRO-3 step sent 1.06 times
 its bfloat16 bytes so).
-ZeRO-3's per-layer reductions (:func:`sync_leaf`) keep the row for now.
+ZeRO-3's per-layer reductions (:func:`sync_leaf`) take the same two paths.
 DDP all-reduces every bucket (no scatter axis); ZeRO-1/2 reduce-scatter the
 buckets of sharded leaves over ``fsdp`` (``k`` = its size, row i = device i's
 shard) and all-reduce those of replicated leaves; ZeRO-3's gather backward
@@ -358,10 +358,11 @@ def sync_gradients(
 def sync_leaf(grad: jax.Array, dim: int | None, spec: SyncSpec) -> jax.Array:
     """Synchronise one leaf with fresh (discarded) feedback: for a backward pass, which keeps no state.
 
-    The leaf travels as its flat row even alone and uncompressed: ZeRO-3's per-layer reductions
-    reduced in their own shape change the step's memory that the planner's profiles were read from
-    (a converted GPT-2's ZeRO-3 step on 8 CPU devices compiled 10 % below its prediction)."""
+    Like a bucket of one leaf in :func:`sync_gradients`: a float32 leaf no compressor passes
+    through is reduced in its own shape, any other as its padded row."""
     bucket = plan_buckets([grad], [dim], spec)[0]
+    if _in_own_shape(bucket, spec, [grad]):
+        return _sync_in_own_shape(grad, dim, bucket, spec)
     feedback = _bucket_feedback(bucket, spec, copies=dict.fromkeys(spec.routes, 1))
     row, _ = _sync_bucket(_bucket_rows([grad], [dim], bucket), feedback, bucket, spec, None)
     out: list[jax.Array | None] = [None]
