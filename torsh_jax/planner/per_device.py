@@ -21,6 +21,7 @@ from torsh_jax.pipeline.slots import slot_plan
 from torsh_jax.planner.buffers import tensor_split_elements
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Candidate
+from torsh_jax.runtime.pipeline.ends import pairs_end_sums
 
 __all__ = [
     "local_params",
@@ -51,7 +52,9 @@ def paired_end_sums(c: Candidate, shape: ModelShape) -> tuple[int, bool]:
     """``(parameters of the device's smaller part of the embedding and head, whether a pipeline
     stage carries their gradient sums paired)``: the runtime's stages share one buffer between
     the two parts' sums (:mod:`torsh_jax.runtime.pipeline.ends`) unless the compiler partitions
-    ``tensor`` (a model without tensor blocks), where each stage carries both.
+    ``tensor`` (a model without tensor blocks), where each stage carries both
+    (:func:`~torsh_jax.runtime.pipeline.ends.pairs_end_sums`, given what the compiler would
+    partition).
 
     Example:
         >>> from torsh_jax.planner.space import candidates
@@ -63,7 +66,7 @@ def paired_end_sums(c: Candidate, shape: ModelShape) -> tuple[int, bool]:
     """
     t = c.sizes["tensor"]
     smaller = min(shape.embed_params, shape.head_params)
-    paired = c.sizes["stage"] > 1 and (t == 1 or shape.tensor_blocks)
+    paired = c.sizes["stage"] > 1 and pairs_end_sums(() if shape.tensor_blocks else (t,))
     return round(split_part(tensor_shares(c, shape).shared, smaller / t, smaller)), paired
 
 

@@ -42,6 +42,7 @@ from torsh_jax.runtime.fsdp import all_gather_params, gathered_loss, gathering_m
 from torsh_jax.runtime.layered import layered_loss
 from torsh_jax.runtime.layout import StateLayout
 from torsh_jax.runtime.pipeline import pipeline_gradients, reduce_over_stage
+from torsh_jax.runtime.pipeline.ends import pairs_end_sums
 from torsh_jax.runtime.precision import cast_tree
 from torsh_jax.runtime.sink import accumulate_into, sinks_layers
 from torsh_jax.runtime.state import TrainState
@@ -88,8 +89,7 @@ def _pipeline_passes(decided: StepPlan, layout: StateLayout, split: PyTree) -> C
     if decided.roles.gather == "on_use":  # gather one layer at a time in every slot
         model = gathering_model(decided, layout.dims, specs=split)
     accum_dtype = jax.numpy.dtype(decided.plan.precision.param_dtype)
-    # the compiler's axes: a sum laid out as another part's there may move between devices
-    pair_ends = all(decided.roles.size(axis) == 1 for axis in decided.compiler_axes)
+    pair_ends = pairs_end_sums(decided.roles.size(axis) for axis in decided.compiler_axes)
     return pipeline_gradients(model, decided.schedule, accum_dtype=accum_dtype, pair_ends=pair_ends)
 
 

@@ -15,8 +15,9 @@ over ``stage``.
 
 Nothing is paired where a stage makes both (the first and last stages meet), nor where the caller
 says not to: the step does not pair where the compiler partitions a mesh axis inside the
-``shard_map`` (``tensor`` for a model without tensor blocks). There a flattened buffer moved data
-between devices inside the first stage's branch alone and the step hung; pairing is not tried.
+``shard_map`` (``tensor`` for a model without tensor blocks: :func:`pairs_end_sums`). There a
+flattened buffer moved data between devices inside the first stage's branch alone and the step
+hung; pairing is not tried.
 
 Example (an untied table and head sharing one buffer: the embedding's sum on stage 0 of 2):
     >>> import jax.numpy as jnp
@@ -34,6 +35,7 @@ Example (an untied table and head sharing one buffer: the embedding's sum on sta
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import jax
@@ -44,9 +46,23 @@ from torsh_jax.pipeline.slots import BRANCHES
 from torsh_jax.tensor.axis import varying_axes
 from torsh_jax.typing import PyTree
 
-__all__ = ["EndSums", "end_stages"]
+__all__ = ["EndSums", "end_stages", "pairs_end_sums"]
 
 _PARTS = ("embed", "head")
+
+
+def pairs_end_sums(compiler_axis_sizes: Iterable[int]) -> bool:
+    """Whether a step's stages may pair their end sums, given the sizes of the mesh axes the
+    compiler partitions inside the ``shard_map``: only where each is 1. The compiler lays each
+    part out on its own along such an axis, and a sum held in the other part's layout would move
+    between devices inside one stage's branch. The planner asks the same
+    (:func:`torsh_jax.planner.per_device.paired_end_sums`).
+
+    Example:
+        >>> pairs_end_sums([]), pairs_end_sums([1]), pairs_end_sums([2])
+        (True, True, False)
+    """
+    return all(n == 1 for n in compiler_axis_sizes)
 
 
 def end_stages(table: np.ndarray, end: str) -> tuple[int, ...]:
