@@ -61,9 +61,8 @@ def require_layered(loss: LayeredModel, roles: Roles) -> None:
 def _require_whole_stage_keys(model: LayeredModel, roles: Roles) -> None:
     """The stacked layers are split over ``stage``: embed and head (on one stage each) cannot read them
     (nor can a head given the whole tree, ``head_keys=None``)."""
-    readers = shared_keys(model).get(model.layers_key)
-    if model.head_keys is None:
-        readers = ("layers", "head")
+    whole_tree = model.head_keys is None
+    readers = ("layers", "head") if whole_tree else shared_keys(model).get(model.layers_key)
     if readers is None:
         return
     other = next(part for part in readers if part != "layers")
