@@ -187,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         "global_batch": args.global_batch,
         "candidates": len(ranked),
         "fitting": sum(p.fits for p in ranked),
+        "may_fit": sum(p.may_fit and not p.fits for p in ranked),  # the compiler's schedule decides
         "verify": budget,
         "verify_seconds": args.verify_seconds,
         "verify_stopped": stopped,
@@ -443,7 +444,8 @@ def _table(report: dict) -> str:
         f"{report['model']['name']} ({report['model']['params'] / 1e6:,.0f} M parameters), global batch "
         f"{report['global_batch']}, on {m['name']} ({m['devices']} devices, "
         f"{format_bytes(m['memory_bytes'])} each: {m['memory_source']})",
-        f"{report['candidates']} plans considered, {report['fitting']} fit; predicted per step:",
+        f"{report['candidates']} plans considered, {report['fitting']} fit{_may_fit_text(report)}; "
+        "predicted per step:",
         _rendered(_plans_table(report["plans"])),
     ]
     if report.get("pick_by") == "measured":
@@ -474,7 +476,6 @@ def _plans_table(plans: list[dict]):
     from rich.table import Table
 
     from torsh_jax.plan.spec import AXES
-    from torsh_jax.units import format_bytes
 
     axes = [a for a in AXES if any(a in p["comm_s"] for p in plans)]  # in the plan's order
     dashed_head = box.Box("    \n    \n -- \n    \n    \n    \n    \n    \n", ascii=True)
@@ -489,15 +490,38 @@ def _plans_table(plans: list[dict]):
     for p in plans:
         comm = [_ms(p["comm_s"][a]) if a in p["comm_s"] else "-" for a in axes]
         table.add_row(
-            p["label"] + ("" if p["fits"] else " (does not fit)"),
+            p["label"] + _fit_note(p),
             *(_ms(p[k]) for k in ("step_s", "compute_s", "bubble_s")),
             *comm,
             _ms(p["exposed_s"]),
-            format_bytes(p["memory"]["total"]),
+            _memory_text(p),
             _compiled_text(p["compiled"]),
             *([_ms(p["measured_s"]) if p["measured_s"] is not None else ""] if measured else []),
         )
     return table
+
+
+def _may_fit_text(report: dict) -> str:
+    """`` (3 more may: the compiler decides)`` where plans fit by their floor alone, else nothing."""
+    more = report.get("may_fit")
+    return f" ({more} more may: the compiler decides)" if more else ""
+
+
+def _fit_note(plan: dict) -> str:
+    """After a plan's label: nothing where it fits, ``(may fit)`` where only its floor does (the
+    compiler's schedule decides), else ``(does not fit)``."""
+    if plan["fits"]:
+        return ""
+    return " (may fit)" if plan.get("may_fit") else " (does not fit)"
+
+
+def _memory_text(plan: dict) -> str:
+    """The predicted memory per device: ``1.2 GiB``, or ``0.8-1.2 GiB`` where the compiler's
+    schedule decides between a floor and the total (``memory_floor``)."""
+    from torsh_jax.units import format_bytes
+
+    total, floor = plan["memory"]["total"], plan.get("memory_floor")
+    return format_bytes(total) if floor is None else f"{format_bytes(floor)} to {format_bytes(total)}"
 
 
 def _rendered(table) -> str:

@@ -25,6 +25,11 @@ step holds:
   :attr:`CompilerProfile.shared_accumulating` of a layer parameter's;
 * gathering each layer on use (ZeRO-3), the head's float32 weights.
 
+Where ZeRO-3 gathers each layer on use, libtpu's scheduler either keeps the logits through the
+layers' backward, beside a recomputed layer's working set, or frees them first: the peak lies
+between the larger of the two phases and their sum (:func:`apart_bytes`; the profile counts the
+sum, and ``plan --verify`` compiles a plan whose lower end fits to decide).
+
 A pipeline stage holds the same parts as the step of a model of its chunk's layers on one
 micro-batch, with the stage's stash (the runtime's slots) among the activations and
 :attr:`~CompilerProfile.stage_buffers`: the stage's float32 gradient carry, each layer's gradient
@@ -83,7 +88,7 @@ from torsh_jax.planner.per_device import (
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Candidate
 
-__all__ = ["CompilerProfile", "TPU", "PROFILES", "step_memory", "residual_bytes"]
+__all__ = ["CompilerProfile", "TPU", "PROFILES", "step_memory", "apart_bytes", "residual_bytes"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,9 @@ class CompilerProfile:
             bfloat16, whatever the compute dtype), whose copy of a stage's weights
             ``stage_buffers`` counts: a ZeRO-3 stage gathers its layers and head in it, and the
             gather is that copy; ``None``: no such copy.
+        logits_apart_on_use: whether, gathering each layer on use, the compiler may free the
+            logits before the layers' backward instead of holding them beside a recomputed
+            layer's working set (:func:`apart_bytes`).
     """
 
     name: str
@@ -130,6 +138,7 @@ class CompilerProfile:
     stage_buffers: float = 1.0
     shared_staged: float = 1.0
     matrix_bytes: int | None = None
+    logits_apart_on_use: bool = False
 
 
 #: libtpu 0.0.42.1, against its own peak: the demo model at 150 M on v5e-16 and 1 B on v5e-256
@@ -183,6 +192,7 @@ TPU = CompilerProfile(
     stage_buffers=1.5,
     shared_staged=0.5,
     matrix_bytes=2,
+    logits_apart_on_use=True,
 )
 
 #: Profiles by :attr:`~torsh_jax.planner.machine.Machine.platform`.
@@ -244,9 +254,45 @@ def step_memory(
             roles.gather, shape, shares, t, _stage_gather_bytes(shape, profile, count, shared_params, cb)
         ),
         "activations": per_token * cb / 4 * activation_scale * tokens + stash_bytes,  # read in float32
-        "logits": split_part(shares.vocab, 4 * shape.vocab / t, 4 * shape.vocab) * tokens,
+        "logits": _logits_bytes(c, shape, tokens),
     }
     return {k: int(v) for k, v in parts.items()}
+
+
+def apart_bytes(
+    c: Candidate, shape: ModelShape, profile: CompilerProfile, *, activation_scale: float = 1.0
+) -> int:
+    """Bytes of :func:`step_memory`'s sum the compiler may never hold at once: for a ZeRO-3 step
+    gathering each layer on use under a profile with
+    :attr:`~CompilerProfile.logits_apart_on_use`, the smaller of its float32 logits and a
+    recomputed layer's working set (the scheduler holds the logits through the layers' backward,
+    or frees them first); else 0. The step's peak lies between the sum less these bytes and the
+    sum. Compiled for TPU targets (libtpu 0.0.42.1, the 15 ZeRO-3 plans of
+    ``bench_planner_memory.py --tpu 150m|350m|1b|7b|d512``): the sum -4.8 % to +56.0 % of the
+    peak, the sum less these bytes -37.8 % to +4.0 % (docs/planner.md).
+
+    Example (the ``d_model`` 512 model's ``zero3 fsdp=8 acc=1`` on v5e-8: libtpu's peak 647 MiB):
+        >>> from torsh_jax.planner.shape import parse_model
+        >>> from torsh_jax.planner.space import candidates
+        >>> shape = parse_model("demo:d_model=512,layers=4")
+        >>> found = {c.label: c for c in candidates(shape, devices=8, global_batch=32)}
+        >>> c = found["zero3 fsdp=8 acc=1"]
+        >>> apart_bytes(c, shape, TPU) / 2**20  # of a predicted 988 MiB: the working set's
+        328.0
+    """
+    if not profile.logits_apart_on_use or compose(c.plan, c.sizes).gather != "on_use":
+        return 0
+    working = profile.recompute_on_use or profile.recompute
+    cb = DTYPE_BYTES[c.plan.precision.compute_dtype]
+    per_token = _working_set_per_token(c, shape, working) * cb / 4 * activation_scale  # read in float32
+    tokens = tokens_per_micro_step(c, shape)
+    return int(min(per_token * tokens, _logits_bytes(c, shape, tokens)))
+
+
+def _logits_bytes(c: Candidate, shape: ModelShape, tokens: int) -> float:
+    """The float32 logits of ``tokens`` tokens, of the device's share of the vocabulary."""
+    t = c.sizes["tensor"]
+    return split_part(tensor_shares(c, shape).vocab, 4 * shape.vocab / t, 4 * shape.vocab) * tokens
 
 
 def _buffer_bytes(
@@ -321,7 +367,14 @@ def _activation_bytes_per_token(
     if recomputed is None:
         split = residual_bytes(profile, shape, t, sp)
         return layers * split_part(layer, split, residual_bytes(profile, shape))
+    inputs = layers * 4 * shape.d_model / (t if sp else 1)
+    return inputs + _working_set_per_token(c, shape, recomputed)
+
+
+def _working_set_per_token(c: Candidate, shape: ModelShape, recomputed: tuple[float, float, float]) -> float:
+    """Float32 bytes per token of one recomputed layer's working set (``(attention, mlp, d)``), of
+    the share of a layer the plan splits at ``tensor``, the rest whole."""
+    t, layer = c.sizes["tensor"], tensor_shares(c, shape).layer
     attention, mlp, d = recomputed
     working = lambda t: attention * shape.heads * shape.seq_len / t + mlp * shape.mlp / t + d * shape.d_model
-    inputs = layers * 4 * shape.d_model / (t if sp else 1)
-    return inputs + split_part(layer, working(t), working(1))
+    return split_part(layer, working(t), working(1))

@@ -64,7 +64,7 @@ from torsh_jax.plan.factor import link_kind
 from torsh_jax.plan.roles import compose
 from torsh_jax.planner.buffers import compressed_buffers, tensor_replicated_elements
 from torsh_jax.planner.machine import Machine, nearest_in_ratio
-from torsh_jax.planner.memory import memory_parts
+from torsh_jax.planner.memory import memory_floor, memory_parts
 from torsh_jax.planner.per_device import (
     chunk_layers,
     local_params,
@@ -110,6 +110,9 @@ class Prediction:
         break_even_bytes_per_s: the link bandwidth below which the compression pays.
         measured_s: the step's median seconds measured on this host's devices
             (:mod:`~torsh_jax.planner.measure`), where it was run.
+        memory_floor: where the compiler's scheduler decides which parts it holds at once, the
+            least the peak may be (``memory["total"]`` is the most:
+            :func:`~torsh_jax.planner.memory.memory_floor`); else ``None``.
     """
 
     candidate: Candidate
@@ -126,6 +129,7 @@ class Prediction:
     update_s: float = 0.0
     break_even_bytes_per_s: float | None = None
     measured_s: float | None = None
+    memory_floor: int | None = None
 
     @property
     def step_s(self) -> float:
@@ -134,6 +138,11 @@ class Prediction:
     @property
     def fits(self) -> bool:
         return self.memory["total"] <= self.memory_limit
+
+    @property
+    def may_fit(self) -> bool:
+        """Fits, or its :attr:`memory_floor` does: only compiling it tells."""
+        return self.fits or (self.memory_floor is not None and self.memory_floor <= self.memory_limit)
 
     def to_dict(self) -> dict:
         c = self.candidate
@@ -160,8 +169,10 @@ class Prediction:
             "comm_s": self.comm_s,
             "exposed_s": self.exposed_s,
             "memory": self.memory,
+            "memory_floor": self.memory_floor,
             "memory_limit": self.memory_limit,
             "fits": self.fits,
+            "may_fit": self.may_fit,
             "compiled": self.compiled or None,
             "measured_s": self.measured_s,
         }
@@ -193,9 +204,10 @@ def predict(
     plain = theories(candidate, shape, compressed=False)
     sent = _as_sent(plain, candidate, shape)
     comm = _comm_seconds(candidate, sent, machine)
+    memory = memory_parts(candidate, shape, opt_factor, machine)
     return Prediction(
         candidate,
-        memory_parts(candidate, shape, opt_factor, machine),
+        memory,
         compute,
         bubble,
         comm,
@@ -205,6 +217,7 @@ def predict(
         codec_s=codec,
         update_s=update,
         break_even_bytes_per_s=_break_even(plain, sent, codec),
+        memory_floor=memory_floor(candidate, shape, machine, memory),
     )
 
 

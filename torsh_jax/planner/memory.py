@@ -50,7 +50,7 @@ from typing import NamedTuple
 from torsh_jax.analysis.theory import DTYPE_BYTES, theoretical_memory_per_device
 from torsh_jax.plan.compressors import METHODS
 from torsh_jax.plan.roles import compose
-from torsh_jax.planner.compilers import PROFILES, step_memory
+from torsh_jax.planner.compilers import PROFILES, apart_bytes, step_memory
 from torsh_jax.planner.machine import Machine, nearest_in_ratio
 from torsh_jax.planner.per_device import (
     chunk_layers,
@@ -68,6 +68,7 @@ from torsh_jax.planner.space import Candidate
 
 __all__ = [
     "memory_parts",
+    "memory_floor",
     "full_layer_bytes_per_token",
     "SCANNED_STAGE",
     "ScannedStage",
@@ -166,6 +167,31 @@ def memory_parts(c: Candidate, shape: ModelShape, opt_factor: float, machine: Ma
     }
     parts["gradients"] += _sum_after_backward(c, roles.reduce, count * pb, parts)
     return {**parts, "total": sum(parts.values())}
+
+
+def memory_floor(c: Candidate, shape: ModelShape, machine: Machine, parts: dict[str, int]) -> int | None:
+    """The least the peak may be where the machine's compiler schedules some of ``parts`` (
+    :func:`memory_parts`'s) apart or together as it chooses
+    (:func:`~torsh_jax.planner.compilers.apart_bytes`: a TPU's ZeRO-3 step gathering on use):
+    their ``total`` less what may never be held at once; ``None`` where ``total`` is the one
+    figure.
+
+    Example:
+        >>> from torsh_jax.planner.machine import Machine
+        >>> from torsh_jax.planner.shape import ModelShape
+        >>> from torsh_jax.planner.space import candidates
+        >>> shape, tpu = ModelShape.demo("tiny"), Machine.from_target("v5e-8")
+        >>> found = {c.label: c for c in candidates(shape, devices=8, global_batch=64)}
+        >>> floors = {k: memory_floor(found[k], shape, tpu, memory_parts(found[k], shape, 2.0, tpu))
+        ...           for k in ("zero3 fsdp=8 acc=1", "zero1 fsdp=8 acc=1")}
+        >>> floors["zero3 fsdp=8 acc=1"] > 0, floors["zero1 fsdp=8 acc=1"]
+        (True, None)
+    """
+    profile = PROFILES.get(machine.platform)
+    if profile is None or _of_compiled_model(c, shape, machine):
+        return None
+    apart = apart_bytes(c, shape, profile, activation_scale=machine.activation_scale)
+    return parts["total"] - apart if apart else None
 
 
 def _as_compiled(

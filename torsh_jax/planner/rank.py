@@ -48,8 +48,12 @@ def search(
     global_batch: int,
     base: ParallelPlan | None = None,
     space: Space | None = None,
+    by_floor: bool = False,
+    refused: frozenset[str] | set[str] = frozenset(),
 ) -> list[Prediction]:
-    """Predictions ranked: plans that fit by step time, then those that do not by memory."""
+    """Predictions ranked: plans that fit by step time, then those that do not by memory. With
+    ``by_floor`` (compiles will decide), a plan whose :attr:`~Prediction.memory_floor` fits ranks
+    with those that fit, unless its label is among those the compiler ``refused``."""
     base = base or ParallelPlan()
     found = candidates(
         shape,
@@ -61,16 +65,23 @@ def search(
     )
     factor = optimizer_state_factor(base)
     best: dict[str, Prediction] = {}
+    admits = lambda p: _admitted(p, by_floor, refused)
     for candidate in found:  # accumulation steps ascend within a family
         kept = best.get(candidate.family)
-        if kept is not None and kept.fits:  # the fewest steps that fit are found
+        if kept is not None and admits(kept):  # the fewest steps that fit are found
             continue
         p = predict(candidate, shape, machine, opt_factor=factor)
-        if kept is None or (not kept.fits and p.memory["total"] < kept.memory["total"]):
+        if kept is None or (not admits(kept) and p.memory["total"] < kept.memory["total"]):
             best[candidate.family] = p
-    fitting = sorted((p for p in best.values() if p.fits), key=lambda p: p.step_s)
-    over = sorted((p for p in best.values() if not p.fits), key=lambda p: p.memory["total"])
+    fitting = sorted((p for p in best.values() if admits(p)), key=lambda p: p.step_s)
+    over = sorted((p for p in best.values() if not admits(p)), key=lambda p: p.memory["total"])
     return fitting + over
+
+
+def _admitted(p: Prediction, by_floor: bool, refused: frozenset[str] | set[str]) -> bool:
+    """Whether ``p`` ranks with the plans that fit: it fits, or (``by_floor``) its floor does and
+    the compiler has not ``refused`` it."""
+    return p.fits or (by_floor and p.may_fit and p.candidate.label not in refused)
 
 
 class Verified(NamedTuple):
@@ -106,18 +117,24 @@ def search_verified(
     """:func:`search`, then compile down the ranking (``check``: :func:`verify` for the machine's
     devices; at most ``budget`` compiles) until a plan fits: the pick. A plan the compiler finds
     too large teaches the activation scale (its compiled bytes over the predicted activations),
-    and the rest is ranked again with it. ``seconds``: no compile is started that would end past
-    this much compiling, the last compile's time taken for the next one's (the first always runs).
+    and the rest is ranked again with it; a plan compiled because only its
+    :attr:`~Prediction.memory_floor` fit and found too large teaches nothing (the compiler held
+    its parts together, as the prediction's total says) and is passed over. ``seconds``: no
+    compile is started that would end past this much compiling, the last compile's time taken
+    for the next one's (the first always runs).
     A compile that reads the schedule's overlap (a target's) adds the plan's ``exposed_s`` and
     ``step_s`` with it (:func:`~torsh_jax.planner.cost.scheduled_step`) to its compiled figures;
     the ranking stays the prediction's.
     """
     compiled: dict[str, dict] = {}
     tried: dict[str, Prediction] = {}
+    refused: set[str] = set()  # compiled because their floor fit, and too large
+    ranking = dict(global_batch=global_batch, base=base, space=space, by_floor=budget > 0)
     pick_label, stopped, spent, last = None, None, 0.0, 0.0
     for _ in range(budget):
-        ranked = search(shape, machine, global_batch=global_batch, base=base, space=space)
-        todo = next((p for p in ranked if p.fits and p.candidate.label not in compiled), None)
+        ranked = search(shape, machine, **ranking, refused=refused)
+        left = (p for p in ranked if p.candidate.label not in compiled)
+        todo = next((p for p in left if _admitted(p, True, refused)), None)
         if todo is None:
             break
         if seconds is not None and compiled and spent + last > seconds:
@@ -134,9 +151,12 @@ def search_verified(
         if result["fits"]:
             pick_label = todo.candidate.label
             break
+        if not todo.fits:
+            refused.add(todo.candidate.label)
+            continue
         scale = machine.activation_scale * _activation_ratio(todo, result)
         machine = replace(machine, activation_scale=scale)
-    ranked = search(shape, machine, global_batch=global_batch, base=base, space=space)
+    ranked = search(shape, machine, **ranking, refused=refused)
     ranked += _dropped(tried, ranked, shape, machine, base)
     ranked = [replace(p, compiled=compiled.get(p.candidate.label, {})) for p in ranked]
     if budget == 0:
