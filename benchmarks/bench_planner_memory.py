@@ -21,8 +21,10 @@ which keeps no memory for overlapping collectives with compute (docs/planner.md:
 takes memory the step does not need when it has room).
 
 Prints one ``planner_memory`` row per candidate (``plan``, ``kind``, ``predicted``, ``compiled``,
-``error``) and one ``planner_memory_summary`` row per kind of plan and overall: ``plans``,
-``within_5pct``, ``max_abs_error``, ``mean_abs_error``.
+``error``; ``floor`` and ``floor_error`` where the prediction is a range, a TPU's ZeRO-3 gathering
+on use) and one ``planner_memory_summary`` row per kind of plan and overall: ``plans``,
+``within_5pct``, ``max_abs_error``, ``mean_abs_error``, ``ranged`` (plans predicted as a range) and
+``within_range`` (of those, the compiled peak between the floor and the total, 5 % either side).
 
 Usage:
     python benchmarks/bench_planner_memory.py [--model small|medium] [--match TEXT] [--every N]
@@ -158,6 +160,7 @@ def kind_of(candidate) -> str:
 
 def summary(rows: list[dict], kind: str) -> dict:
     errors = [abs(r["error"]) for r in rows]
+    ranged = [r for r in rows if r.get("floor") is not None]
     return {
         "name": "planner_memory_summary",
         "kind": kind,
@@ -165,7 +168,19 @@ def summary(rows: list[dict], kind: str) -> dict:
         "within_5pct": sum(e <= 0.05 for e in errors),
         "max_abs_error": max(errors),
         "mean_abs_error": statistics.mean(errors),
+        "ranged": len(ranged),  # predicted as a range (a memory floor below the total)
+        "within_range": sum(_within_range(r) for r in ranged),
     }
+
+
+def _floor_error(floor: int | None, peak: int | None) -> float | None:
+    """The floor against the compiled peak (floor / peak - 1), where both are known."""
+    return floor / peak - 1 if floor is not None and peak else None
+
+
+def _within_range(row: dict) -> bool:
+    """Whether the compiled peak lies between the floor and the total, 5 % either side."""
+    return row["floor_error"] <= 0.05 and row["error"] >= -0.05
 
 
 #: libtpu's flag that turns its latency-hiding scheduler off (``--scheduler-off``).
@@ -214,6 +229,8 @@ def compared(
         "compiled": compiled["peak"],
         "error": compiled["memory_error"],
         "fits": compiled["fits"],
+        "floor": predicted.memory_floor,  # where the compiler's schedule decides: the range's low end
+        "floor_error": _floor_error(predicted.memory_floor, compiled["peak"]),
     }
     common.emit(row)
     return row

@@ -271,6 +271,16 @@ def test_planner_memory_benchmark_sorts_the_candidates_into_kinds_and_counts_wit
     found = bench.summary([{"error": e} for e in (0.01, -0.05, 0.2, -0.08)], "k")
     assert (found["plans"], found["within_5pct"]) == (4, 2)
     assert found["max_abs_error"] == pytest.approx(0.2) and found["mean_abs_error"] == pytest.approx(0.085)
+    assert (found["ranged"], found["within_range"]) == (0, 0)
+    # a range holds the peak from its floor (at most 5 % over it) to its total (at most 5 % under)
+    ranged = [
+        {"error": 0.5, "floor": 1, "floor_error": bench._floor_error(104, 100)},  # floor 4 % over
+        {"error": 0.5, "floor": 1, "floor_error": bench._floor_error(106, 100)},  # floor 6 % over
+        {"error": -0.06, "floor": 1, "floor_error": -0.3},  # the total 6 % under
+        {"error": 0.01, "floor": None, "floor_error": None},
+    ]
+    found = bench.summary(ranged, "k")
+    assert (found["plans"], found["ranged"], found["within_range"]) == (4, 3, 1)
 
 
 def test_bench_planner_models_quick_predicts_a_converted_models_plans_with_its_own_gradients():
