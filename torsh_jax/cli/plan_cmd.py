@@ -186,8 +186,8 @@ def run(args: argparse.Namespace) -> int:
         },
         "global_batch": args.global_batch,
         "candidates": len(ranked),
-        "fitting": sum(p.fits for p in ranked),
-        "may_fit": sum(p.may_fit and not p.fits for p in ranked),  # the compiler's schedule decides
+        "fitting": sum(p.fits_as_compiled for p in ranked),
+        "may_fit": sum(p.may_fit and not p.fits and not p.compiled for p in ranked),  # compiling decides
         "verify": budget,
         "verify_seconds": args.verify_seconds,
         "verify_stopped": stopped,
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         "measure": args.measure,
         "measured_plans": sum(p.measured_s is not None for p in ranked),
         "plans": [p.to_dict() for p in shown],
-        "rules_of_thumb": rules_of_thumb(ranked, shape, machine) if ranked else [],
+        "rules_of_thumb": rules_of_thumb(ranked, shape, machine, pick) if ranked else [],
         "output": written,
         "output_remat": bool(written and pick.candidate.remat),
     }
@@ -508,11 +508,11 @@ def _may_fit_text(report: dict) -> str:
 
 
 def _fit_note(plan: dict) -> str:
-    """After a plan's label: nothing where it fits, ``(may fit)`` where only its floor does (the
-    compiler's schedule decides), else ``(does not fit)``."""
-    if plan["fits"]:
+    """After a plan's label: nothing where it fits (as compiled, where it was), ``(may fit)`` where
+    only its floor does and it was not compiled, else ``(does not fit)``."""
+    if plan.get("fits_as_compiled", plan["fits"]):
         return ""
-    return " (may fit)" if plan.get("may_fit") else " (does not fit)"
+    return " (may fit)" if plan.get("may_fit") and not plan["compiled"] else " (does not fit)"
 
 
 def _memory_text(plan: dict) -> str:

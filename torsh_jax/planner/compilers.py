@@ -268,8 +268,8 @@ def apart_bytes(
     recomputed layer's working set (the scheduler holds the logits through the layers' backward,
     or frees them first); else 0. The step's peak lies between the sum less these bytes and the
     sum. Compiled for TPU targets (libtpu 0.0.42.1, the 15 ZeRO-3 plans of
-    ``bench_planner_memory.py --tpu 150m|350m|1b|7b|d512``): the sum -4.8 % to +56.0 % of the
-    peak, the sum less these bytes -37.8 % to +4.0 % (docs/planner.md).
+    ``bench_planner_memory.py --tpu 150m|350m|1b|7b|d512``): the sum -4.7 % to +56.1 % of the
+    peak, the sum less these bytes -37.8 % to +4.1 % (docs/planner.md).
 
     Example (the ``d_model`` 512 model's ``zero3 fsdp=8 acc=1`` on v5e-8: libtpu's peak 647 MiB):
         >>> from torsh_jax.planner.shape import parse_model

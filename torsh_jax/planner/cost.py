@@ -144,6 +144,11 @@ class Prediction:
         """Fits, or its :attr:`memory_floor` does: only compiling it tells."""
         return self.fits or (self.memory_floor is not None and self.memory_floor <= self.memory_limit)
 
+    @property
+    def fits_as_compiled(self) -> bool:
+        """Whether it fits as the compiler found, where it was compiled; else as predicted."""
+        return self.compiled["fits"] if self.compiled else self.fits
+
     def to_dict(self) -> dict:
         c = self.candidate
         return {
@@ -173,6 +178,7 @@ class Prediction:
             "memory_limit": self.memory_limit,
             "fits": self.fits,
             "may_fit": self.may_fit,
+            "fits_as_compiled": self.fits_as_compiled,
             "compiled": self.compiled or None,
             "measured_s": self.measured_s,
         }

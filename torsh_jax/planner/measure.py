@@ -111,7 +111,7 @@ def measure_best(
     """Measured step seconds of the first ``count`` plans of ``ranked`` that fit (predicted, and
     compiled where compiled) and are predicted within ``band`` of the fastest of them, by label, in
     ranking order."""
-    fitting = [p for p in ranked if p.fits and p.compiled.get("fits", True)]
+    fitting = [p for p in ranked if p.fits_as_compiled]
     best = min((p.step_s for p in fitting), default=0.0)
     fitting = [p for p in fitting if p.step_s <= best * (1 + band)][:count]
     return {

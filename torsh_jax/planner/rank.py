@@ -79,9 +79,9 @@ def search(
 
 
 def _admitted(p: Prediction, by_floor: bool, refused: frozenset[str] | set[str]) -> bool:
-    """Whether ``p`` ranks with the plans that fit: it fits, or (``by_floor``) its floor does and
-    the compiler has not ``refused`` it."""
-    return p.fits or (by_floor and p.may_fit and p.candidate.label not in refused)
+    """Whether ``p`` ranks with the plans that fit: the compiler has not ``refused`` it, and it
+    fits, or (``by_floor``) its floor does."""
+    return p.candidate.label not in refused and (p.fits or (by_floor and p.may_fit))
 
 
 class Verified(NamedTuple):
@@ -119,7 +119,8 @@ def search_verified(
     too large teaches the activation scale (its compiled bytes over the predicted activations),
     and the rest is ranked again with it; a plan compiled because only its
     :attr:`~Prediction.memory_floor` fit and found too large teaches nothing (the compiler held
-    its parts together, as the prediction's total says) and is passed over. ``seconds``: no
+    its parts together, as the prediction's total says). A refused plan is passed over: its
+    family moves on to more accumulation steps. ``seconds``: no
     compile is started that would end past this much compiling, the last compile's time taken
     for the next one's (the first always runs).
     A compile that reads the schedule's overlap (a target's) adds the plan's ``exposed_s`` and
@@ -128,7 +129,7 @@ def search_verified(
     """
     compiled: dict[str, dict] = {}
     tried: dict[str, Prediction] = {}
-    refused: set[str] = set()  # compiled because their floor fit, and too large
+    refused: set[str] = set()  # compiled and found too large
     ranking = dict(global_batch=global_batch, base=base, space=space, by_floor=budget > 0)
     pick_label, stopped, spent, last = None, None, 0.0, 0.0
     for _ in range(budget):
@@ -151,8 +152,8 @@ def search_verified(
         if result["fits"]:
             pick_label = todo.candidate.label
             break
-        if not todo.fits:
-            refused.add(todo.candidate.label)
+        refused.add(todo.candidate.label)
+        if not todo.fits:  # compiled for its floor: the compiler held the parts together
             continue
         scale = machine.activation_scale * _activation_ratio(todo, result)
         machine = replace(machine, activation_scale=scale)
@@ -243,15 +244,18 @@ def _of_kind(p: Prediction, kind: str) -> bool:
     return sizes["tensor"] > 1 and sizes["stage"] > 1 and sizes["data"] * sizes["fsdp"] > 1
 
 
-def rules_of_thumb(ranked: list[Prediction], shape: ModelShape, machine: Machine) -> list[dict]:
-    """The seeds' rules against the planner's pick, with the reason in figures where they differ.
+def rules_of_thumb(
+    ranked: list[Prediction], shape: ModelShape, machine: Machine, pick: Prediction | None = None
+) -> list[dict]:
+    """The seeds' rules against the planner's ``pick`` (the first ranked where not given), with
+    the reason in figures where they differ.
 
     One row for the strategy rule; one for compression when the machine has slices (its DCN
     bandwidth against the rule's thresholds)."""
     from torsh_jax.units import format_bytes
 
     kind, rule = _rule(shape, machine)
-    pick = ranked[0]
+    pick = pick or ranked[0]
     follows = next((p for p in ranked if _of_kind(p, kind)), None)
     row = {
         "rule": rule,
@@ -260,7 +264,7 @@ def rules_of_thumb(ranked: list[Prediction], shape: ModelShape, machine: Machine
     }
     if follows is None:
         row["reason"] = f"no {kind} plan exists for {machine.devices} devices and this model"
-    elif not follows.fits:
+    elif not follows.fits_as_compiled:
         need, have = format_bytes(follows.memory["total"]), format_bytes(follows.memory_limit)
         row["reason"] = f"{follows.candidate.label} needs {need} per device, {have} available"
     elif follows is pick:
