@@ -120,9 +120,10 @@ class CompilerProfile:
             bfloat16, whatever the compute dtype), whose copy of a stage's weights
             ``stage_buffers`` counts: a ZeRO-3 stage gathers its layers and head in it, and the
             gather is that copy; ``None``: no such copy.
-        logits_apart_on_use: whether, gathering each layer on use, the compiler may free the
-            logits before the layers' backward instead of holding them beside a recomputed
-            layer's working set (:func:`apart_bytes`).
+        logits_apart: the steps whose logits the compiler may free before the layers' backward
+            instead of holding them beside it (:func:`apart_bytes`): ``"on_use"``, ZeRO-3
+            gathering each layer on use (beside a recomputed layer's working set); ``"staged"``,
+            a pipeline stage (beside its chunk's residuals).
     """
 
     name: str
@@ -138,7 +139,7 @@ class CompilerProfile:
     stage_buffers: float = 1.0
     shared_staged: float = 1.0
     matrix_bytes: int | None = None
-    logits_apart_on_use: bool = False
+    logits_apart: tuple[str, ...] = ()
 
 
 #: libtpu 0.0.42.1, against its own peak: the demo model at 150 M on v5e-16 and 1 B on v5e-256
@@ -192,7 +193,7 @@ TPU = CompilerProfile(
     stage_buffers=1.5,
     shared_staged=0.5,
     matrix_bytes=2,
-    logits_apart_on_use=True,
+    logits_apart=("on_use", "staged"),
 )
 
 #: Profiles by :attr:`~torsh_jax.planner.machine.Machine.platform`.
@@ -262,14 +263,16 @@ def step_memory(
 def apart_bytes(
     c: Candidate, shape: ModelShape, profile: CompilerProfile, *, activation_scale: float = 1.0
 ) -> int:
-    """Bytes of :func:`step_memory`'s sum the compiler may never hold at once: for a ZeRO-3 step
-    gathering each layer on use under a profile with
-    :attr:`~CompilerProfile.logits_apart_on_use`, the smaller of its float32 logits and a
-    recomputed layer's working set (the scheduler holds the logits through the layers' backward,
-    or frees them first); else 0. The step's peak lies between the sum less these bytes and the
-    sum. Compiled for TPU targets (libtpu 0.0.42.1, the 15 ZeRO-3 plans of
-    ``bench_planner_memory.py --tpu 150m|350m|1b|7b|d512``): the sum -4.7 % to +56.1 % of the
-    peak, the sum less these bytes -37.8 % to +4.1 % (docs/planner.md).
+    """Bytes of :func:`step_memory`'s sum the compiler may never hold at once: in the steps of
+    :attr:`~CompilerProfile.logits_apart`, the smaller of the float32 logits and what the layers'
+    backward holds beside them in the sum (a ZeRO-3 step gathering on use: a recomputed layer's
+    working set; a pipeline stage: its chunk's residuals), as the scheduler holds the logits
+    through the layers' backward or frees them first; else 0. The step's peak lies between the
+    sum less these bytes and the sum. Compiled for TPU targets (libtpu 0.0.42.1,
+    ``bench_planner_memory.py --tpu SET``): the 15 ZeRO-3 plans of ``150m|350m|1b|7b|d512``, the
+    sum -4.7 % to +56.1 % of the peak, the sum less these bytes -37.8 % to +4.1 %; the pipelined
+    plans of ``d512_pp|150m_pp``, the sum -7.6 % to +23.6 %, less these bytes -27.0 % to -4.1 %
+    (docs/planner.md).
 
     Example (the ``d_model`` 512 model's ``zero3 fsdp=8 acc=1`` on v5e-8: libtpu's peak 647 MiB):
         >>> from torsh_jax.planner.shape import parse_model
@@ -280,13 +283,18 @@ def apart_bytes(
         >>> apart_bytes(c, shape, TPU) / 2**20  # of a predicted 988 MiB: the working set's
         328.0
     """
-    if not profile.logits_apart_on_use or compose(c.plan, c.sizes).gather != "on_use":
+    staged = c.sizes["stage"] > 1
+    if ("staged" if staged else compose(c.plan, c.sizes).gather) not in profile.logits_apart:
         return 0
-    working = profile.recompute_on_use or profile.recompute
+    if staged:  # the chunk's residuals, as step_memory counts them
+        recomputed = profile.recompute if c.remat else None
+        per_token = _activation_bytes_per_token(c, shape, profile, recomputed, chunk_layers(c, shape))
+    else:
+        per_token = _working_set_per_token(c, shape, profile.recompute_on_use or profile.recompute)
     cb = DTYPE_BYTES[c.plan.precision.compute_dtype]
-    per_token = _working_set_per_token(c, shape, working) * cb / 4 * activation_scale  # read in float32
     tokens = tokens_per_micro_step(c, shape)
-    return int(min(per_token * tokens, _logits_bytes(c, shape, tokens)))
+    layers = per_token * cb / 4 * activation_scale * tokens  # read in float32
+    return int(min(layers, _logits_bytes(c, shape, tokens)))
 
 
 def _logits_bytes(c: Candidate, shape: ModelShape, tokens: int) -> float:
