@@ -534,6 +534,26 @@ def test_a_refused_plan_predicted_to_fit_is_passed_over_though_its_floor_still_f
     assert found.machine.activation_scale > machine.activation_scale
 
 
+def test_the_fsdp_rule_of_thumb_gives_a_range_where_only_compiling_decides():
+    """7 B on v5e-32 under a limit between the floor and the total of ``zero3 fsdp=32`` with the
+    most accumulation steps (no step count fits by its total): the FSDP rule's plan needs the
+    range, not its total alone."""
+    from dataclasses import replace
+
+    from torsh_jax.planner.rank import rules_of_thumb
+    from torsh_jax.units import format_bytes
+
+    shape, machine = ModelShape.demo("7b"), Machine.from_target("v5e-32")
+    found = candidates(shape, devices=32, global_batch=64)
+    family = [predict(c, shape, machine) for c in found if c.label.startswith("zero3 fsdp=32 acc=")]
+    least = min(family, key=lambda p: p.memory["total"])
+    limited = replace(machine, memory_bytes=(least.memory_floor + least.memory["total"]) // 2)
+    [row] = rules_of_thumb(search(shape, limited, global_batch=64), shape, limited)
+    floor, total = format_bytes(least.memory_floor), format_bytes(least.memory["total"])
+    assert row["rule_plan"] == least.candidate.label
+    assert f"needs {floor} to {total} per device" in row["reason"]
+
+
 @pytest.mark.slow
 def test_a_tpu_zero3_plan_only_its_floor_fits_is_compiled_and_picked():
     """On v5e-8 under a limit between the ``d_model`` 512 model's ``zero3 fsdp=8 acc=1`` floor and

@@ -266,6 +266,8 @@ def rules_of_thumb(
         row["reason"] = f"no {kind} plan exists for {machine.devices} devices and this model"
     elif not follows.fits_as_compiled:
         need, have = format_bytes(follows.memory["total"]), format_bytes(follows.memory_limit)
+        if follows.memory_floor is not None and not follows.compiled:  # the compiler's schedule decides
+            need = f"{format_bytes(follows.memory_floor)} to {need}"
         row["reason"] = f"{follows.candidate.label} needs {need} per device, {have} available"
     elif follows is pick:
         row["reason"] = "agrees"
