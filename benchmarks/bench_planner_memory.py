@@ -21,10 +21,11 @@ which keeps no memory for overlapping collectives with compute (docs/planner.md:
 takes memory the step does not need when it has room).
 
 Prints one ``planner_memory`` row per candidate (``plan``, ``kind``, ``predicted``, ``compiled``,
-``error``; ``floor`` and ``floor_error`` where the prediction is a range, a TPU's ZeRO-3 gathering
-on use) and one ``planner_memory_summary`` row per kind of plan and overall: ``plans``,
-``within_5pct``, ``max_abs_error``, ``mean_abs_error``, ``ranged`` (plans predicted as a range) and
-``within_range`` (of those, the compiled peak between the floor and the total, 5 % either side).
+``error``; ``floor`` and ``floor_error`` where the prediction is a range: on a TPU, ZeRO-3
+gathering on use and a pipeline stage) and one ``planner_memory_summary`` row per kind of plan and
+overall: ``plans``, ``within_5pct``, ``max_abs_error``, ``mean_abs_error``, ``ranged`` (plans
+predicted as a range) and ``within_range`` (of those, the compiled peak between the floor and
+the total, 5 % either side).
 
 Usage:
     python benchmarks/bench_planner_memory.py [--model small|medium] [--match TEXT] [--every N]

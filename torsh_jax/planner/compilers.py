@@ -25,10 +25,11 @@ step holds:
   :attr:`CompilerProfile.shared_accumulating` of a layer parameter's;
 * gathering each layer on use (ZeRO-3), the head's float32 weights.
 
-Where ZeRO-3 gathers each layer on use, libtpu's scheduler either keeps the logits through the
-layers' backward, beside a recomputed layer's working set, or frees them first: the peak lies
-between the larger of the two phases and their sum (:func:`apart_bytes`; the profile counts the
-sum, and ``plan --verify`` compiles a plan whose lower end fits to decide).
+Where ZeRO-3 gathers each layer on use, and in a pipeline stage, libtpu's scheduler either keeps
+the logits through the layers' backward, beside a recomputed layer's working set (a stage: its
+chunk's residuals), or frees them first: the peak lies between the larger of the two phases and
+their sum (:func:`apart_bytes`; the profile counts the sum, and ``plan --verify`` compiles a plan
+whose lower end fits to decide).
 
 A pipeline stage holds the same parts as the step of a model of its chunk's layers on one
 micro-batch, with the stage's stash (the runtime's slots) among the activations and
@@ -243,9 +244,8 @@ def step_memory(
     staged = c.sizes["stage"] > 1
     count, shares = local_params, tensor_shares(c, shape)  # what the plan splits over ``tensor``
     pb, cb = DTYPE_BYTES[plan.precision.param_dtype], DTYPE_BYTES[plan.precision.compute_dtype]
-    working = (profile.recompute_on_use or profile.recompute) if on_use else profile.recompute
     layers = chunk_layers(c, shape) if staged else shape.layers
-    per_token = _activation_bytes_per_token(c, shape, profile, working if c.remat or on_use else None, layers)
+    per_token = _activation_bytes_per_token(c, shape, profile, _recomputed(c, profile, on_use), layers)
     tokens = tokens_per_micro_step(c, shape)
     parts = {
         "state": count * pb / (fsdp if plan.zero.stage == 3 else 1)
@@ -254,10 +254,24 @@ def step_memory(
         "gathered": _gathered(
             roles.gather, shape, shares, t, _stage_gather_bytes(shape, profile, count, shared_params, cb)
         ),
-        "activations": per_token * cb / 4 * activation_scale * tokens + stash_bytes,  # read in float32
+        "activations": _activation_bytes(c, per_token, tokens, activation_scale) + stash_bytes,
         "logits": _logits_bytes(c, shape, tokens),
     }
     return {k: int(v) for k, v in parts.items()}
+
+
+def _recomputed(c: Candidate, profile: CompilerProfile, on_use: bool) -> tuple[float, float, float] | None:
+    """The working set of a layer recomputed in the backward pass (gathering on use, ZeRO-3's;
+    else remat's), or ``None`` where the layers keep their residuals."""
+    if on_use:
+        return profile.recompute_on_use or profile.recompute
+    return profile.recompute if c.remat else None
+
+
+def _activation_bytes(c: Candidate, per_token: float, tokens: int, activation_scale: float) -> float:
+    """Activations of ``tokens`` tokens at ``per_token`` float32 bytes (the profile's), held in the
+    plan's compute dtype and scaled by the machine's ``activation_scale``."""
+    return per_token * DTYPE_BYTES[c.plan.precision.compute_dtype] / 4 * activation_scale * tokens
 
 
 def apart_bytes(
@@ -284,16 +298,16 @@ def apart_bytes(
         328.0
     """
     staged = c.sizes["stage"] > 1
-    if ("staged" if staged else compose(c.plan, c.sizes).gather) not in profile.logits_apart:
+    on_use = compose(c.plan, c.sizes).gather == "on_use"
+    if ("staged" if staged else "on_use" if on_use else None) not in profile.logits_apart:
         return 0
+    recomputed = _recomputed(c, profile, on_use)
     if staged:  # the chunk's residuals, as step_memory counts them
-        recomputed = profile.recompute if c.remat else None
         per_token = _activation_bytes_per_token(c, shape, profile, recomputed, chunk_layers(c, shape))
     else:
-        per_token = _working_set_per_token(c, shape, profile.recompute_on_use or profile.recompute)
-    cb = DTYPE_BYTES[c.plan.precision.compute_dtype]
+        per_token = _working_set_per_token(c, shape, recomputed)
     tokens = tokens_per_micro_step(c, shape)
-    layers = per_token * cb / 4 * activation_scale * tokens  # read in float32
+    layers = _activation_bytes(c, per_token, tokens, activation_scale)
     return int(min(layers, _logits_bytes(c, shape, tokens)))
 
 

@@ -172,7 +172,8 @@ def memory_parts(c: Candidate, shape: ModelShape, opt_factor: float, machine: Ma
 def memory_floor(c: Candidate, shape: ModelShape, machine: Machine, parts: dict[str, int]) -> int | None:
     """The least the peak may be where the machine's compiler schedules some of ``parts`` (
     :func:`memory_parts`'s) apart or together as it chooses
-    (:func:`~torsh_jax.planner.compilers.apart_bytes`: a TPU's ZeRO-3 step gathering on use):
+    (:func:`~torsh_jax.planner.compilers.apart_bytes`: on a TPU, ZeRO-3 gathering on use and a
+    pipeline stage):
     their ``total`` less what may never be held at once; ``None`` where ``total`` is the one
     figure.
 
@@ -187,11 +188,19 @@ def memory_floor(c: Candidate, shape: ModelShape, machine: Machine, parts: dict[
         >>> floors["zero3 fsdp=8 acc=1"] > 0, floors["zero1 fsdp=8 acc=1"]
         (True, None)
     """
-    profile = PROFILES.get(machine.platform)
-    if profile is None or _of_compiled_model(c, shape, machine):
+    profile = _compiler_profile(c, shape, machine)
+    if profile is None:
         return None
     apart = apart_bytes(c, shape, profile, activation_scale=machine.activation_scale)
     return parts["total"] - apart if apart else None
+
+
+def _compiler_profile(c: Candidate, shape: ModelShape, machine: Machine):
+    """The machine's accelerator compiler's profile
+    (:data:`~torsh_jax.planner.compilers.PROFILES`), where it has one and the machine has no
+    compiled gradients of the model; else ``None``: the formulas."""
+    profile = PROFILES.get(machine.platform)
+    return None if profile is None or _of_compiled_model(c, shape, machine) else profile
 
 
 def _as_compiled(
@@ -201,8 +210,8 @@ def _as_compiled(
     (:func:`~torsh_jax.planner.compilers.step_memory`, of the device's ``count`` parameters,
     ``shared`` of them its embedding's and head's), where it has a profile and the machine has no
     compiled gradients of the model; else ``None``: the formulas."""
-    profile = PROFILES.get(machine.platform)
-    if profile is None or _of_compiled_model(c, shape, machine):
+    profile = _compiler_profile(c, shape, machine)
+    if profile is None:
         return None
     return step_memory(
         c,

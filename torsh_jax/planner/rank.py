@@ -135,7 +135,7 @@ def search_verified(
     for _ in range(budget):
         ranked = search(shape, machine, **ranking, refused=refused)
         left = (p for p in ranked if p.candidate.label not in compiled)
-        todo = next((p for p in left if _admitted(p, True, refused)), None)
+        todo = next((p for p in left if _admitted(p, ranking["by_floor"], refused)), None)
         if todo is None:
             break
         if seconds is not None and compiled and spent + last > seconds:
