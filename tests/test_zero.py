@@ -348,3 +348,26 @@ def test_one_leaf_reduced_in_its_own_shape_equals_its_row():
     chex.assert_trees_all_equal(own, row)
     _, bf16 = run(lambda x: sync_leaf(x, 0, spec), jnp.zeros((16, 3), jnp.bfloat16), 0)
     assert bf16 == ("f32[8,6]",)  # its row, widened on the CPU
+
+
+def test_zero3_reduces_the_heads_gradient_before_the_layers_backward(monkeypatch):
+    """ZeRO-3 over ``fsdp`` alone, accumulating: the layers' backward waits for the head's
+    gradient, reduce-scattered (``runtime.fsdp._head_first``), so the step does not hold it whole
+    through them. Compiled without that order, XLA:CPU holds about the head's gradient more (the
+    benchmark's small model: 10.49 MB against 10.03 MB, its head's gradient 0.52 MB)."""
+    from torsh_jax.analysis.memory import memory_report
+    from torsh_jax.runtime import fsdp
+
+    cfg = LMConfig(vocab=1024, d_model=128, heads=2, head_dim=64, mlp=512, layers=4, seq_len=128)
+    plan = zero_plan(3, **ACCUM)
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    batch = synthetic_tokens(cfg, batch_size=32, seed=0)
+
+    def peak() -> int:
+        train = make_train_step(layered_model(cfg), optax.adamw(1e-3), plan, build_mesh(plan), shapes)
+        return memory_report(train.lower(train.abstract_state(), batch).compile()).peak_estimate_bytes
+
+    ordered = peak()
+    monkeypatch.setattr(fsdp, "_head_first", lambda model, embed, shards, hidden: (embed, shards, hidden))
+    head_gradient = cfg.d_model * cfg.vocab * 4
+    assert peak() - ordered >= head_gradient / 2

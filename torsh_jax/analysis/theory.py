@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 
 from torsh_jax.errors import PlanError
 from torsh_jax.plan.compressors import METHODS, kept_per_chunk, matrix_shape
-from torsh_jax.plan.roles import compose
+from torsh_jax.plan.roles import compose, head_backward_first
 
 __all__ = [
     "ring_wire_bytes",
@@ -477,6 +477,7 @@ def plan_theory(
     num_slices: int = 1,
     layer_fraction: float = 1.0,
     layers: int | None = None,
+    head_fraction: float = 0.0,
 ) -> Theory:
     """The theory for a :class:`~torsh_jax.plan.ParallelPlan`'s data-parallel axes.
 
@@ -497,6 +498,11 @@ def plan_theory(
         layers: the number of stacked layers, if known: one layer is not
             gathered again (nothing is freed between its forward and backward
             passes, and the compiler keeps the one gather).
+        head_fraction: the part of the parameters in the head (not a tied
+            table). Where the step finishes the head's backward first
+            (:func:`~torsh_jax.plan.roles.head_backward_first`), the head's
+            parameters pass a barrier with each micro-step's hidden state, so
+            they are gathered every micro-step, not once per step.
 
     Example:
         >>> from torsh_jax.plan import ParallelPlan
@@ -504,13 +510,15 @@ def plan_theory(
         'DDP over data=8'
     """
     regathered = 0.0 if layers == 1 else layer_fraction
-    theory = _uncompressed_theory(plan, param_count, num_devices, num_slices, layer_fraction, regathered)
+    sizes = plan.mesh.resolve(num_devices, num_slices=num_slices).shape
+    hoisted = 1.0 - layer_fraction - (head_fraction if head_backward_first(plan, sizes) else 0.0)
+    theory = _uncompressed_theory(plan, param_count, num_devices, num_slices, hoisted, regathered)
     if plan.compression:  # the minimum without compression: the plan sends fewer bytes than this
         return replace(theory, description=f"{theory.description} (uncompressed minimum)")
     return theory
 
 
-def _uncompressed_theory(plan, param_count, num_devices, num_slices, layer_fraction, regathered) -> Theory:
+def _uncompressed_theory(plan, param_count, num_devices, num_slices, hoisted, regathered) -> Theory:
     roles = compose(plan, plan.mesh.resolve(num_devices, num_slices=num_slices).shape)
     stage = roles.zero_stage
     param_bytes = param_count * DTYPE_BYTES[plan.precision.reduce_dtype]
@@ -521,7 +529,7 @@ def _uncompressed_theory(plan, param_count, num_devices, num_slices, layer_fract
         "compute_param_bytes": compute,
         "regather": regather,
         "micro_steps": plan.batch.accumulation_steps,
-        "hoisted": 1.0 - layer_fraction,
+        "hoisted": hoisted,
     }
     if roles.shard_axis is None:
         axes = roles.batch_axes or ("data",)

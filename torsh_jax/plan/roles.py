@@ -35,7 +35,7 @@ from typing import Literal
 from torsh_jax.errors import NotSupportedYetError
 from torsh_jax.plan.spec import DATA_AXES, CompressorSpec, ParallelPlan
 
-__all__ = ["Roles", "compose", "SHARD_AXIS", "TENSOR_AXIS"]
+__all__ = ["Roles", "compose", "head_backward_first", "SHARD_AXIS", "TENSOR_AXIS"]
 
 #: The mesh axis ZeRO shards state over.
 SHARD_AXIS = "fsdp"
@@ -207,3 +207,21 @@ def _reduce(stage: int, gather: str, compressed: bool) -> str:
     if gather == "on_use":
         return "in_backward"
     return "per_micro_step" if (stage == 2 or gather == "per_stage") and not compressed else "per_step"
+
+
+def head_backward_first(plan: ParallelPlan, sizes: dict[str, int]) -> bool:
+    """Whether the step finishes the head's backward before the layers', where ZeRO-3 gathers each
+    layer on use (:func:`torsh_jax.runtime.fsdp.gathered_loss`): where the head's weights vary over
+    the mesh axes the hidden state does, with no ``data`` axis and, over ``tensor``, with sequence
+    parallelism. Then the logits and a recomputed layer's working set are never held at once.
+
+    Example:
+        >>> from torsh_jax.plan import plan_from_dict
+        >>> zero3 = plan_from_dict({"mesh": {"fsdp": -1}, "zero": {"stage": 3}})
+        >>> sizes = {"data": 1, "fsdp": 8, "tensor": 1, "stage": 1}
+        >>> head_backward_first(zero3, sizes), head_backward_first(zero3, {**sizes, "data": 2, "fsdp": 4})
+        (True, False)
+    """
+    if compose(plan, sizes).gather != "on_use" or sizes.get("data", 1) > 1:
+        return False
+    return sizes.get("tensor", 1) == 1 or plan.tensor.sequence_parallel

@@ -23,13 +23,19 @@ step holds:
   step's sum, a micro-step's gradients as it makes them, the reduction's buffers; on a TPU the
   weights' bfloat16 copies too); accumulating, the embedding's and head's parameters count at
   :attr:`CompilerProfile.shared_accumulating` of a layer parameter's;
-* gathering each layer on use (ZeRO-3), the head's float32 weights.
+* gathering each layer on use (ZeRO-3), the head's float32 weights; where the step finishes the
+  head's backward before the layers' (:func:`~torsh_jax.plan.roles.head_backward_first`: without
+  ``data``, and over ``tensor`` with sequence parallelism), its logits and a recomputed layer's
+  working set are never held at once: the larger of the two.
 
-Where ZeRO-3 gathers each layer on use, and in a pipeline stage, libtpu's scheduler either keeps
-the logits through the layers' backward, beside a recomputed layer's working set (a stage: its
-chunk's residuals), or frees them first: the peak lies between the larger of the two phases and
-their sum (:func:`apart_bytes`; the profile counts the sum, and ``plan --verify`` compiles a plan
-whose lower end fits to decide).
+Elsewhere where ZeRO-3 gathers each layer on use (over ``data`` too, over ``tensor`` without
+sequence parallelism) the profile counts both: libtpu holds the logits' gradient through the
+layers' backward or not, as its scheduler decides.
+
+In a pipeline stage, libtpu's scheduler either keeps the logits through the layers' backward,
+beside its chunk's residuals, or frees them first: the peak lies between the larger of the two
+phases and their sum (:func:`apart_bytes`; the profile counts the sum, and ``plan --verify``
+compiles a plan whose lower end fits to decide).
 
 A pipeline stage holds the same parts as the step of a model of its chunk's layers on one
 micro-batch, with the stage's stash (the runtime's slots) among the activations and
@@ -78,9 +84,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from torsh_jax.analysis.theory import DTYPE_BYTES
-from torsh_jax.plan.roles import Roles, compose
+from torsh_jax.plan.roles import Roles, compose, head_backward_first
 from torsh_jax.planner.per_device import (
     chunk_layers,
+    head_params_on_device,
     paired_end_sums,
     split_part,
     tensor_shares,
@@ -123,8 +130,9 @@ class CompilerProfile:
             gather is that copy; ``None``: no such copy.
         logits_apart: the steps whose logits the compiler may free before the layers' backward
             instead of holding them beside it (:func:`apart_bytes`): ``"on_use"``, ZeRO-3
-            gathering each layer on use (beside a recomputed layer's working set); ``"staged"``,
-            a pipeline stage (beside its chunk's residuals).
+            gathering each layer on use where the step does not order the head's backward first
+            (beside a recomputed layer's working set); ``"staged"``, a pipeline stage (beside its
+            chunk's residuals).
     """
 
     name: str
@@ -168,11 +176,12 @@ class CompilerProfile:
 #: and head 54 % of it): its 5 accumulating plans without remat came within -0.7 % to +3.8 %
 #: (+3.2 % to +10.0 % counting them whole), the one recomputing at +14.1 % (+18.0 %). Read with every
 #: gradient reduced as a flat row; since a float32 one alone in its bucket is reduced in its own
-#: shape, 150 M's 12 plans without ZeRO-3 came within -4.6 % to +3.8 % again. ZeRO-3's per-layer
-#: reductions take the same path, and libtpu then either keeps the logits through the layers'
-#: backward, as the profile counts (150 M's ``fsdp=16``, 1 B, 7 B: -4.7 % to +8.6 %), or frees
-#: them first (``d_model`` 512, 350 M, 150 M over ``tensor``: +20 % to +56 %); no share of the
-#: terms fits both without putting the first kind 20 % under (docs/planner.md). A pipeline
+#: shape, 150 M's 12 plans without ZeRO-3 came within -4.6 % to +3.8 % again. ZeRO-3 gathering on
+#: use, where the step finishes the head's backward before the layers', holds the larger of its
+#: logits and a recomputed layer's working set, not both (libtpu had computed the head's weight
+#: gradient after the layers' backward, holding the logits' gradient through it, on 150 M's
+#: ``fsdp=16``, 1 B and 7 B): 10 plans of ``150m|350m|1b|7b|d512``, 5 within 5 %, -9.1 % to +9.1 %;
+#: the 5 that cannot order it within their range (docs/planner.md). A pipeline
 #: stage's buffers (``stage_buffers``) are the module docstring's; no pipeline with remat was
 #: compiled, and its carry and copy are the same.
 TPU = CompilerProfile(
@@ -237,27 +246,54 @@ def step_memory(
     ``shared_params`` of them the embedding's and head's. A pipeline stage's is the step of a model
     of its chunk's layers on one micro-batch with the stage's buffers (its backward recomputes the
     chunk from a stashed input; ZeRO-3 gathers the stage's parameters once), with ``stash_bytes``
-    (its stash, the caller's slots) among the activations."""
-    plan, t, fsdp = c.plan, c.sizes["tensor"], c.sizes["fsdp"]
+    (its stash, the caller's slots) among the activations. Where the step finishes the head's
+    backward before the layers' (:func:`~torsh_jax.plan.roles.head_backward_first`), ``logits`` is
+    what the logits hold beyond a recomputed layer's working set (:func:`_beside_working_set`)."""
+    plan, fsdp = c.plan, c.sizes["fsdp"]
     roles = compose(plan, c.sizes)
     on_use = roles.gather == "on_use"  # ZeRO-3: every layer recomputed
     staged = c.sizes["stage"] > 1
-    count, shares = local_params, tensor_shares(c, shape)  # what the plan splits over ``tensor``
+    count = local_params
     pb, cb = DTYPE_BYTES[plan.precision.param_dtype], DTYPE_BYTES[plan.precision.compute_dtype]
     layers = chunk_layers(c, shape) if staged else shape.layers
     per_token = _activation_bytes_per_token(c, shape, profile, _recomputed(c, profile, on_use), layers)
     tokens = tokens_per_micro_step(c, shape)
+    logits = _logits_bytes(c, shape, tokens)
+    if head_backward_first(plan, c.sizes):
+        logits = _beside_working_set(c, shape, profile, logits, tokens, activation_scale)
     parts = {
         "state": count * pb / (fsdp if plan.zero.stage == 3 else 1)
         + count * opt_factor * 4 / (fsdp if plan.zero.stage >= 1 else 1),
         "gradients": 0.0 if on_use else _buffer_bytes(c, shape, profile, roles, count, shared_params),
         "gathered": _gathered(
-            roles.gather, shape, shares, t, _stage_gather_bytes(shape, profile, count, shared_params, cb)
+            c, shape, roles.gather, _stage_gather_bytes(shape, profile, count, shared_params, cb)
         ),
         "activations": _activation_bytes(c, per_token, tokens, activation_scale) + stash_bytes,
-        "logits": _logits_bytes(c, shape, tokens),
+        "logits": logits,
     }
     return {k: int(v) for k, v in parts.items()}
+
+
+def _beside_working_set(
+    c: Candidate, shape: ModelShape, profile: CompilerProfile, logits: float, tokens: int, scale: float
+) -> float:
+    """What ``logits`` bytes hold beyond a recomputed layer's working set, where ZeRO-3 gathers each
+    layer on use: the step finishes the head's backward before the layers'
+    (:func:`~torsh_jax.runtime.fsdp.gathered_loss`), so the two are never held at once.
+
+    Example (the ``d_model`` 512 model's ``zero3 fsdp=8 acc=1`` on v5e-8: its 500 MiB of logits,
+    a working set of 328 MiB; libtpu's peak 639 MiB, predicted 660 MiB):
+        >>> from torsh_jax.planner.shape import parse_model
+        >>> from torsh_jax.planner.space import candidates
+        >>> shape = parse_model("demo:d_model=512,layers=4")
+        >>> c = {c.label: c for c in candidates(shape, devices=8, global_batch=32)}["zero3 fsdp=8 acc=1"]
+        >>> _beside_working_set(c, shape, TPU, 500 * 2**20, 4 * 1024, 1.0) / 2**20
+        172.0
+    """
+    working = _activation_bytes(
+        c, _working_set_per_token(c, shape, _recomputed(c, profile, True)), tokens, scale
+    )
+    return max(0.0, logits - working)
 
 
 def _recomputed(c: Candidate, profile: CompilerProfile, on_use: bool) -> tuple[float, float, float] | None:
@@ -279,27 +315,28 @@ def apart_bytes(
 ) -> int:
     """Bytes of :func:`step_memory`'s sum the compiler may never hold at once: in the steps of
     :attr:`~CompilerProfile.logits_apart`, the smaller of the float32 logits and what the layers'
-    backward holds beside them in the sum (a ZeRO-3 step gathering on use: a recomputed layer's
-    working set; a pipeline stage: its chunk's residuals), as the scheduler holds the logits
-    through the layers' backward or frees them first; else 0. The step's peak lies between the
-    sum less these bytes and the sum. Compiled for TPU targets (libtpu 0.0.42.1,
-    ``bench_planner_memory.py --tpu SET``): the 15 ZeRO-3 plans of ``150m|350m|1b|7b|d512``, the
-    sum -4.7 % to +56.1 % of the peak, the sum less these bytes -37.8 % to +4.1 %; the pipelined
-    plans of ``d512_pp|150m_pp``, the sum -7.6 % to +23.6 %, less these bytes -27.0 % to -4.1 %
-    (docs/planner.md).
+    backward holds beside them in the sum (ZeRO-3 gathering on use, where the step does not finish
+    the head's backward first: a recomputed layer's working set; a pipeline stage: its chunk's
+    residuals), as the scheduler holds the logits through the layers' backward or frees them
+    first; else 0. The step's peak lies between the sum less these bytes and the sum. Compiled for
+    TPU targets (libtpu 0.0.42.1, ``bench_planner_memory.py --tpu SET``): the pipelined plans of
+    ``d512_pp|150m_pp``, the sum -7.6 % to +23.6 % of the peak, less these bytes -27.0 % to
+    -4.1 % (docs/planner.md).
 
-    Example (the ``d_model`` 512 model's ``zero3 fsdp=8 acc=1`` on v5e-8: libtpu's peak 647 MiB):
+    Example (the ``d_model`` 512 model on v5e-8: a pipeline stage, ZeRO-3 over ``data`` too, and
+    ZeRO-3 over ``fsdp`` alone, whose head's backward comes first: one figure):
         >>> from torsh_jax.planner.shape import parse_model
         >>> from torsh_jax.planner.space import candidates
         >>> shape = parse_model("demo:d_model=512,layers=4")
         >>> found = {c.label: c for c in candidates(shape, devices=8, global_batch=32)}
-        >>> c = found["zero3 fsdp=8 acc=1"]
-        >>> apart_bytes(c, shape, TPU) / 2**20  # of a predicted 988 MiB: the working set's
-        328.0
+        >>> labels = ("pp fsdp=2 stage=4 1f1b m=8 zero2 acc=1", "zero3 data=2 fsdp=4 acc=1")
+        >>> [apart_bytes(found[k], shape, TPU) > 0 for k in (*labels, "zero3 fsdp=8 acc=1")]
+        [True, True, False]
     """
     staged = c.sizes["stage"] > 1
     on_use = compose(c.plan, c.sizes).gather == "on_use"
-    if ("staged" if staged else "on_use" if on_use else None) not in profile.logits_apart:
+    ordered = head_backward_first(c.plan, c.sizes)
+    if ("staged" if staged else "on_use" if on_use and not ordered else None) not in profile.logits_apart:
         return 0
     recomputed = _recomputed(c, profile, on_use)
     if staged:  # the chunk's residuals, as step_memory counts them
@@ -341,12 +378,12 @@ def _buffer_bytes(
     return factor * (count - (1 - share) * shared) * 4
 
 
-def _gathered(gather: str, shape: ModelShape, shares, t: int, stage_bytes: float) -> float:
+def _gathered(c: Candidate, shape: ModelShape, gather: str, stage_bytes: float) -> float:
     """ZeRO-3's gathered parameters: gathering each layer on use, the head's float32 weights (of
     the device's share over ``tensor``); a pipeline stage gathered once, ``stage_bytes``
     (:func:`_stage_gather_bytes`); else none."""
     if gather == "on_use":
-        return split_part(shares.shared, shape.head_params / t, shape.head_params) * 4
+        return head_params_on_device(c, shape) * 4
     return stage_bytes if gather == "per_stage" else 0.0
 
 

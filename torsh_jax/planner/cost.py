@@ -67,6 +67,7 @@ from torsh_jax.planner.machine import Machine, nearest_in_ratio
 from torsh_jax.planner.memory import memory_floor, memory_parts
 from torsh_jax.planner.per_device import (
     chunk_layers,
+    head_params_on_device,
     local_params,
     recomputed,
     schedule_figures,
@@ -346,6 +347,7 @@ def theories(c: Candidate, shape: ModelShape, *, compressed: bool = True) -> lis
         num_slices=slices,
         layer_fraction=fraction,
         layers=local_layers,
+        head_fraction=head_params_on_device(c, shape) / (layers + shared) if sizes["stage"] == 1 else 0.0,
     )
     out = [data]
     cb = DTYPE_BYTES[plan.precision.compute_dtype]

@@ -49,11 +49,12 @@ from typing import NamedTuple
 
 from torsh_jax.analysis.theory import DTYPE_BYTES, theoretical_memory_per_device
 from torsh_jax.plan.compressors import METHODS
-from torsh_jax.plan.roles import compose
+from torsh_jax.plan.roles import compose, head_backward_first
 from torsh_jax.planner.compilers import PROFILES, apart_bytes, step_memory
 from torsh_jax.planner.machine import Machine, nearest_in_ratio
 from torsh_jax.planner.per_device import (
     chunk_layers,
+    head_params_on_device,
     layer_remat,
     local_params,
     paired_end_sums,
@@ -153,7 +154,7 @@ def memory_parts(c: Candidate, shape: ModelShape, opt_factor: float, machine: Ma
         # rest, but ZeRO-2's, a shard of it made beside it; ZeRO-3's, what its loop adds
         if on_use:  # and a share of a gathered layer beside them
             gathered = int(ZERO3_GATHERED_LAYERS * one_layer * cb)
-            gradients = _accumulated_on_use_bytes(c, count * pb, shared * pb)
+            gradients = _accumulated_on_use_bytes(c, shape, count * pb, shared * pb)
         else:
             gradients = count * pb - state.grad_bytes
     gradients += _accumulated_sum_bytes(c, roles.reduce, count * pb)
@@ -172,8 +173,8 @@ def memory_parts(c: Candidate, shape: ModelShape, opt_factor: float, machine: Ma
 def memory_floor(c: Candidate, shape: ModelShape, machine: Machine, parts: dict[str, int]) -> int | None:
     """The least the peak may be where the machine's compiler schedules some of ``parts`` (
     :func:`memory_parts`'s) apart or together as it chooses
-    (:func:`~torsh_jax.planner.compilers.apart_bytes`: on a TPU, ZeRO-3 gathering on use and a
-    pipeline stage):
+    (:func:`~torsh_jax.planner.compilers.apart_bytes`: on a TPU, a pipeline stage and ZeRO-3 gathering
+    on use where the head's backward is not ordered first):
     their ``total`` less what may never be held at once; ``None`` where ``total`` is the one
     figure.
 
@@ -184,8 +185,8 @@ def memory_floor(c: Candidate, shape: ModelShape, machine: Machine, parts: dict[
         >>> shape, tpu = ModelShape.demo("tiny"), Machine.from_target("v5e-8")
         >>> found = {c.label: c for c in candidates(shape, devices=8, global_batch=64)}
         >>> floors = {k: memory_floor(found[k], shape, tpu, memory_parts(found[k], shape, 2.0, tpu))
-        ...           for k in ("zero3 fsdp=8 acc=1", "zero1 fsdp=8 acc=1")}
-        >>> floors["zero3 fsdp=8 acc=1"] > 0, floors["zero1 fsdp=8 acc=1"]
+        ...           for k in ("pp fsdp=4 stage=2 1f1b m=2 zero1 acc=1", "zero3 fsdp=8 acc=1")}
+        >>> floors["pp fsdp=4 stage=2 1f1b m=2 zero1 acc=1"] > 0, floors["zero3 fsdp=8 acc=1"]
         (True, None)
     """
     profile = _compiler_profile(c, shape, machine)
@@ -296,16 +297,24 @@ def _sum_after_backward(c: Candidate, reduce: str, param_bytes: int, parts: dict
     return max(0, param_bytes - backward)
 
 
-def _accumulated_on_use_bytes(c: Candidate, param_bytes: int, shared_bytes: int) -> int:
+def _accumulated_on_use_bytes(c: Candidate, shape: ModelShape, param_bytes: int, shared_bytes: int) -> int:
     """What ZeRO-3 gathering on use adds accumulating, beside its compiled recomputing gradient:
     the step's gradient sum, a ``1/fsdp`` shard carried through the micro-step loop, and the
-    embedding's and head's whole gradient (``shared_bytes``, of the device's ``1/tensor``). On
-    XLA:CPU the smaller benchmark model's three families without ``tensor`` (``fsdp`` 8, 4 and 2)
-    held that much more at 2 and 4 accumulation steps than at one (1.65, 2.18 and 3.24 MB: their
-    shards and 1.11 MB); with ``tensor = 2`` its 12 plans came within -1.8 % to +3.0 %."""
+    embedding's and head's whole gradient (``shared_bytes``, of the device's ``1/tensor``); where
+    the step finishes the head's backward first (:func:`~torsh_jax.plan.roles.head_backward_first`),
+    the head's is reduced before the layers' backward and only the embedding's is. On XLA:CPU the
+    smaller benchmark model's three families without ``tensor`` (``fsdp`` 8, 4 and 2) held that
+    much more at 2 and 4 accumulation steps than at one (1.65, 2.18 and 3.24 MB: their shards and
+    1.11 MB, before the head's backward came first; ``fsdp=8 acc=2`` holds 0.46 MB less since);
+    with ``tensor = 2`` its 12 plans came within -1.8 % to +3.0 %."""
     if c.plan.batch.accumulation_steps == 1:
         return 0
-    return param_bytes // c.sizes["fsdp"] + shared_bytes
+    held = shared_bytes
+    if head_backward_first(c.plan, c.sizes):
+        t = c.sizes["tensor"]
+        both = (shape.embed_params + shape.head_params) / t
+        held = shared_bytes * (1 - head_params_on_device(c, shape) / both) if both else shared_bytes
+    return int(param_bytes // c.sizes["fsdp"] + held)
 
 
 def _feedback_bytes(c: Candidate, param_bytes: int) -> int:

@@ -29,6 +29,7 @@ __all__ = [
     "TensorShares",
     "tensor_shares",
     "split_part",
+    "head_params_on_device",
     "layer_remat",
     "recomputed",
     "tokens_per_micro_step",
@@ -116,6 +117,20 @@ def split_part(share: float, split: float, whole: float) -> float:
         1.75
     """
     return share * split + (1 - share) * whole
+
+
+def head_params_on_device(c: Candidate, shape: ModelShape) -> float:
+    """The head's parameters one device holds before ZeRO, of its share over ``tensor``.
+
+    Example (the tiny demo model's head is its ``d_model x vocab`` kernel and final norm):
+        >>> from torsh_jax.planner.space import candidates
+        >>> shape = ModelShape.demo("tiny")
+        >>> c = candidates(shape, devices=8, global_batch=64)[0]
+        >>> head_params_on_device(c, shape) == shape.head_params
+        True
+    """
+    t = c.sizes["tensor"]
+    return split_part(tensor_shares(c, shape).shared, shape.head_params / t, shape.head_params)
 
 
 def layer_remat(c: Candidate) -> bool:

@@ -81,6 +81,17 @@ def _layer_fraction(train: TrainStep) -> float:
     return sum(jax.tree.leaves(counts[train.loss.layers_key])) / sum(jax.tree.leaves(counts))
 
 
+def _head_fraction(train: TrainStep) -> float:
+    """Part of the parameters in a layered model's head, a table the embedding reads too left out
+    (none for a plain loss, nor under a pipeline)."""
+    model = train.loss
+    if not model.stacked or train.layout.roles.stage_axis is not None or model.head_keys is None:
+        return 0.0
+    counts = _shard_counts(train)
+    own = [k for k in model.head_keys if k not in (model.embed_keys or ())]
+    return sum(sum(jax.tree.leaves(counts[k])) for k in own) / sum(jax.tree.leaves(counts))
+
+
 #: Why a pipelined step's tensor-axis theory and measurement are the first stage's.
 PIPELINED_TENSOR_NOTE = (
     "tensor: the collectives run inside the pipeline's per-tick branches and a device runs one branch "
@@ -230,6 +241,7 @@ def data_theory(train: TrainStep) -> Theory:
         num_slices=default_num_slices(train.plan),
         layer_fraction=_layer_fraction(train),
         layers=_layers(train),
+        head_fraction=_head_fraction(train),
     )
 
 
