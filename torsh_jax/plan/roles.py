@@ -211,9 +211,12 @@ def _reduce(stage: int, gather: str, compressed: bool) -> str:
 
 def head_backward_first(plan: ParallelPlan, sizes: dict[str, int]) -> bool:
     """Whether the step finishes the head's backward before the layers', where ZeRO-3 gathers each
-    layer on use (:func:`torsh_jax.runtime.fsdp.gathered_loss`): where the head's weights vary over
-    the mesh axes the hidden state does, with no ``data`` axis and, over ``tensor``, with sequence
-    parallelism. Then the logits and a recomputed layer's working set are never held at once.
+    layer on use (:func:`torsh_jax.runtime.fsdp.gathered_loss`, not a pipeline's stages): where the
+    head's weights vary over the mesh axes the hidden state does, with no ``data`` axis and, over
+    ``tensor``, with sequence parallelism. Then the logits and a recomputed layer's working set
+    are never held at once. (A plan that compresses ``data``'s gradients, a tied table over
+    ``data``, or a model without tensor blocks over ``tensor`` is ordered too; this says not, so
+    the planner keeps their range.)
 
     Example:
         >>> from torsh_jax.plan import plan_from_dict
@@ -222,6 +225,7 @@ def head_backward_first(plan: ParallelPlan, sizes: dict[str, int]) -> bool:
         >>> head_backward_first(zero3, sizes), head_backward_first(zero3, {**sizes, "data": 2, "fsdp": 4})
         (True, False)
     """
-    if compose(plan, sizes).gather != "on_use" or sizes.get("data", 1) > 1:
+    staged_or_replicated = sizes.get("stage", 1) > 1 or sizes.get("data", 1) > 1  # a pipeline has none
+    if compose(plan, sizes).gather != "on_use" or staged_or_replicated:
         return False
     return sizes.get("tensor", 1) == 1 or plan.tensor.sequence_parallel

@@ -154,7 +154,8 @@ def memory_parts(c: Candidate, shape: ModelShape, opt_factor: float, machine: Ma
         # rest, but ZeRO-2's, a shard of it made beside it; ZeRO-3's, what its loop adds
         if on_use:  # and a share of a gathered layer beside them
             gathered = int(ZERO3_GATHERED_LAYERS * one_layer * cb)
-            gradients = _accumulated_on_use_bytes(c, shape, count * pb, shared * pb)
+            head = head_params_on_device(c, shape) * pb
+            gradients = _accumulated_on_use_bytes(c, count * pb, shared * pb, head)
         else:
             gradients = count * pb - state.grad_bytes
     gradients += _accumulated_sum_bytes(c, roles.reduce, count * pb)
@@ -297,23 +298,19 @@ def _sum_after_backward(c: Candidate, reduce: str, param_bytes: int, parts: dict
     return max(0, param_bytes - backward)
 
 
-def _accumulated_on_use_bytes(c: Candidate, shape: ModelShape, param_bytes: int, shared_bytes: int) -> int:
+def _accumulated_on_use_bytes(c: Candidate, param_bytes: int, shared_bytes: int, head_bytes: float) -> int:
     """What ZeRO-3 gathering on use adds accumulating, beside its compiled recomputing gradient:
     the step's gradient sum, a ``1/fsdp`` shard carried through the micro-step loop, and the
     embedding's and head's whole gradient (``shared_bytes``, of the device's ``1/tensor``); where
     the step finishes the head's backward first (:func:`~torsh_jax.plan.roles.head_backward_first`),
-    the head's is reduced before the layers' backward and only the embedding's is. On XLA:CPU the
-    smaller benchmark model's three families without ``tensor`` (``fsdp`` 8, 4 and 2) held that
-    much more at 2 and 4 accumulation steps than at one (1.65, 2.18 and 3.24 MB: their shards and
-    1.11 MB, before the head's backward came first; ``fsdp=8 acc=2`` holds 0.46 MB less since);
-    with ``tensor = 2`` its 12 plans came within -1.8 % to +3.0 %."""
+    the head's (``head_bytes``) is reduced before the layers' backward and only the embedding's is
+    held. On XLA:CPU the smaller benchmark model's three families without ``tensor`` (``fsdp`` 8, 4
+    and 2) held that much more at 2 and 4 accumulation steps than at one (1.65, 2.18 and 3.24 MB:
+    their shards and 1.11 MB, before the head's backward came first; ``fsdp=8 acc=2`` holds 0.46 MB
+    less since); with ``tensor = 2`` its 12 plans came within -1.8 % to +3.0 %."""
     if c.plan.batch.accumulation_steps == 1:
         return 0
-    held = shared_bytes
-    if head_backward_first(c.plan, c.sizes):
-        t = c.sizes["tensor"]
-        both = (shape.embed_params + shape.head_params) / t
-        held = shared_bytes * (1 - head_params_on_device(c, shape) / both) if both else shared_bytes
+    held = shared_bytes - head_bytes if head_backward_first(c.plan, c.sizes) else shared_bytes
     return int(param_bytes // c.sizes["fsdp"] + held)
 
 
