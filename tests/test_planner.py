@@ -474,6 +474,23 @@ def test_a_tpu_zero3_step_without_its_heads_backward_first_is_predicted_between_
     assert abs(learned.memory["total"] - learned.memory_floor - apart) <= 1
 
 
+def test_a_tpu_pipeline_stage_is_predicted_between_a_floor_and_its_total():
+    """A stage's logits and its chunk's residuals (its activations less its stash) are held
+    together or one after the other: the floor is the total less the smaller of the two."""
+    from torsh_jax.planner.compilers import TPU, apart_bytes
+    from torsh_jax.planner.memory import _stash_bytes
+
+    shape, tpu = parse_model(D512), Machine.from_target("v5e-8")
+    by_label = {c.label: c for c in candidates(shape, devices=8, global_batch=32)}
+    for label in ("pp fsdp=2 stage=4 1f1b m=8 zero2 acc=1", "pp data=2 fsdp=2 stage=2 zb_h1 m=2 zero3 acc=1"):
+        stage = by_label[label]
+        p = predict(stage, shape, tpu)
+        residuals = p.memory["activations"] - _stash_bytes(stage, shape)
+        apart = apart_bytes(stage, shape, TPU)
+        assert abs(apart - min(p.memory["logits"], residuals)) <= 1, label  # rounding of the parts
+        assert 0 < apart and p.memory_floor == p.memory["total"] - apart, label
+
+
 def _d512_between():
     from dataclasses import replace
 

@@ -512,14 +512,14 @@ def plan_theory(
     regathered = 0.0 if layers == 1 else layer_fraction
     sizes = plan.mesh.resolve(num_devices, num_slices=num_slices).shape
     hoisted = 1.0 - layer_fraction - (head_fraction if head_backward_first(plan, sizes) else 0.0)
-    theory = _uncompressed_theory(plan, param_count, num_devices, num_slices, hoisted, regathered)
+    theory = _uncompressed_theory(plan, sizes, param_count, hoisted, regathered)
     if plan.compression:  # the minimum without compression: the plan sends fewer bytes than this
         return replace(theory, description=f"{theory.description} (uncompressed minimum)")
     return theory
 
 
-def _uncompressed_theory(plan, param_count, num_devices, num_slices, hoisted, regathered) -> Theory:
-    roles = compose(plan, plan.mesh.resolve(num_devices, num_slices=num_slices).shape)
+def _uncompressed_theory(plan, sizes, param_count, hoisted, regathered) -> Theory:
+    roles = compose(plan, sizes)
     stage = roles.zero_stage
     param_bytes = param_count * DTYPE_BYTES[plan.precision.reduce_dtype]
     gathered_dtype = plan.precision.compute_dtype if stage == 3 else plan.precision.param_dtype

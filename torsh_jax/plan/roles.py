@@ -225,7 +225,6 @@ def head_backward_first(plan: ParallelPlan, sizes: dict[str, int]) -> bool:
         >>> head_backward_first(zero3, sizes), head_backward_first(zero3, {**sizes, "data": 2, "fsdp": 4})
         (True, False)
     """
-    staged_or_replicated = sizes.get("stage", 1) > 1 or sizes.get("data", 1) > 1  # a pipeline has none
-    if compose(plan, sizes).gather != "on_use" or staged_or_replicated:
+    if compose(plan, sizes).gather != "on_use" or sizes.get("stage", 1) > 1 or sizes.get("data", 1) > 1:
         return False
     return sizes.get("tensor", 1) == 1 or plan.tensor.sequence_parallel

@@ -290,10 +290,16 @@ def _beside_working_set(
         >>> _beside_working_set(c, shape, TPU, 500 * 2**20, 4 * 1024, 1.0) / 2**20
         172.0
     """
-    working = _activation_bytes(
-        c, _working_set_per_token(c, shape, _recomputed(c, profile, True)), tokens, scale
-    )
-    return max(0.0, logits - working)
+    return max(0.0, logits - _working_set_bytes(c, shape, profile, tokens, scale))
+
+
+def _working_set_bytes(
+    c: Candidate, shape: ModelShape, profile: CompilerProfile, tokens: int, scale: float
+) -> float:
+    """One recomputed layer's working set where ZeRO-3 gathers each layer on use, of ``tokens``
+    tokens at the activation ``scale``."""
+    per_token = _working_set_per_token(c, shape, _recomputed(c, profile, True))
+    return _activation_bytes(c, per_token, tokens, scale)
 
 
 def _recomputed(c: Candidate, profile: CompilerProfile, on_use: bool) -> tuple[float, float, float] | None:
@@ -338,13 +344,13 @@ def apart_bytes(
     ordered = head_backward_first(c.plan, c.sizes)
     if ("staged" if staged else "on_use" if on_use and not ordered else None) not in profile.logits_apart:
         return 0
-    recomputed = _recomputed(c, profile, on_use)
-    if staged:  # the chunk's residuals, as step_memory counts them
-        per_token = _activation_bytes_per_token(c, shape, profile, recomputed, chunk_layers(c, shape))
-    else:
-        per_token = _working_set_per_token(c, shape, recomputed)
     tokens = tokens_per_micro_step(c, shape)
-    layers = _activation_bytes(c, per_token, tokens, activation_scale)
+    if staged:  # the chunk's residuals, as step_memory counts them
+        recomputed = _recomputed(c, profile, on_use)
+        per_token = _activation_bytes_per_token(c, shape, profile, recomputed, chunk_layers(c, shape))
+        layers = _activation_bytes(c, per_token, tokens, activation_scale)
+    else:
+        layers = _working_set_bytes(c, shape, profile, tokens, activation_scale)
     return int(min(layers, _logits_bytes(c, shape, tokens)))
 
 
