@@ -123,6 +123,14 @@ def test_bench_pipeline_quick():
     assert row["stage_wire_ratio"] == pytest.approx(1.0, abs=0.02), row
 
 
+def test_bench_barrier_quick_times_each_collective_against_its_baseline():
+    rows = script_rows("bench_barrier.py", "--quick")
+    assert sorted(row["kind"] for row in rows) == ["all_gather", "ppermute", "psum"]
+    for row in rows:
+        assert row["iteration_s"] > 0
+        assert row["share"] == pytest.approx(row["per_collective_s"] / row["iteration_s"])
+
+
 @pytest.mark.slow
 def test_bench_checkpoint_quick():
     """Saves, restores and survives SIGKILL during saves (2 kills in the smoke run, 20 by default)."""
