@@ -6,7 +6,8 @@ them) and fits the link's ``alpha_s`` to those; here each of a scan's iterations
 matmul per device, then (or not: the baseline, in the same run) one small collective
 (``psum``, ``all_gather`` or ``ppermute`` of 64 floats) the next iteration depends on. Prints one
 ``barrier`` row per width and kind: ``iteration_s`` (the baseline's seconds per iteration),
-``per_collective_s`` (the added seconds per collective) and ``share`` (their ratio): the time a
+``per_collective_s`` (the added seconds per collective; the four programs timed in turn, one
+run each per round, the median of ``--steps`` rounds) and ``share`` (their ratio): the time a
 step loses at each collective it runs between its layers, which the calibrated ``alpha_s`` does
 not hold (benchmarks/README.md).
 
@@ -17,8 +18,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import common
 
@@ -64,16 +63,6 @@ def scan_program(kind: str, mesh, devices: int):
     return jax.jit(jax.shard_map(scan, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
 
 
-def median_seconds(fn, args, steps: int) -> float:
-    fn(*args).block_until_ready()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        fn(*args).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def main() -> int:
     args = parse_args()
     common.setup_devices(args.devices)
@@ -82,14 +71,15 @@ def main() -> int:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from torsh_jax.planner.calibrate import seconds_in_rounds
+
     mesh = jax.make_mesh((args.devices,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
     steps = 3 if args.quick else args.steps
     for width, rows in QUICK_SIZES if args.quick else SIZES:
         h = jax.device_put(jnp.ones((args.devices * rows, width)), NamedSharding(mesh, P("x")))
         ws = jax.device_put(jnp.full((ITERATIONS, width, width), 0.01), NamedSharding(mesh, P()))
-        seconds = {
-            kind: median_seconds(scan_program(kind, mesh, args.devices), (h, ws), steps) for kind in KINDS
-        }
+        programs = {kind: (scan_program(kind, mesh, args.devices), (h, ws)) for kind in KINDS}
+        seconds = seconds_in_rounds(programs, steps)  # one run of each in turn per round
         iteration = seconds["none"] / ITERATIONS
         for kind in KINDS[1:]:
             added = (seconds[kind] - seconds["none"]) / ITERATIONS

@@ -73,6 +73,7 @@ __all__ = [
     "rate_rows",
     "cores_shared",
     "fit_alpha_beta",
+    "seconds_in_rounds",
     "activation_scales",
     "chunk_gradient_bytes",
     "remat_gradient_bytes",
@@ -108,10 +109,10 @@ def rate_rows(max_examples_per_device: int = _ROWS) -> tuple[int, ...]:
 
 
 def _median_seconds(fn, *args, repeats: int) -> float:
-    return _seconds_in_rounds({None: (fn, args)}, repeats)[None]
+    return seconds_in_rounds({None: (fn, args)}, repeats)[None]
 
 
-def _seconds_in_rounds(programs: dict, rounds: int, /) -> dict:
+def seconds_in_rounds(programs: dict, rounds: int, /) -> dict:
     """Median seconds of each program of ``programs`` (``{key: (fn, args)}``) after a warm-up call
     of each, timed one call of every program in turn per round: a drift of the machine's speed
     during the measurement falls on all of them alike, so the ratios of their times (a
@@ -120,7 +121,7 @@ def _seconds_in_rounds(programs: dict, rounds: int, /) -> dict:
     Example:
         >>> import jax.numpy as jnp
         >>> programs = {n: (jnp.sin, (jnp.ones(n),)) for n in (8, 8192)}
-        >>> found = _seconds_in_rounds(programs, 3)
+        >>> found = seconds_in_rounds(programs, 3)
         >>> sorted(found), all(s > 0 for s in found.values())
         ([8, 8192], True)
     """
@@ -260,7 +261,7 @@ def _collective_times(mesh, repeats: int) -> list[tuple[str, int, float]]:
             jax.shard_map(op, mesh=mesh, in_specs=P("devices"), out_specs=P("devices"), check_vma=False)
         )
         programs |= {(kind, nbytes): (fn, (x,)) for nbytes, x in inputs.items()}
-    seconds = _seconds_in_rounds(programs, repeats)
+    seconds = seconds_in_rounds(programs, repeats)
     return [(kind, nbytes, t) for (kind, nbytes), t in seconds.items()]
 
 
@@ -497,7 +498,7 @@ def _pass_seconds(
     for k, how in recompute.items():
         fn = _gradient_program(mesh, shape, recompute=how, chunk=k)
         programs |= {(k, rows): (fn, args[rows]) for rows in args}
-    seconds = _seconds_in_rounds(programs, repeats)
+    seconds = seconds_in_rounds(programs, repeats)
     return {k: {rows: seconds[k, rows] for rows in args} for k in recompute}
 
 
