@@ -5,10 +5,11 @@ any goes on. ``torsh_jax.planner.calibrate`` times collectives on their own (no 
 them) and fits the link's ``alpha_s`` to those; here each of a scan's iterations runs one layer-like
 matmul per device, then (or not: the baseline, in the same run) one small collective
 (``psum``, ``all_gather`` or ``ppermute`` of 64 floats) the next iteration depends on. Prints one
-``barrier`` row per width and kind: ``iteration_s`` (the baseline's seconds per iteration),
-``per_collective_s`` (the added seconds per collective; the four programs timed in turn, one
-run each per round, the median of ``--steps`` rounds) and ``share`` (their ratio): the time a
-step loses at each collective it runs between its layers, which the calibrated ``alpha_s`` does
+``barrier`` row per width and kind: ``collectives_per_run`` (the compiled program's, executed:
+``ITERATIONS``; ``baseline_collectives_per_run``: none), ``iteration_s`` (the baseline's seconds
+per iteration), ``per_collective_s`` (the added seconds per collective; the four programs timed in
+turn, one run each per round, the median of ``--steps`` rounds) and ``share`` (their ratio): the
+time a step loses at each collective it runs between its layers, which the calibrated ``alpha_s`` does
 not hold (benchmarks/README.md).
 
 Usage:
@@ -71,6 +72,7 @@ def main() -> int:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from torsh_jax.analysis.hlo import collectives
     from torsh_jax.planner.calibrate import seconds_in_rounds
 
     mesh = jax.make_mesh((args.devices,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
@@ -78,8 +80,11 @@ def main() -> int:
     for width, rows in QUICK_SIZES if args.quick else SIZES:
         h = jax.device_put(jnp.ones((args.devices * rows, width)), NamedSharding(mesh, P("x")))
         ws = jax.device_put(jnp.full((ITERATIONS, width, width), 0.01), NamedSharding(mesh, P()))
-        programs = {kind: (scan_program(kind, mesh, args.devices), (h, ws)) for kind in KINDS}
-        seconds = seconds_in_rounds(programs, steps)  # one run of each in turn per round
+        compiled = {kind: scan_program(kind, mesh, args.devices).lower(h, ws).compile() for kind in KINDS}
+        run = {
+            kind: sum(c.executions for c in collectives(program, mesh)) for kind, program in compiled.items()
+        }
+        seconds = seconds_in_rounds({kind: (program, (h, ws)) for kind, program in compiled.items()}, steps)
         iteration = seconds["none"] / ITERATIONS
         for kind in KINDS[1:]:
             added = (seconds[kind] - seconds["none"]) / ITERATIONS
@@ -90,6 +95,8 @@ def main() -> int:
                     "width": width,
                     "rows_per_device": rows,
                     "kind": kind,
+                    "collectives_per_run": run[kind],
+                    "baseline_collectives_per_run": run["none"],
                     "iteration_s": iteration,
                     "per_collective_s": added,
                     "share": added / iteration,

@@ -123,12 +123,15 @@ def test_bench_pipeline_quick():
     assert row["stage_wire_ratio"] == pytest.approx(1.0, abs=0.02), row
 
 
-def test_bench_barrier_quick_times_each_collective_against_its_baseline():
+@pytest.mark.slow
+def test_bench_barrier_quick_runs_one_collective_per_iteration_against_none():
+    """The timed programs are what the rows say: each kind's scan runs its collective once per
+    iteration (the compiled program's, not hoisted or dropped), the baseline none."""
     rows = script_rows("bench_barrier.py", "--quick")
     assert sorted(row["kind"] for row in rows) == ["all_gather", "ppermute", "psum"]
     for row in rows:
+        assert row["collectives_per_run"] == 32 and row["baseline_collectives_per_run"] == 0, row
         assert row["iteration_s"] > 0
-        assert row["share"] == pytest.approx(row["per_collective_s"] / row["iteration_s"])
 
 
 @pytest.mark.slow
