@@ -27,12 +27,16 @@ SIZES = ((128, 256), (256, 512), (512, 512))
 QUICK_SIZES = ((64, 64),)
 KINDS = ("none", "psum", "all_gather", "ppermute")
 ITERATIONS = 32
+#: The one mesh axis, over every simulated device.
+AXIS = "devices"
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
-    parser.add_argument("--steps", type=int, default=15, help="timed runs of each program (median)")
+    parser.add_argument(
+        "--steps", type=int, default=15, help="timed rounds, one run of each program a round (median)"
+    )
     parser.add_argument("--quick", action="store_true", help="one small width, three runs")
     return parser.parse_args()
 
@@ -41,13 +45,13 @@ def _collective(kind: str, x, devices: int):
     import jax
 
     if kind == "psum":
-        return jax.lax.psum(x, "x")
+        return jax.lax.psum(x, AXIS)
     if kind == "all_gather":
-        return jax.lax.all_gather(x, "x")
-    return jax.lax.ppermute(x, "x", [(i, (i + 1) % devices) for i in range(devices)])
+        return jax.lax.all_gather(x, AXIS)
+    return jax.lax.ppermute(x, AXIS, [(i, (i + 1) % devices) for i in range(devices)])
 
 
-def scan_program(kind: str, mesh, devices: int):
+def scan_program(kind: str, mesh):
     """``ITERATIONS`` matmuls per device, each followed by one collective of ``kind`` (``none``:
     not) whose result the next iteration reads."""
     import jax
@@ -57,11 +61,11 @@ def scan_program(kind: str, mesh, devices: int):
     def layer(h, w):
         h = jnp.tanh(h @ w)
         if kind != "none":
-            h = h + 1e-9 * _collective(kind, h[:1, :64], devices).sum()
+            h = h + 1e-9 * _collective(kind, h[:1, :64], mesh.shape[AXIS]).sum()
         return h, None
 
     scan = lambda h, ws: jax.lax.scan(layer, h, ws)[0]
-    return jax.jit(jax.shard_map(scan, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+    return jax.jit(jax.shard_map(scan, mesh=mesh, in_specs=(P(AXIS), P()), out_specs=P(AXIS)))
 
 
 def main() -> int:
@@ -75,12 +79,12 @@ def main() -> int:
     from torsh_jax.analysis.hlo import collectives
     from torsh_jax.planner.calibrate import seconds_in_rounds
 
-    mesh = jax.make_mesh((args.devices,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = jax.make_mesh((args.devices,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
     steps = 3 if args.quick else args.steps
     for width, rows in QUICK_SIZES if args.quick else SIZES:
-        h = jax.device_put(jnp.ones((args.devices * rows, width)), NamedSharding(mesh, P("x")))
+        h = jax.device_put(jnp.ones((args.devices * rows, width)), NamedSharding(mesh, P(AXIS)))
         ws = jax.device_put(jnp.full((ITERATIONS, width, width), 0.01), NamedSharding(mesh, P()))
-        compiled = {kind: scan_program(kind, mesh, args.devices).lower(h, ws).compile() for kind in KINDS}
+        compiled = {kind: scan_program(kind, mesh).lower(h, ws).compile() for kind in KINDS}
         run = {
             kind: sum(c.executions for c in collectives(program, mesh)) for kind, program in compiled.items()
         }
