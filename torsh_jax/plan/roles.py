@@ -210,21 +210,17 @@ def _reduce(stage: int, gather: str, compressed: bool) -> str:
 
 
 def head_backward_first(plan: ParallelPlan, sizes: dict[str, int]) -> bool:
-    """Whether the step finishes the head's backward before the layers', where ZeRO-3 gathers each
-    layer on use (:func:`torsh_jax.runtime.fsdp.gathered_loss`, not a pipeline's stages): where the
-    head's weights vary over the mesh axes the hidden state does, with no ``data`` axis and, over
-    ``tensor``, with sequence parallelism. Then the logits and a recomputed layer's working set
-    are never held at once. (A plan that compresses ``data``'s gradients, a tied table over
-    ``data``, or a model without tensor blocks over ``tensor`` is ordered too; this says not, so
-    the planner keeps their range.)
+    """Whether the step finishes the head's backward before the layers', its gradients reduced:
+    every step where ZeRO-3 gathers each layer on use (:func:`torsh_jax.runtime.fsdp.gathered_loss`),
+    not a pipeline's stages. Then the logits and a recomputed layer's working set are never held
+    at once, nor the head's whole gradient beside the layers' backward, and accumulating, the
+    head's weights are gathered every micro-step.
 
     Example:
         >>> from torsh_jax.plan import plan_from_dict
         >>> zero3 = plan_from_dict({"mesh": {"fsdp": -1}, "zero": {"stage": 3}})
-        >>> sizes = {"data": 1, "fsdp": 8, "tensor": 1, "stage": 1}
-        >>> head_backward_first(zero3, sizes), head_backward_first(zero3, {**sizes, "data": 2, "fsdp": 4})
+        >>> sizes = {"data": 2, "fsdp": 4, "tensor": 1, "stage": 1}
+        >>> head_backward_first(zero3, sizes), head_backward_first(zero3, {**sizes, "stage": 2, "data": 1})
         (True, False)
     """
-    if compose(plan, sizes).gather != "on_use" or sizes.get("stage", 1) > 1 or sizes.get("data", 1) > 1:
-        return False
-    return sizes.get("tensor", 1) == 1 or plan.tensor.sequence_parallel
+    return compose(plan, sizes).gather == "on_use" and sizes.get("stage", 1) == 1

@@ -23,14 +23,9 @@ step holds:
   step's sum, a micro-step's gradients as it makes them, the reduction's buffers; on a TPU the
   weights' bfloat16 copies too); accumulating, the embedding's and head's parameters count at
   :attr:`CompilerProfile.shared_accumulating` of a layer parameter's;
-* gathering each layer on use (ZeRO-3), the head's float32 weights; where the step finishes the
-  head's backward before the layers' (:func:`~torsh_jax.plan.roles.head_backward_first`: without
-  ``data``, and over ``tensor`` with sequence parallelism), its logits and a recomputed layer's
-  working set are never held at once: the larger of the two.
-
-Elsewhere where ZeRO-3 gathers each layer on use (over ``data`` too, over ``tensor`` without
-sequence parallelism) the profile counts both: libtpu holds the logits' gradient through the
-layers' backward or not, as its scheduler decides.
+* gathering each layer on use (ZeRO-3), the head's float32 weights; the step finishes the head's
+  backward before the layers' (:func:`~torsh_jax.plan.roles.head_backward_first`), so its logits
+  and a recomputed layer's working set are never held at once: the larger of the two.
 
 In a pipeline stage, libtpu's scheduler either keeps the logits through the layers' backward,
 beside its chunk's residuals, or frees them first: the peak lies between the larger of the two
@@ -129,10 +124,8 @@ class CompilerProfile:
             ``stage_buffers`` counts: a ZeRO-3 stage gathers its layers and head in it, and the
             gather is that copy; ``None``: no such copy.
         logits_apart: the steps whose logits the compiler may free before the layers' backward
-            instead of holding them beside it (:func:`apart_bytes`): ``"on_use"``, ZeRO-3
-            gathering each layer on use where the step does not order the head's backward first
-            (beside a recomputed layer's working set); ``"staged"``, a pipeline stage (beside its
-            chunk's residuals).
+            instead of holding them beside it (:func:`apart_bytes`): ``"staged"``, a pipeline
+            stage (beside its chunk's residuals).
     """
 
     name: str
@@ -177,11 +170,11 @@ class CompilerProfile:
 #: (+3.2 % to +10.0 % counting them whole), the one recomputing at +14.1 % (+18.0 %). Read with every
 #: gradient reduced as a flat row; since a float32 one alone in its bucket is reduced in its own
 #: shape, 150 M's 12 plans without ZeRO-3 came within -4.6 % to +3.8 % again. ZeRO-3 gathering on
-#: use, where the step finishes the head's backward before the layers', holds the larger of its
-#: logits and a recomputed layer's working set, not both (libtpu had computed the head's weight
-#: gradient after the layers' backward, holding the logits' gradient through it, on 150 M's
-#: ``fsdp=16``, 1 B and 7 B): 10 plans of ``150m|350m|1b|7b|d512``, 5 within 5 %, -9.1 % to +9.1 %;
-#: the 5 that cannot order it within their range (docs/planner.md). A pipeline
+#: use finishes the head's backward before the layers', so holds the larger of its logits and a
+#: recomputed layer's working set, not both (libtpu had computed the head's weight gradient after
+#: the layers' backward, holding the logits' gradient through it, on 150 M's ``fsdp=16``, 1 B and
+#: 7 B): the 15 plans of ``150m|350m|1b|7b|d512``, 8 within 5 %, -9.1 % to +13.1 %
+#: (docs/planner.md). A pipeline
 #: stage's buffers (``stage_buffers``) are the module docstring's; no pipeline with remat was
 #: compiled, and its carry and copy are the same.
 TPU = CompilerProfile(
@@ -203,7 +196,7 @@ TPU = CompilerProfile(
     stage_buffers=1.5,
     shared_staged=0.5,
     matrix_bytes=2,
-    logits_apart=("on_use", "staged"),
+    logits_apart=("staged",),
 )
 
 #: Profiles by :attr:`~torsh_jax.planner.machine.Machine.platform`.
@@ -320,38 +313,31 @@ def apart_bytes(
     c: Candidate, shape: ModelShape, profile: CompilerProfile, *, activation_scale: float = 1.0
 ) -> int:
     """Bytes of :func:`step_memory`'s sum the compiler may never hold at once: in the steps of
-    :attr:`~CompilerProfile.logits_apart`, the smaller of the float32 logits and what the layers'
-    backward holds beside them in the sum (ZeRO-3 gathering on use, where the step does not finish
-    the head's backward first: a recomputed layer's working set; a pipeline stage: its chunk's
-    residuals), as the scheduler holds the logits through the layers' backward or frees them
-    first; else 0. The step's peak lies between the sum less these bytes and the sum. Compiled for
-    TPU targets (libtpu 0.0.42.1, ``bench_planner_memory.py --tpu SET``): the pipelined plans of
-    ``d512_pp|150m_pp``, the sum -7.6 % to +23.6 % of the peak, less these bytes -27.0 % to
-    -4.1 % (docs/planner.md).
+    :attr:`~CompilerProfile.logits_apart` (a pipeline stage), the smaller of the float32 logits and
+    the chunk's residuals, as the scheduler holds the logits through the layers' backward or frees
+    them first; else 0. The step's peak lies between the sum less these bytes and the sum.
+    Compiled for TPU targets (libtpu 0.0.42.1, ``bench_planner_memory.py --tpu SET``): the
+    pipelined plans of ``d512_pp|150m_pp``, the sum -7.6 % to +23.6 % of the peak, less these
+    bytes -27.0 % to -4.1 % (docs/planner.md). (A ZeRO-3 step finishes its head's backward first:
+    one figure, :func:`step_memory`.)
 
     Example (the ``d_model`` 512 model on v5e-8: a pipeline stage, ZeRO-3 over ``data`` too, and
-    ZeRO-3 over ``fsdp`` alone, whose head's backward comes first: one figure):
+    ZeRO-3 over ``fsdp`` alone):
         >>> from torsh_jax.planner.shape import parse_model
         >>> from torsh_jax.planner.space import candidates
         >>> shape = parse_model("demo:d_model=512,layers=4")
         >>> found = {c.label: c for c in candidates(shape, devices=8, global_batch=32)}
         >>> labels = ("pp fsdp=2 stage=4 1f1b m=8 zero2 acc=1", "zero3 data=2 fsdp=4 acc=1")
         >>> [apart_bytes(found[k], shape, TPU) > 0 for k in (*labels, "zero3 fsdp=8 acc=1")]
-        [True, True, False]
+        [True, False, False]
     """
-    staged = c.sizes["stage"] > 1
-    on_use = compose(c.plan, c.sizes).gather == "on_use"
-    ordered = head_backward_first(c.plan, c.sizes)
-    if ("staged" if staged else "on_use" if on_use and not ordered else None) not in profile.logits_apart:
+    if c.sizes["stage"] == 1 or "staged" not in profile.logits_apart:
         return 0
     tokens = tokens_per_micro_step(c, shape)
-    if staged:  # the chunk's residuals, as step_memory counts them
-        recomputed = _recomputed(c, profile, on_use)
-        per_token = _activation_bytes_per_token(c, shape, profile, recomputed, chunk_layers(c, shape))
-        layers = _activation_bytes(c, per_token, tokens, activation_scale)
-    else:
-        layers = _working_set_bytes(c, shape, profile, tokens, activation_scale)
-    return int(min(layers, _logits_bytes(c, shape, tokens)))
+    recomputed = _recomputed(c, profile, compose(c.plan, c.sizes).gather == "on_use")
+    per_token = _activation_bytes_per_token(c, shape, profile, recomputed, chunk_layers(c, shape))
+    residuals = _activation_bytes(c, per_token, tokens, activation_scale)  # as step_memory counts them
+    return int(min(residuals, _logits_bytes(c, shape, tokens)))
 
 
 def _logits_bytes(c: Candidate, shape: ModelShape, tokens: int) -> float:

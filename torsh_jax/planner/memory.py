@@ -174,10 +174,8 @@ def memory_parts(c: Candidate, shape: ModelShape, opt_factor: float, machine: Ma
 def memory_floor(c: Candidate, shape: ModelShape, machine: Machine, parts: dict[str, int]) -> int | None:
     """The least the peak may be where the machine's compiler schedules some of ``parts`` (
     :func:`memory_parts`'s) apart or together as it chooses
-    (:func:`~torsh_jax.planner.compilers.apart_bytes`: on a TPU, a pipeline stage and ZeRO-3 gathering
-    on use where the head's backward is not ordered first):
-    their ``total`` less what may never be held at once; ``None`` where ``total`` is the one
-    figure.
+    (:func:`~torsh_jax.planner.compilers.apart_bytes`: on a TPU, a pipeline stage): their ``total``
+    less what may never be held at once; ``None`` where ``total`` is the one figure.
 
     Example:
         >>> from torsh_jax.planner.machine import Machine

@@ -197,10 +197,22 @@ def _gather_tree(
     options = {"compiler": compiler, "implementation": decided.kernels.get(FSDP, "reference")}
 
     def one(shard, dim, spec):
-        gather = make_gather(dim, plan, decided.backward, weights, spec=spec, **options)
+        backward = _summed_by_gather(decided.backward, shard, dim)
+        gather = make_gather(dim, plan, backward, weights, spec=spec, **options)
         return checkpoint_name(gather(shard), GATHERED)
 
     return jax.tree.map(one, shards, dims, specs, is_leaf=lambda x: x is None)
+
+
+def _summed_by_gather(backward: SyncSpec, shard: jax.Array, dim: int | None) -> SyncSpec:
+    """``backward`` less the axes ``shard`` is typed as varying over (but the one it is scattered
+    over): the sum over such an axis is the transpose of that typing (:func:`_head_first`),
+    not the gather's."""
+    typed = varying_axes(shard) - ({backward.scatter_axis} if dim is not None else set())
+    kept = tuple(a for a in backward.axes if a not in typed)
+    if kept == backward.axes:
+        return backward
+    return backward._replace(axes=kept, routes={a: r for a, r in backward.routes.items() if a in kept})
 
 
 def _tree_collectives(dims: PyTree, specs: PyTree, decided: StepPlan, compiler: tuple[str, ...]):
@@ -285,33 +297,41 @@ def gathered_loss(decided: StepPlan, dims: PyTree, *, specs: PyTree) -> Callable
         embed_p, stacked_p, head_p = split_params(model, specs)
         embed = gather(embed_s, embed_d, embed_p)
         hidden = model.embed(embed, batch)
-        if model.stacked:
-            one_layer = _layer_dims(stacked_d), _layer_specs(stacked_p)
-            hidden = _layer_scan(decided, one_layer, gather, batch)(stacked_s, hidden)
-            embed, head_s, hidden = _head_first(model, embed, head_s, hidden)
+        if not model.stacked:
+            return model.head(_head_params(model, embed, head_s, head_d, head_p, gather), hidden, batch)
+        one_layer = _layer_dims(stacked_d), _layer_specs(stacked_p)
+        hidden = _layer_scan(decided, one_layer, gather, batch)(stacked_s, hidden)
+        embed, head_s, hidden = _head_first(model, embed, head_s, hidden, decided.backward.axes)
         return model.head(_head_params(model, embed, head_s, head_d, head_p, gather), hidden, batch)
 
     return loss
 
 
-def _head_first(model: LayeredModel, embed: dict, head_shards: PyTree, hidden: jax.Array) -> tuple:
-    """``(embed, head_shards, hidden)`` with the head's parameters (its shards, a tied table) and the
+def _head_first(
+    model: LayeredModel, embed: dict, head_shards: PyTree, hidden: jax.Array, summed: tuple[str, ...]
+) -> tuple:
+    """``(embed, head_shards, hidden)`` with the head's parameter shards (and a tied table) and the
     hidden state through one optimization barrier, whose transpose makes the layers' backward wait
-    for the head's parameter gradients: no compiler can hold the logits' gradient through the
-    layers' backward. libtpu 0.0.42.1 did, computing the head's weight gradient after them: the
-    150 M demo model's ``zero3 fsdp=16`` step on v5e-16 peaked at 2,916 MiB, 1,892 MiB with the
-    barrier (docs/planner.md). A barrier's operands vary over the same mesh axes, and typing a
-    parameter as varying where it is not would change its gradient's reduction, so only the
-    parameters that vary as the hidden state does join it
-    (:func:`~torsh_jax.plan.roles.head_backward_first`: the head's weights do without ``data``,
-    and over ``tensor`` with sequence parallelism)."""
-    axes = varying_axes(hidden)
+    for the head's gradients reduced: the step never holds the head's whole gradient, nor the
+    logits' gradient, through the layers' backward. libtpu 0.0.42.1 did, computing the head's
+    weight gradient after them (the 150 M demo model's ``zero3 fsdp=16`` on v5e-16: 2,916 MiB,
+    1,892 MiB with the barrier; docs/planner.md).
+
+    A barrier's operands vary over the same mesh axes: the hidden state is typed as varying over
+    every axis the head's weights do (vocabulary-split ones: ``tensor``), and a shard over the
+    gradient axes it lacks (``summed``: ``data`` under HSDP), as their use in the head would type
+    them; the transpose of that typing is the same sum, run at the barrier (the shard's gather then
+    leaves it out: :func:`_summed_by_gather`). A shard lacking another axis (a weight replicated
+    over ``tensor``) and a tied table lacking any stay out of it."""
     tied = {k: embed[k] for k in model.head_keys or () if k in embed}
     leaves, rebuild = jax.tree.flatten((tied, head_shards))
-    joined = [i for i, leaf in enumerate(leaves) if varying_axes(leaf) == axes]
-    if not joined:
-        return embed, head_shards, hidden
-    kept, hidden = jax.lax.optimization_barrier(([leaves[i] for i in joined], hidden))
+    axes = varying_axes(hidden).union(*map(varying_axes, leaves))
+    tables = len(jax.tree.leaves(tied))  # gathered already: their gathers sum every axis
+    may_add = lambda i: set(summed) if i >= tables else set()
+    joined = [i for i, x in enumerate(leaves) if axes - varying_axes(x) <= may_add(i)]
+    order = tuple(sorted(axes))
+    typed = [vary_over(leaves[i], order) for i in joined]
+    kept, hidden = jax.lax.optimization_barrier((typed, vary_over(hidden, order)))
     for i, leaf in zip(joined, kept, strict=True):
         leaves[i] = leaf
     tied, head_shards = jax.tree.unflatten(rebuild, leaves)
