@@ -418,7 +418,7 @@ def test_a_plan_the_compiler_refused_stays_in_the_ranking_with_its_figures():
 
 #: A model whose steps on v5e-8 (global batch 32) show both kinds: every ZeRO-3 step finishes its
 #: head's backward before the layers' (one figure: ``zero3 fsdp=8 acc=1`` 660 MiB, libtpu's peak
-#: 608 MiB; ``zero3 data=2 fsdp=4 acc=1`` 726 MiB, peak 732 MiB); a pipeline stage is a range: of
+#: 639 MiB; ``zero3 data=2 fsdp=4 acc=1`` 726 MiB, peak 701 MiB); a pipeline stage is a range: of
 #: its ZeRO-1 and -2 plans, under a limit of 310 MiB, ``RANGED`` runs fastest of those whose floor
 #: fits (a floor of 294 MiB, a total of 356 MiB; libtpu's peak 305 MiB).
 D512 = "demo:d_model=512,layers=4"

@@ -155,8 +155,8 @@ def test_wire_bytes_equal_theory(name):
 def test_hsdp_accumulating_wire_bytes_equal_theory():
     """HSDP accumulating: the head's shards pass the barrier that finishes its backward first
     (``runtime.fsdp._head_first``), so they are gathered every micro-step, as the theory counts
-    (a vocabulary of 1,024; counted as gathered once a step, the
-    all-gathers would send 1.07 of the theory's bytes)."""
+    (a vocabulary of 1,024; counted as gathered once a step, the all-gathers would send 1.07 of
+    the theory's bytes)."""
     import dataclasses
 
     plan = load_plan("hsdp")
