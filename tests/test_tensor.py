@@ -94,6 +94,37 @@ def test_vocab_parallel_loss_never_holds_full_logits():
     assert "f32[2,8,8]" in text and "f32[2,8,32]" not in text
 
 
+def _outer_shapes(jaxpr) -> set[tuple[int, ...]]:
+    """The shapes a jaxpr's own equations make (not those inside its scans' bodies)."""
+    return {tuple(v.aval.shape) for eqn in jaxpr.eqns for v in eqn.outvars}
+
+
+def test_causal_attention_equals_masked_softmax_and_holds_no_mask_beside_scanned_layers():
+    """Causal attention is the softmax over each query's keys up to it; differentiated through a
+    scan over layers, nothing of ``[B, H, T, T]`` is made outside the scan (a select's broadcast
+    mask would be, and held through the step)."""
+    batch, length, d, heads, k = 2, 8, 16, 4, 4
+    keys = jax.random.split(jax.random.key(3), 5)
+    x = jax.random.normal(keys[0], (batch, length, d))
+    wq, wk, wv = (jax.random.normal(key, (d, heads, k)) / 4 for key in keys[1:4])
+    wo = jax.random.normal(keys[4], (heads, k, d)) / 4
+    q, kk, v = (np.einsum("btd,dhk->bthk", x, w) for w in (wq, wk, wv))
+    scores = np.einsum("bqhk,bshk->bhqs", q, kk) / np.sqrt(k)
+    scores = np.where(np.tril(np.ones((length, length), bool)), scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    expected = np.einsum("bthk,hkd->btd", np.einsum("bhqs,bshk->bqhk", weights, v), wo)
+    np.testing.assert_allclose(tensor.attention(x, wq, wk, wv, wo), expected, rtol=1e-5, atol=1e-5)
+
+    def loss(stacked, x):
+        layer = lambda h, w: (h + tensor.attention(h, *w), None)
+        return jnp.sum(jax.lax.scan(jax.checkpoint(layer), x, stacked)[0] ** 2)
+
+    stacked = tuple(jnp.stack([w, w]) for w in (wq, wk, wv, wo))
+    outer = _outer_shapes(jax.make_jaxpr(jax.grad(loss))(stacked, x).jaxpr)
+    assert (batch, heads, length, length) not in outer
+
+
 #: every plan's global batch is the tp presets' 32 (micro-batches of 4 or 8 per data-parallel rank):
 #: the plans with the same sequence parallelism then share one twin run (helpers.shared_twin_runs)
 TP_PLANS = [
