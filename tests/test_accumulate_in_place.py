@@ -46,7 +46,7 @@ def test_bf16_compute_sums_each_layers_gradient_in_float32_within_stated_toleran
     """bf16 compute, the sum in float32 (the layers' gradients cast as each is added in place):
     each loss within one bfloat16 spacing of the bf16 single-device twin's (the loss is computed
     in bfloat16: a last-bit difference of the summands moves it by a spacing, at most ``eps``
-    relative), gradients within 0.15 as test_zero.py states for bf16 compute."""
+    relative), gradients within 0.15 of the twin's."""
     report, _ = twin_report(_accumulating(1, {"compute_dtype": "bfloat16"}), steps=4, mlp=True)
     assert_matches_twin(report)  # a bf16 twin is far from float64: too loose alone, hence:
     assert report.max_loss_rel_err <= float(jnp.finfo(jnp.bfloat16).eps)

@@ -275,10 +275,37 @@ def test_gpu_target_compiles_and_fits(capsys, default_gpu_memory, name):
     assert "75 % of each GPU's" in target["hbm_limit_source"]
 
 
-def test_a_zero3_steps_memory_on_a_gpu_target_is_predicted_from_its_phases():
-    """ZeRO-3 finishes the head's backward before the layers', so the formulas count the logits
-    beyond one recomputed layer's working set: XLA:GPU's peaks are over that by 10 % here (the
-    formulas' working set is the CPU's), and counting the logits beside it was 61 % over."""
+def test_a_recomputing_step_on_a_gpu_target_frees_the_logits_gradient_before_the_layers_backward(monkeypatch):
+    """The model's loss ties the head's and the hidden state's cotangents (``head_first``), so the
+    head's weight gradient is made before the layers' backward: XLA:GPU's peak of a step
+    recomputing its layers is lower by about the logits' float32 gradient than without the tie,
+    which it held through the layers' backward."""
+    from torsh_jax.planner.cost import predict
+    from torsh_jax.planner.machine import Machine
+    from torsh_jax.planner.rank import verify
+    from torsh_jax.planner.shape import parse_model
+    from torsh_jax.planner.space import candidates
+    from torsh_jax.runtime import layered
+
+    _needs_gpu("h100-8")
+    shape, machine = parse_model("demo:d_model=1024,layers=2"), Machine.from_target("h100-8")
+    [plan] = [
+        c for c in candidates(shape, devices=8, global_batch=64) if c.label == "zero1 fsdp=8 remat acc=1"
+    ]
+    compiled = lambda: verify(predict(plan, shape, machine), shape, target_devices("h100-8"),
+                              target=parse_target("h100-8"))["peak"]  # fmt: skip
+    ordered = compiled()
+    monkeypatch.setattr(layered, "head_first", lambda head, hidden: (head, hidden))
+    logits_gradient = 8 * shape.seq_len * shape.vocab * 4  # 8 sequences a device
+    assert compiled() - ordered >= 0.9 * logits_gradient
+
+
+@pytest.mark.parametrize("label", ["zero3 fsdp=8 acc=1", "zero1 fsdp=8 remat acc=1"])
+def test_a_recomputing_steps_memory_on_a_gpu_target_is_predicted_from_its_phases(label):
+    """A step recomputing its layers finishes the head's backward before theirs, so the formulas
+    count the logits beyond one recomputed layer's working set: XLA:GPU's peaks are over that by
+    10 % here (the formulas' working set is the CPU's); counting the logits beside it, the ZeRO-3
+    step was 61 % over."""
     from torsh_jax.planner.cost import predict
     from torsh_jax.planner.machine import Machine
     from torsh_jax.planner.rank import verify
@@ -291,7 +318,7 @@ def test_a_zero3_steps_memory_on_a_gpu_target_is_predicted_from_its_phases():
         Machine.from_target("h100-8"),
     )
     found = {c.label: c for c in candidates(shape, devices=8, global_batch=64)}
-    predicted = predict(found["zero3 fsdp=8 acc=1"], shape, machine)
+    predicted = predict(found[label], shape, machine)
     compiled = verify(predicted, shape, target_devices("h100-8"), target=parse_target("h100-8"))
     assert 0 < compiled["memory_error"] < 0.15, compiled
 

@@ -73,14 +73,19 @@ def test_zero3_with_a_plain_loss_gathers_per_top_level_entry():
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_bf16_compute_within_stated_tolerance(stage):
-    """bf16 compute, f32 master weights and reduction: loss within 2e-3, gradients within 0.15
-    (largest element difference over the largest element, per leaf) of the bf16 single-device twin."""
+def test_bf16_compute_within_roundoff_of_the_float64_run(stage):
+    """bf16 compute, f32 master weights and reduction: losses and gradients within round-off of
+    the float64 run, the bf16 twin's own error the measure of it, and the gradients about as far
+    from it as the twin's (the larger of the two at most 1.5 times the other's, over 5 steps: a
+    real error moves one program, not both). Not a constant against the bf16 twin: two bf16
+    programs of the same math differ by where the compiler rounds (the twin of the causal
+    attention adding its mask moved 0.08 to 0.18 from this step, the step itself unchanged at
+    0.26 from float64)."""
     plan = zero_plan(stage, precision={"compute_dtype": "bfloat16"})
     report, _ = twin_report(plan, steps=5)
-    assert_matches_twin(report)  # a bf16 twin is 0.26 from float64: too loose alone, hence:
-    assert report.max_loss_rel_err <= 2e-3
-    assert report.max_grad_rel_err <= 0.15
+    assert_matches_twin(report)
+    ours, twins = max(report.parallel_error.grads), max(report.twin_error.grads)
+    assert max(ours, twins) <= 1.5 * min(ours, twins), (ours, twins)
 
 
 @functools.cache

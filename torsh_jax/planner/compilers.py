@@ -23,9 +23,11 @@ step holds:
   step's sum, a micro-step's gradients as it makes them, the reduction's buffers; on a TPU the
   weights' bfloat16 copies too); accumulating, the embedding's and head's parameters count at
   :attr:`CompilerProfile.shared_accumulating` of a layer parameter's;
-* gathering each layer on use (ZeRO-3), the head's float32 weights; the step finishes the head's
-  backward before the layers' (:func:`~torsh_jax.plan.roles.head_backward_first`), so its logits
-  and a recomputed layer's working set are never held at once: the larger of the two.
+* gathering each layer on use (ZeRO-3), the head's float32 weights. A step without a pipeline
+  finishes the head's backward before the layers' (:func:`~torsh_jax.runtime.layered.head_first`,
+  ZeRO-3's gathered head likewise), so where its layers are recomputed (remat, ZeRO-3) its logits
+  and a recomputed layer's working set are never held at once: the larger of the two
+  (:func:`~torsh_jax.planner.per_device.logits_apart_from_layers`).
 
 In a pipeline stage, libtpu's scheduler either keeps the logits through the layers' backward,
 beside its chunk's residuals, or frees them first: the peak lies between the larger of the two
@@ -79,10 +81,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from torsh_jax.analysis.theory import DTYPE_BYTES
-from torsh_jax.plan.roles import Roles, compose, head_backward_first
+from torsh_jax.plan.roles import Roles, compose
 from torsh_jax.planner.per_device import (
     chunk_layers,
     head_params_on_device,
+    logits_apart_from_layers,
     paired_end_sums,
     split_part,
     tensor_shares,
@@ -174,7 +177,9 @@ class CompilerProfile:
 #: recomputed layer's working set, not both (libtpu had computed the head's weight gradient after
 #: the layers' backward, holding the logits' gradient through it, on 150 M's ``fsdp=16``, 1 B and
 #: 7 B): the 15 plans of ``150m|350m|1b|7b|d512``, 8 within 5 %, -9.1 % to +13.1 %
-#: (docs/planner.md). A pipeline
+#: (docs/planner.md). Steps recomputing their layers that make each micro-step's gradient whole
+#: finish the head's backward first too (:func:`~torsh_jax.runtime.layered.head_first`): counted
+#: so, the six such plans of the sets within -1.2 % to +1.2 % but the small model's (+16.6 %). A pipeline
 #: stage's buffers (``stage_buffers``) are the module docstring's; no pipeline with remat was
 #: compiled, and its carry and copy are the same.
 TPU = CompilerProfile(
@@ -240,8 +245,9 @@ def step_memory(
     of its chunk's layers on one micro-batch with the stage's buffers (its backward recomputes the
     chunk from a stashed input; ZeRO-3 gathers the stage's parameters once), with ``stash_bytes``
     (its stash, the caller's slots) among the activations. Where the step finishes the head's
-    backward before the layers' (:func:`~torsh_jax.plan.roles.head_backward_first`), ``logits`` is
-    what the logits hold beyond a recomputed layer's working set (:func:`_beside_working_set`)."""
+    backward before its recomputed layers'
+    (:func:`~torsh_jax.planner.per_device.logits_apart_from_layers`), ``logits`` is what the
+    logits hold beyond a recomputed layer's working set (:func:`_beside_working_set`)."""
     plan, fsdp = c.plan, c.sizes["fsdp"]
     roles = compose(plan, c.sizes)
     on_use = roles.gather == "on_use"  # ZeRO-3: every layer recomputed
@@ -252,7 +258,7 @@ def step_memory(
     per_token = _activation_bytes_per_token(c, shape, profile, _recomputed(c, profile, on_use), layers)
     tokens = tokens_per_micro_step(c, shape)
     logits = _logits_bytes(c, shape, tokens)
-    if head_backward_first(plan, c.sizes):
+    if logits_apart_from_layers(c):
         logits = _beside_working_set(c, shape, profile, logits, tokens, activation_scale)
     parts = {
         "state": count * pb / (fsdp if plan.zero.stage == 3 else 1)
@@ -289,9 +295,10 @@ def _beside_working_set(
 def _working_set_bytes(
     c: Candidate, shape: ModelShape, profile: CompilerProfile, tokens: int, scale: float
 ) -> float:
-    """One recomputed layer's working set where ZeRO-3 gathers each layer on use, of ``tokens``
-    tokens at the activation ``scale``."""
-    per_token = _working_set_per_token(c, shape, _recomputed(c, profile, True))
+    """One recomputed layer's working set (remat's, or ZeRO-3's gathering each layer on use), of
+    ``tokens`` tokens at the activation ``scale``."""
+    on_use = compose(c.plan, c.sizes).gather == "on_use"
+    per_token = _working_set_per_token(c, shape, _recomputed(c, profile, on_use))
     return _activation_bytes(c, per_token, tokens, scale)
 
 

@@ -18,10 +18,11 @@ plus the working set of one layer's backward pass; a recomputed layer (the model
 gathering each layer on use) keeps its input only (``2 d`` bytes), plus the working set of one layer
 while it is recomputed (the formula times the machine's ``recompute_scale``; not divided by
 ``tensor``: measured on CPU, that set does not shrink with it). The logits and their gradient are
-float32; where ZeRO-3 finishes the head's backward before the layers'
-(:func:`~torsh_jax.plan.roles.head_backward_first`), the formulas count what they hold beyond one
-recomputed layer's working set, as the two are never held at once (XLA:GPU's peaks of 12 ZeRO-3
-plans on H100 targets: +26 % to +109 % counting both, +7.7 % to +47.5 % so). A pipeline stage
+float32; where the layers are recomputed, the step finishes the head's backward before theirs
+(:func:`~torsh_jax.planner.per_device.logits_apart_from_layers`), so the formulas count what the
+logits hold beyond one recomputed layer's working set, as the two are never held at once
+(XLA:GPU's peaks of 12 ZeRO-3 plans on H100 targets: +26 % to +109 % counting both, +7.7 % to
++47.5 % so). A pipeline stage
 holds its stash, the runtime's slots for the activations and gradients it
 receives (about the inputs its schedule table holds in flight: ``min(microbatches, stages)`` for
 1F1B and ZB-H1, interleaved's cap in chunk inputs, all ``microbatches`` for GPipe), ZB-H1's ``W``
@@ -61,6 +62,7 @@ from torsh_jax.planner.per_device import (
     head_params_on_device,
     layer_remat,
     local_params,
+    logits_apart_from_layers,
     paired_end_sums,
     recomputed,
     schedule_figures,
@@ -411,7 +413,7 @@ def _activation_bytes(c: Candidate, shape: ModelShape, machine: Machine) -> tupl
         )
     else:  # every layer's activations
         per_token = full * layers + working
-    if head_backward_first(c.plan, c.sizes):  # logits and a layer's working set never held at once
+    if logits_apart_from_layers(c):
         logits = max(0, logits - int(working * scale * tokens))
     return int(per_token * scale * tokens), logits
 
