@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -275,29 +276,36 @@ def test_gpu_target_compiles_and_fits(capsys, default_gpu_memory, name):
     assert "75 % of each GPU's" in target["hbm_limit_source"]
 
 
-def test_a_recomputing_step_on_a_gpu_target_frees_the_logits_gradient_before_the_layers_backward(monkeypatch):
-    """The model's loss ties the head's and the hidden state's cotangents (``head_first``), so the
-    head's weight gradient is made before the layers' backward: XLA:GPU's peak of a step
-    recomputing its layers is lower by about the logits' float32 gradient than without the tie,
-    which it held through the layers' backward."""
+def _on_h100(model: str, label: str) -> tuple[Callable[[], dict], int]:
+    """``(compile, seq_len * vocab)``: ``compile()`` compiles candidate ``label`` of ``model`` (8
+    devices, global batch 64) for h100-8 and returns its ``verify`` figures."""
     from torsh_jax.planner.cost import predict
     from torsh_jax.planner.machine import Machine
     from torsh_jax.planner.rank import verify
     from torsh_jax.planner.shape import parse_model
     from torsh_jax.planner.space import candidates
-    from torsh_jax.runtime import layered
 
     _needs_gpu("h100-8")
-    shape, machine = parse_model("demo:d_model=1024,layers=2"), Machine.from_target("h100-8")
-    [plan] = [
-        c for c in candidates(shape, devices=8, global_batch=64) if c.label == "zero1 fsdp=8 remat acc=1"
-    ]
-    compiled = lambda: verify(predict(plan, shape, machine), shape, target_devices("h100-8"),
-                              target=parse_target("h100-8"))["peak"]  # fmt: skip
-    ordered = compiled()
+    shape, machine = parse_model(model), Machine.from_target("h100-8")
+    [plan] = [c for c in candidates(shape, devices=8, global_batch=64) if c.label == label]
+    devices, target = target_devices("h100-8"), parse_target("h100-8")
+    return lambda: verify(
+        predict(plan, shape, machine), shape, devices, target=target
+    ), shape.seq_len * shape.vocab
+
+
+def test_a_recomputing_step_on_a_gpu_target_frees_the_logits_gradient_before_the_layers_backward(monkeypatch):
+    """The model's loss ties the head's and the hidden state's cotangents (``head_first``), so the
+    head's weight gradient is made before the layers' backward: XLA:GPU's peak of a step
+    recomputing its layers is lower by about the logits' float32 gradient than without the tie,
+    which it held through the layers' backward."""
+    from torsh_jax.runtime import layered
+
+    compiled, logits_per_sequence = _on_h100("demo:d_model=1024,layers=2", "zero1 fsdp=8 remat acc=1")
+    ordered = compiled()["peak"]
     monkeypatch.setattr(layered, "head_first", lambda head, hidden: (head, hidden))
-    logits_gradient = 8 * shape.seq_len * shape.vocab * 4  # 8 sequences a device
-    assert compiled() - ordered >= 0.9 * logits_gradient
+    logits_gradient = 8 * logits_per_sequence * 4  # 8 sequences a device, float32
+    assert compiled()["peak"] - ordered >= 0.9 * logits_gradient
 
 
 @pytest.mark.parametrize("label", ["zero3 fsdp=8 acc=1", "zero1 fsdp=8 remat acc=1"])
@@ -306,21 +314,9 @@ def test_a_recomputing_steps_memory_on_a_gpu_target_is_predicted_from_its_phases
     count the logits beyond one recomputed layer's working set: XLA:GPU's peaks are over that by
     10 % here (the formulas' working set is the CPU's); counting the logits beside it, the ZeRO-3
     step was 61 % over."""
-    from torsh_jax.planner.cost import predict
-    from torsh_jax.planner.machine import Machine
-    from torsh_jax.planner.rank import verify
-    from torsh_jax.planner.shape import parse_model
-    from torsh_jax.planner.space import candidates
-
-    _needs_gpu("h100-8")
-    shape, machine = (
-        parse_model("demo:d_model=256,layers=2,vocab=8192,seq_len=512"),
-        Machine.from_target("h100-8"),
-    )
-    found = {c.label: c for c in candidates(shape, devices=8, global_batch=64)}
-    predicted = predict(found[label], shape, machine)
-    compiled = verify(predicted, shape, target_devices("h100-8"), target=parse_target("h100-8"))
-    assert 0 < compiled["memory_error"] < 0.15, compiled
+    compiled, _ = _on_h100("demo:d_model=256,layers=2,vocab=8192,seq_len=512", label)
+    figures = compiled()
+    assert 0 < figures["memory_error"] < 0.15, figures
 
 
 @pytest.mark.parametrize("name", ["h100-8", "a100-8"])

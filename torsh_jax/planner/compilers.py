@@ -179,8 +179,8 @@ class CompilerProfile:
 #: 7 B): the 15 plans of ``150m|350m|1b|7b|d512``, 8 within 5 %, -9.1 % to +13.1 %
 #: (docs/planner.md). Steps recomputing their layers that make each micro-step's gradient whole
 #: finish the head's backward first too (:func:`~torsh_jax.runtime.layered.head_first`): counted
-#: so, the six such plans of the sets within -1.2 % to +1.2 % but the small model's (+16.6 %). A pipeline
-#: stage's buffers (``stage_buffers``) are the module docstring's; no pipeline with remat was
+#: so, the six such plans of the sets within -1.2 % to +1.2 % but the small model's (+16.6 %). A
+#: pipeline stage's buffers (``stage_buffers``) are the module docstring's; no pipeline with remat was
 #: compiled, and its carry and copy are the same.
 TPU = CompilerProfile(
     name="libtpu 0.0.42.1",

@@ -20,14 +20,13 @@ while it is recomputed (the formula times the machine's ``recompute_scale``; not
 ``tensor``: measured on CPU, that set does not shrink with it). The logits and their gradient are
 float32; where the layers are recomputed, the step finishes the head's backward before theirs
 (:func:`~torsh_jax.planner.per_device.logits_apart_from_layers`), so the formulas count what the
-logits hold beyond one recomputed layer's working set, as the two are never held at once
-(XLA:GPU's peaks of 12 ZeRO-3 plans on H100 targets: +26 % to +109 % counting both, +7.7 % to
-+47.5 % so). A pipeline stage
-holds its stash, the runtime's slots for the activations and gradients it
-receives (about the inputs its schedule table holds in flight: ``min(microbatches, stages)`` for
-1F1B and ZB-H1, interleaved's cap in chunk inputs, all ``microbatches`` for GPipe), ZB-H1's ``W``
-slots and the tick's sends; its backward recomputes a chunk from a stashed input, which is the
-gradient of a model of the chunk's layers on one micro-batch: as the machine compiled it
+logits hold beyond one recomputed layer's working set, as the two are never held at once (XLA:GPU's
+peaks of 12 ZeRO-3 plans on H100 targets: +26 % to +109 % counting both, +7.7 % to +47.5 % so). A
+pipeline stage holds its stash, the runtime's slots for the activations and gradients it receives
+(about the inputs its schedule table holds in flight: ``min(microbatches, stages)`` for 1F1B and
+ZB-H1, interleaved's cap in chunk inputs, all ``microbatches`` for GPipe), ZB-H1's ``W`` slots and
+the tick's sends; its backward recomputes a chunk from a stashed input, which is the gradient of a
+model of the chunk's layers on one micro-batch: as the machine compiled it
 (:attr:`Machine.chunk_gradient_bytes`; split over ``tensor``, its layers' bytes per token at the
 formula's share, :func:`_tensor_share`, the rest whole but the logits), else the chunk's layers by
 the formula. Where each layer is recomputed without a pipeline, the model's gradient recomputing
