@@ -110,10 +110,25 @@ def test_make_compressor_implementations_agree(method):
 
 
 def test_rows_per_tile():
-    blocks = (1, 8, 24, 256, 512, 96, 6, 12)
-    assert [blockwise.rows_per_tile(n, platform="gpu") for n in blocks] == [1, 8, 8, 256, 256, 32, 2, 4]
-    # Mosaic: a multiple of 8 rows, or all of them
-    assert [blockwise.rows_per_tile(n, platform="tpu") for n in blocks] == [1, 8, 8, 256, 256, 32, 6, 12]
+    blocks = (1, 8, 24, 256, 512, 96, 6, 12, 262, 16514)
+    gpu = [1, 8, 8, 256, 256, 32, 2, 4, 2, 2]
+    assert [blockwise.rows_per_tile(n, platform="gpu") for n in blocks] == gpu
+    # Mosaic: a multiple of 8 rows, or all of them up to 256 (16,514 blocks, a 150 M model's
+    # gradient shard over 8 devices, in one tile overflowed v5e's 16 MiB of scoped VMEM)
+    tpu = [1, 8, 8, 256, 256, 32, 6, 12, 256, 256]
+    assert [blockwise.rows_per_tile(n, platform="tpu") for n in blocks] == tpu
+
+
+@pytest.mark.parametrize(("method", "rounding"), CASES, ids=IDS)
+def test_a_shorter_last_tile_is_bit_exact(method, rounding):
+    """262 blocks under Mosaic: a tile of 256 and one of 6, whose rows past the end are not
+    written."""
+    x, residual = _inputs(262 * 256)
+    opts = {"method": method, "block_size": 256}
+    ref = quantize.encode_with_feedback(x, residual, seed=_seed(rounding), **opts)
+    fused = blockwise.encode_with_feedback(x, residual, seed=_seed(rounding), platform="interpret", **opts)
+    _equal(ref, fused)
+    _equal(quantize.decode(ref[0], **opts), blockwise.decode(ref[0], platform="interpret", **opts))
 
 
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])

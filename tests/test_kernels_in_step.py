@@ -81,3 +81,15 @@ def test_kernel_step_compiles_for_the_target(platform):
     """The target's own compiler accepts the kernels in place (Mosaic's layout passes, Triton)."""
     compiled = _lowered("hsdp_int8", platform).compile()
     assert compiled.memory_analysis().temp_size_in_bytes > 0
+
+
+def test_a_shorter_last_tile_compiles_for_a_tpu():
+    """Mosaic takes a grid whose last row tile is shorter (262 blocks: 256 and 6), as
+    :func:`~torsh_jax.compress.kernels.blockwise.rows_per_tile` asks for a long buffer."""
+    from torsh_jax.compress.kernels import blockwise
+
+    device = _devices("tpu")[0]
+    x = jax.ShapeDtypeStruct((262 * 256,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+    fused = functools.partial(blockwise.encode_with_feedback, method="int8", block_size=256, platform="tpu")
+    text = jax.jit(fused).trace(x, x).lower().compile().as_text()
+    assert 'custom_call_target="tpu_custom_call"' in text

@@ -50,19 +50,31 @@ MOSAIC_ROWS = 8
 
 def rows_per_tile(num_blocks: int, *, platform: str) -> int:
     """Blocks per grid step: the largest power of two <= 256 dividing ``num_blocks`` (Triton's
-    tiles are powers of two); under Mosaic (``tpu`` and the interpreter) all ``num_blocks`` in one
-    tile when that power is below 8.
+    tiles are powers of two). Under Mosaic (``tpu`` and the interpreter), where that power is
+    below 8, all ``num_blocks`` in one tile up to 256 of them, else tiles of 256 with a shorter
+    last one (:func:`grid_steps`): a tile is held in the core's scoped VMEM (16 MiB on v5e).
 
     Example:
-        >>> [rows_per_tile(n, platform="tpu") for n in (96, 6)], rows_per_tile(6, platform="gpu")
-        ([32, 6], 2)
+        >>> [rows_per_tile(n, platform="tpu") for n in (96, 6, 16514)], rows_per_tile(6, platform="gpu")
+        ([32, 6, 256], 2)
     """
     rows = 1
     while rows * 2 <= MAX_ROWS and num_blocks % (rows * 2) == 0:
         rows *= 2
     if platform in ("tpu", "interpret") and rows < MOSAIC_ROWS:
-        return num_blocks
+        return min(num_blocks, MAX_ROWS)
     return rows
+
+
+def grid_steps(num_blocks: int, rows: int) -> int:
+    """Row tiles over ``num_blocks`` blocks; the last one shorter where ``rows`` does not divide
+    them (its rows past the end are read undefined and not written: each block is encoded alone).
+
+    Example:
+        >>> grid_steps(16514, 256), grid_steps(96, 32)
+        (65, 3)
+    """
+    return pl.cdiv(num_blocks, rows)
 
 
 def _values_width(method: str, block_size: int) -> int:
@@ -179,7 +191,7 @@ def _encode_call(kernel, inputs, seed, *, method, block_size, platform, extra_ou
     return pl.pallas_call(
         body,
         out_shape=out_shape,
-        grid=(num_blocks // rows,),
+        grid=(grid_steps(num_blocks, rows),),
         in_specs=in_specs,
         out_specs=out_specs,
         **_call_options(platform),
@@ -242,7 +254,7 @@ def decode(payload: QuantPayload, /, *, method: str, block_size: int, platform: 
     out = pl.pallas_call(
         functools.partial(_decode_kernel, method=method, block_size=block_size),
         out_shape=_out((num_blocks, block_size), jnp.float32, payload.values),
-        grid=(num_blocks // rows,),
+        grid=(grid_steps(num_blocks, rows),),
         in_specs=[_row_spec(rows, _values_width(method, block_size)), _row_spec(rows, 1)],
         out_specs=_row_spec(rows, block_size),
         **_call_options(platform),
