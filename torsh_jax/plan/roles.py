@@ -35,7 +35,7 @@ from typing import Literal
 from torsh_jax.errors import NotSupportedYetError
 from torsh_jax.plan.spec import DATA_AXES, CompressorSpec, ParallelPlan
 
-__all__ = ["Roles", "compose", "head_backward_first", "SHARD_AXIS", "TENSOR_AXIS"]
+__all__ = ["Roles", "compose", "head_backward_first", "sums_in_place", "SHARD_AXIS", "TENSOR_AXIS"]
 
 #: The mesh axis ZeRO shards state over.
 SHARD_AXIS = "fsdp"
@@ -209,12 +209,32 @@ def _reduce(stage: int, gather: str, compressed: bool) -> str:
     return "per_micro_step" if (stage == 2 or gather == "per_stage") and not compressed else "per_step"
 
 
-def head_backward_first(plan: ParallelPlan, sizes: dict[str, int]) -> bool:
-    """Whether the step finishes the head's backward before the layers', its gradients reduced:
-    every step where ZeRO-3 gathers each layer on use (:func:`torsh_jax.runtime.fsdp.gathered_loss`),
-    not a pipeline's stages. Then the logits and a recomputed layer's working set are never held
-    at once, nor the head's whole gradient beside the layers' backward, and accumulating, the
-    head's weights are gathered every micro-step.
+def sums_in_place(plan: ParallelPlan, sizes: Mapping[str, int]) -> bool:
+    """Whether the step's accumulation micro-steps add their layers' gradients into the step's sum
+    in place (:func:`torsh_jax.runtime.sink.accumulate_into`): several micro-steps reduced once a
+    step (:attr:`Roles.reduce` ``per_step``), parameters stored whole, no pipeline (whose stages
+    carry their own sum).
+
+    Example:
+        >>> from torsh_jax.plan import plan_from_dict
+        >>> ddp = plan_from_dict({"mesh": {"data": -1}, "batch": {"accumulation_steps": 2}})
+        >>> sums_in_place(ddp, {"data": 8}), sums_in_place(ddp, {"data": 4, "stage": 2})
+        (True, False)
+    """
+    roles = compose(plan, sizes)
+    several = plan.batch.accumulation_steps > 1
+    return several and roles.reduce == "per_step" and roles.gather == "stored" and roles.stage_axis is None
+
+
+def head_backward_first(plan: ParallelPlan, sizes: Mapping[str, int], *, remat: bool = False) -> bool:
+    """Whether the step finishes the head's backward before the layers', outside a pipeline's
+    stages: every step where ZeRO-3 gathers each layer on use
+    (:func:`torsh_jax.runtime.fsdp.gathered_loss`), its gradients reduced, and with ``remat``
+    (each layer recomputed) every step but one summing its micro-steps in place
+    (:func:`sums_in_place`; :func:`torsh_jax.runtime.layered.head_first`). Then the logits and a
+    recomputed layer's working set are never held at once; under ZeRO-3 neither is the head's
+    whole gradient beside the layers' backward, and accumulating, the head's weights are gathered
+    every micro-step.
 
     Example:
         >>> from torsh_jax.plan import plan_from_dict
@@ -222,5 +242,11 @@ def head_backward_first(plan: ParallelPlan, sizes: dict[str, int]) -> bool:
         >>> sizes = {"data": 2, "fsdp": 4, "tensor": 1, "stage": 1}
         >>> head_backward_first(zero3, sizes), head_backward_first(zero3, {**sizes, "stage": 2, "data": 1})
         (True, False)
+        >>> ddp = plan_from_dict({"mesh": {"data": -1}})
+        >>> head_backward_first(ddp, {"data": 8}), head_backward_first(ddp, {"data": 8}, remat=True)
+        (False, True)
     """
-    return compose(plan, sizes).gather == "on_use" and sizes.get("stage", 1) == 1
+    roles = compose(plan, sizes)
+    if roles.stage_axis is not None:
+        return False
+    return roles.gather == "on_use" or remat and not sums_in_place(plan, sizes)

@@ -53,7 +53,7 @@ from typing import NamedTuple
 
 from torsh_jax.analysis.theory import DTYPE_BYTES, theoretical_memory_per_device
 from torsh_jax.plan.compressors import METHODS
-from torsh_jax.plan.roles import compose, head_backward_first
+from torsh_jax.plan.roles import compose, head_backward_first, sums_in_place
 from torsh_jax.planner.compilers import PROFILES, apart_bytes, step_memory
 from torsh_jax.planner.machine import Machine, nearest_in_ratio
 from torsh_jax.planner.per_device import (
@@ -172,7 +172,7 @@ def memory_parts(c: Candidate, shape: ModelShape, opt_factor: float, machine: Ma
         "logits": logits,
         "feedback": _feedback_bytes(c, count * pb),
     }
-    parts["gradients"] += _sum_after_backward(c, roles.reduce, count * pb, parts)
+    parts["gradients"] += _sum_after_backward(c, count * pb, parts)
     return {**parts, "total": sum(parts.values())}
 
 
@@ -287,15 +287,15 @@ def _accumulated_sum_bytes(c: Candidate, reduce: str, param_bytes: int) -> int:
     return param_bytes // c.sizes["fsdp"]
 
 
-def _sum_after_backward(c: Candidate, reduce: str, param_bytes: int, parts: dict) -> int:
-    """What a step accumulating in place (reduced once a step, without a pipeline) adds where its peak is
+def _sum_after_backward(c: Candidate, param_bytes: int, parts: dict) -> int:
+    """What a step accumulating in place (:func:`~torsh_jax.plan.roles.sums_in_place`) adds where its peak is
     after the backward pass: the step's sum, the whole local gradient (``param_bytes``), lives through
     the reduction and the update beside the state, so the step holds at least that much more than its
     state, however small a micro-step's buffers (``parts``) are. On XLA:CPU the benchmark models'
     steps recomputing each layer held exactly one such gradient beside the state at 2 and 4
     accumulation steps (the larger model's ``ddp data=8 remat``: 147.55 MB, its state and 29.51 MB),
     where a micro-step's buffers came to less."""
-    if c.plan.batch.accumulation_steps == 1 or reduce != "per_step" or c.sizes["stage"] > 1:
+    if not sums_in_place(c.plan, c.sizes):
         return 0
     backward = parts["gradients"] + parts["gathered"] + parts["activations"] + parts["logits"]
     return max(0, param_bytes - backward)

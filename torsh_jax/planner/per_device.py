@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from torsh_jax.pipeline.schedule import IDLE, build_pipeline_schedule
 from torsh_jax.pipeline.slots import slot_plan
-from torsh_jax.plan.roles import compose
+from torsh_jax.plan.roles import head_backward_first
 from torsh_jax.planner.buffers import tensor_split_elements
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Candidate
@@ -142,15 +142,11 @@ def layer_remat(c: Candidate) -> bool:
 
 def logits_apart_from_layers(c: Candidate) -> bool:
     """The step never holds its logits beside a recomputed layer's working set: its layers are
-    recomputed (:func:`layer_remat`) and, without a pipeline, it finishes the head's backward
-    before theirs: ZeRO-3's gathered head, and the model's loss where each micro-step's gradient is
-    made whole (:func:`torsh_jax.runtime.layered.head_first`; not where micro-steps add their
-    layers' gradients into the step's sum in place, whose peak is not the head's)."""
-    if c.sizes["stage"] > 1 or not layer_remat(c):
-        return False
-    roles = compose(c.plan, c.sizes)
-    summed_in_place = c.plan.batch.accumulation_steps > 1 and roles.reduce == "per_step"
-    return roles.gather == "on_use" or not summed_in_place
+    recomputed (:func:`layer_remat`) and it finishes the head's backward before theirs
+    (:func:`torsh_jax.plan.roles.head_backward_first`, the predicate the runtime's step follows:
+    not under a pipeline, nor where micro-steps add their layers' gradients into the step's sum in
+    place, whose peak is not the head's)."""
+    return layer_remat(c) and head_backward_first(c.plan, c.sizes, remat=c.remat)
 
 
 def recomputed(c: Candidate) -> bool:

@@ -201,7 +201,8 @@ def head_first(head: PyTree, hidden: jax.Array) -> tuple[PyTree, jax.Array]:
     hold them through the backward pass anyway: no step of the demo model peaked lower with it; nor
     did micro-steps adding their layers' gradients into the step's sum
     (:func:`torsh_jax.runtime.sink.accumulate_into`, which leaves it out: 150 M's ``zero1 fsdp=16
-    remat acc=2`` 2,338 MiB without it, 2,399 MiB with it).
+    remat acc=2`` 2,338 MiB without it, 2,399 MiB with it). Which steps do so is
+    :func:`torsh_jax.plan.roles.head_backward_first`, as the planner counts them.
 
     Example:
         >>> head, hidden = head_first({"w": 1.0}, 2.0)

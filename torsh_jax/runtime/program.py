@@ -33,6 +33,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from torsh_jax.plan.roles import sums_in_place
 from torsh_jax.plan.spec import ParallelPlan
 from torsh_jax.runtime.accumulate import accumulate, from_step_sums, local_gradients
 from torsh_jax.runtime.compiler_axes import manual_over, tree_only, tree_without
@@ -58,8 +59,9 @@ def _accumulate(plan: ParallelPlan, loss_fn, params, batch, scale, per_step=None
     """``(grads, mean loss, extras)`` over the accumulation micro-steps; ``pipeline``: the pipeline's
     passes ``(params, batch, scale, passes) -> (grads, summed loss, slots)`` instead of
     differentiating ``loss_fn``, all in the pipeline's own scan unless each pass's gradients are
-    reduced apart (``per_step``). ``model``: the layered model ``loss_fn`` computes, whose layers'
-    gradients add into the running sum in place where nothing is reduced between micro-steps."""
+    reduced apart (``per_step``). ``model``: the layered model ``loss_fn`` computes, given where
+    the plan sums the micro-steps in place (:func:`~torsh_jax.plan.roles.sums_in_place`): its
+    layers' gradients add into the running sum."""
     steps, reduce = plan.batch.accumulation_steps, plan.batch.accumulation_reduce
     options = {"steps": steps, "reduce": reduce, "accum_dtype": jax.numpy.dtype(plan.precision.param_dtype)}
     if pipeline is not None and per_step is None:
@@ -67,7 +69,7 @@ def _accumulate(plan: ParallelPlan, loss_fn, params, batch, scale, per_step=None
         return (*from_step_sums(grads, loss_sum, steps=steps, reduce=reduce), slots)
     if pipeline is not None:
         return accumulate(lambda p, b: pipeline(p, b, scale), params, batch, per_step=per_step, **options)
-    if steps > 1 and per_step is None and model is not None and sinks_layers(model, params):
+    if model is not None and sinks_layers(model, params):
         return (*accumulate_into(model, params, batch, loss_scale=scale, **options), ())
     grads, loss = local_gradients(loss_fn, params, batch, loss_scale=scale, per_step=per_step, **options)
     return grads, loss, ()
@@ -104,7 +106,7 @@ def gradient_program(decided: StepPlan, layout: StateLayout) -> Callable:
     loss_fn = _local_loss(decided, layout, split)
     cast_first = roles.gather != "on_use"  # gathered on use: cast after the gather, per leaf
     pipeline = _pipeline_passes(decided, layout, split)
-    model = decided.model if cast_first else None  # gathered on use: the loss is not the model's own
+    model = decided.model if sums_in_place(plan, roles.mesh_shape) else None
     per_micro_step = roles.reduce == "per_micro_step"
     gather_stage = roles.gather == "per_stage"
 
