@@ -1180,11 +1180,13 @@ def test_calibrate_compiles_each_memory_program_once_all_before_any_is_read(monk
     assert sorted(compiled) == sorted(_memory_programs(shape, (1, 2)))
 
 
-#: ``ddp data=8`` with int8 gradients over ``data``; and ZeRO-2 recomputing each layer.
-INT8_DDP, REMAT_ZERO2 = "ddp data=8 acc=1 +int8", "zero2 fsdp=8 remat acc=1"
+#: int8 gradients over ``data``: DDP's, and ZeRO-1's over ``data = 2``, which compresses the
+#: ``fsdp`` shard it reduce-scattered first; ZeRO-2 recomputing each layer.
+INT8_DDP, INT8_ZERO1 = "ddp data=8 acc=1 +int8", "zero1 data=2 fsdp=4 acc=1 +int8"
+REMAT_ZERO2 = "zero2 fsdp=8 remat acc=1"
 
 
-@pytest.mark.parametrize("label", [*MEMORY_PLANS, INT8_DDP, REMAT_ZERO2])
+@pytest.mark.parametrize("label", [*MEMORY_PLANS, INT8_DDP, INT8_ZERO1, REMAT_ZERO2])
 def test_predicted_memory_is_the_compiled_peak_within_5_percent(label):
     """The machine's memory fields measured here (:func:`_small_model_machine`), the plan's predicted
     peak against ``memory_analysis()`` of its compiled step (``verify`` compiles the model

@@ -9,6 +9,7 @@ top-k and PowerSGD are the compiled program's.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -19,7 +20,8 @@ from torsh_jax.pipeline.schedule import IDLE, build_pipeline_schedule
 from torsh_jax.pipeline.slots import scoped_send, slot_plan
 from torsh_jax.planner.cost import _bubble_fraction, codec_seconds, predict, theories
 from torsh_jax.planner.machine import Link, Machine
-from torsh_jax.planner.memory import SCANNED_STAGE
+from torsh_jax.planner.memory import SCANNED_STAGE, memory_parts
+from torsh_jax.planner.per_device import compressed_buffers_of
 from torsh_jax.planner.shape import parse_model
 from torsh_jax.planner.space import Space, candidates
 
@@ -201,18 +203,64 @@ def test_each_method_costs_its_own_codec_rate_and_old_machine_files_load(tiny, t
                  if c.plan.compression and c.label.startswith("ddp data=16 ")}  # fmt: skip
     machine = Machine.from_target("v5e-8", slices=2)
     measured = replace(machine, codec_s_per_element_by_method={"topk": 3e-9})
-    elements = tiny.param_count
+    # the buffers each method encodes, padded to 16 of its blocks (top-k: chunks, 1.7 % here)
+    elements = {m: sum(compressed_buffers_of(by_method[m], tiny)["data"]) for m in ("int8", "topk")}
+    assert all(tiny.param_count <= n < tiny.param_count * 1.02 for n in elements.values())
     assert codec_seconds(by_method["int8"], tiny, machine) == pytest.approx(
-        elements * machine.codec_s_per_element
+        elements["int8"] * machine.codec_s_per_element
     )
-    assert codec_seconds(by_method["topk"], tiny, measured) == pytest.approx(elements * 3e-9)
+    assert codec_seconds(by_method["topk"], tiny, measured) == pytest.approx(elements["topk"] * 3e-9)
     assumed = codec_seconds(by_method["topk"], tiny, machine) / codec_seconds(
         by_method["int8"], tiny, machine
     )
-    assert assumed == pytest.approx(9.0)  # CODEC_VS_INT8: a stated assumption, not int8's rate
+    per_element = assumed * elements["int8"] / elements["topk"]
+    assert per_element == pytest.approx(9.0)  # CODEC_VS_INT8: a stated assumption, not int8's rate
     old = json.loads(MACHINE.to_json())
     del old["codec_s_per_element_by_method"]
     assert Machine.from_json(json.dumps(old)) == MACHINE
+
+
+#: Plans whose ``data`` gradients are compressed: ZeRO-1, -2 and -3 reduce-scatter over ``fsdp``
+#: before ``data`` reduces, so their residuals are of the shard.
+COMPRESSED = (
+    "ddp data=8 acc=1",
+    "zero1 data=2 fsdp=4 acc=1",
+    "zero3 data=2 fsdp=4 acc=1",
+    "ddp data=4 tensor=2 acc=1",
+)
+
+
+@pytest.mark.parametrize("method", ["int8", "topk", "powersgd"])
+def test_compression_state_is_the_runtimes_to_the_byte(method):
+    """The predicted feedback (residuals, PowerSGD's warm start) is what the runtime's step keeps
+    per device; the codec's elements scale with it (ZeRO-1's were its whole gradient's before)."""
+    import jax
+
+    from torsh_jax.plan import AxisCompression, CompressorSpec
+    from torsh_jax.planner.steps import demo_step_builder
+
+    require_devices(8)
+    shape = parse_model("demo:d_model=128,layers=2,vocab=256,seq_len=32")
+    found = {c.label: c for c in candidates(shape, devices=8, global_batch=32)}
+    compression = (AxisCompression(axis="data", gradients=CompressorSpec(method=method)),)
+    machine = Machine.from_target("v5e-8", slices=2)
+    codec = {}
+    for label in COMPRESSED:
+        c = replace(found[label], plan=found[label].plan.replace(compression=compression))
+        train, _ = demo_step_builder(shape)(c.plan, jax.devices()[:8], remat=c.remat)
+        kept = sum(
+            _device_bytes(x) for x in jax.tree.leaves(train.abstract_state().feedback) if x.dtype == "float32"
+        )
+        assert memory_parts(c, shape, 2.0, machine)["feedback"] == kept, label
+        codec[label] = codec_seconds(c, shape, machine)
+    ddp, zero1 = codec["ddp data=8 acc=1"], codec["zero1 data=2 fsdp=4 acc=1"]
+    assert zero1 == pytest.approx(ddp / 4, rel=0.02)
+
+
+def _device_bytes(x) -> int:
+    """Bytes of one device's shard of the abstract array ``x``."""
+    shard = x.sharding.shard_shape(x.shape)
+    return math.prod(shard) * x.dtype.itemsize
 
 
 def test_plan_json_has_the_new_keys_and_a_remat_pick_says_the_model_must_recompute(capsys):

@@ -67,6 +67,7 @@ from torsh_jax.planner.machine import Machine, nearest_in_ratio
 from torsh_jax.planner.memory import memory_floor, memory_parts
 from torsh_jax.planner.per_device import (
     chunk_layers,
+    compressed_buffers_of,
     head_params_on_device,
     local_params,
     recomputed,
@@ -444,11 +445,13 @@ def _compressed(collectives, c: Candidate, shape: ModelShape) -> list[TheoryColl
 
 
 def codec_seconds(c: Candidate, shape: ModelShape, machine: Machine) -> float:
-    """Encoding and decoding the compressed gradients: the gradient elements of each compressed
-    axis at the machine's rate for its method (:meth:`Machine.codec_seconds_per_element`)."""
-    layers, shared = local_params(c, shape)
-    methods = [spec.method for spec in _gradient_compression(c.plan).values()]
-    return sum((layers + shared) * machine.codec_seconds_per_element(m) for m in methods)
+    """Encoding and decoding the compressed gradients: the elements each compressed axis's
+    reductions encode (:func:`~torsh_jax.planner.per_device.compressed_buffers_of`: under ZeRO a
+    ``1/fsdp`` shard) at the machine's rate for its method
+    (:meth:`Machine.codec_seconds_per_element`)."""
+    methods = {axis: spec.method for axis, spec in _gradient_compression(c.plan).items()}
+    buffers = compressed_buffers_of(c, shape)
+    return sum(sum(b) * machine.codec_seconds_per_element(methods[axis]) for axis, b in buffers.items())
 
 
 def break_even_bytes_per_s(c: Candidate, shape: ModelShape, machine: Machine) -> float | None:

@@ -52,12 +52,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from torsh_jax.analysis.theory import DTYPE_BYTES, theoretical_memory_per_device
+from torsh_jax.compress import powersgd
 from torsh_jax.plan.compressors import METHODS
 from torsh_jax.plan.roles import compose, head_backward_first, sums_in_place
 from torsh_jax.planner.compilers import PROFILES, apart_bytes, step_memory
 from torsh_jax.planner.machine import Machine, nearest_in_ratio
 from torsh_jax.planner.per_device import (
     chunk_layers,
+    compressed_buffers_of,
     head_params_on_device,
     layer_remat,
     local_params,
@@ -139,7 +141,7 @@ def memory_parts(c: Candidate, shape: ModelShape, opt_factor: float, machine: Ma
     pb, cb = DTYPE_BYTES[plan.precision.param_dtype], DTYPE_BYTES[plan.precision.compute_dtype]
     parts = _as_compiled(c, shape, count, shared, opt_factor, machine)
     if parts is not None:
-        parts["feedback"] = _feedback_bytes(c, count * pb)
+        parts["feedback"] = _feedback_bytes(c, shape)
         return {**parts, "total": sum(parts.values())}
     zero_stage, fsdp = plan.zero.stage, c.sizes["fsdp"]
     state = theoretical_memory_per_device(
@@ -170,7 +172,7 @@ def memory_parts(c: Candidate, shape: ModelShape, opt_factor: float, machine: Ma
         "gathered": gathered,
         "activations": activations,
         "logits": logits,
-        "feedback": _feedback_bytes(c, count * pb),
+        "feedback": _feedback_bytes(c, shape),
     }
     parts["gradients"] += _sum_after_backward(c, count * pb, parts)
     return {**parts, "total": sum(parts.values())}
@@ -317,18 +319,27 @@ def _accumulated_on_use_bytes(c: Candidate, param_bytes: int, shared_bytes: int,
     return int(param_bytes // c.sizes["fsdp"] + held)
 
 
-def _feedback_bytes(c: Candidate, param_bytes: int) -> int:
-    """Compression's error feedback: per compressed axis of ``n`` devices, a residual of the
-    gradient the axis reduces (ZeRO-2 and -3 reduce-scatter it over ``fsdp`` first) and one of the
-    ``1/n`` chunk the reduction's second phase sends on."""
-    fsdp = c.sizes["fsdp"] if c.plan.zero.stage >= 2 else 1
-    total = 0.0
-    for compression in c.plan.compression:
-        n, spec = c.sizes.get(compression.axis, 1), compression.gradients
-        if spec is not None and spec.error_feedback and n > 1:
-            server = 1 / n if METHODS[spec.method].all_reduce == "two_phase" else 0  # top-k, PowerSGD: none
-            total += param_bytes / fsdp * (1 + server)
-    return int(total)
+def _feedback_bytes(c: Candidate, shape: ModelShape) -> int:
+    """Compression's state, float32, per compressed axis of ``n`` devices and buffer its
+    reductions encode (:func:`~torsh_jax.planner.per_device.compressed_buffers_of`: where ZeRO
+    shards the state, of the ``1/fsdp`` shard reduce-scattered first): with error feedback a
+    residual of the buffer and, for two-phase methods, one of the ``1/n`` chunk the second phase
+    sends on; PowerSGD's warm start. As :func:`torsh_jax.compress.init_feedback` makes them.
+    Counted whole under ZeRO-1, 350 M's ``zero1 data=2 fsdp=32 int8@data acc=4`` on two v5e-32
+    slices was predicted 2.06 GiB of residuals and +22 % over libtpu's peak; it holds 64 MiB
+    (-0.4 % now)."""
+    specs = {a.axis: a.gradients for a in c.plan.compression if a.gradients is not None}
+    total = 0
+    for axis, lengths in compressed_buffers_of(c, shape).items():
+        spec, n = specs[axis], c.sizes[axis]
+        two_phase = METHODS[spec.method].all_reduce == "two_phase"
+        for length in lengths:
+            if spec.error_feedback:
+                total += length + (length // n if two_phase else 0)
+            if METHODS[spec.method].all_reduce == "low_rank":
+                rows, cols = powersgd.matrix_shape(length)
+                total += cols * min(spec.rank, rows, cols)
+    return total * 4
 
 
 def _stash_rows(c: Candidate, chunk: int) -> float:

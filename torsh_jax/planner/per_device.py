@@ -50,6 +50,40 @@ def local_params(c: Candidate, shape: ModelShape) -> tuple[int, int]:
     return shape.layers // s * round(one_layer), round(split_part(shares.shared, both / t, both))
 
 
+def compressed_buffers_of(c: Candidate, shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """Per axis the plan compresses gradients over: the length of each buffer one device's
+    reductions over it encode per synchronisation (the length of its error-feedback residual).
+    The runtime's buckets (:func:`~torsh_jax.planner.buffers.compressed_buffers`) where the model's
+    leaves are known; else one buffer of its local parameters, a ``1/fsdp`` shard of them where
+    ZeRO reduce-scatters over ``fsdp`` before another axis reduces
+    (:func:`torsh_jax.runtime.data_parallel.gradient_sync`).
+
+    Example:
+        >>> import dataclasses
+        >>> from torsh_jax.plan import AxisCompression, CompressorSpec
+        >>> from torsh_jax.planner.space import candidates
+        >>> shape = ModelShape.demo("tiny")
+        >>> found = {c.label: c for c in candidates(shape, devices=8, global_batch=64)}
+        >>> c = found["zero1 data=2 fsdp=4 acc=1"]
+        >>> int8 = (AxisCompression(axis="data", gradients=CompressorSpec(method="int8")),)
+        >>> c = dataclasses.replace(c, plan=c.plan.replace(compression=int8))
+        >>> sum(local_params(c, shape)), sum(compressed_buffers_of(c, shape)["data"])  # a quarter, padded
+        (4260160, 1065984)
+    """
+    from torsh_jax.plan.roles import compose
+    from torsh_jax.planner.buffers import compressed_buffers
+
+    buffers = compressed_buffers(shape, c.plan, c.sizes)
+    if buffers:
+        return buffers
+    roles, local = compose(c.plan, c.sizes), sum(local_params(c, shape))
+    out = {}
+    for axis in roles.gradient_compression:
+        scattered = roles.shard_axis is not None and axis != roles.shard_axis
+        out[axis] = (local // roles.size(roles.shard_axis) if scattered else local,)
+    return out
+
+
 def paired_end_sums(c: Candidate, shape: ModelShape) -> tuple[int, bool]:
     """``(parameters of the device's smaller part of the embedding and head, whether a pipeline
     stage carries their gradient sums paired)``: the runtime's stages share one buffer between
