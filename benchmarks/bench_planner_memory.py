@@ -11,7 +11,8 @@ nothing timed), so the run needs no quiet machine.
 ``--tpu SET`` compiles a set of plans for a TPU target instead (:data:`TPU_SETS`: the demo model at
 150 M on v5e-16, 350 M on v5e-32, 1 B and 7 B on v5e-256, and at ``d_model`` 512 with 4 layers and
 768 with 6 layers on v5e-8; ``*_pp``, pipelines of three of them and of a layer-bound model,
-``d_model`` 2048 with 8 layers, a vocabulary of 256 and 128 tokens); needs ``libtpu``, ``pip install
+``d_model`` 2048 with 8 layers, a vocabulary of 256 and 128 tokens; ``350m_dcn``, 350 M on two
+v5e-32 slices with its gradients compressed over ``data`` across them); needs ``libtpu``, ``pip install
 "torsh-jax[tpu-aot]"``; about half a minute a plan on 2 cores): the TPU compiler's peak against
 the prediction from the target's figures (:mod:`torsh_jax.planner.compilers`), what ``plan
 --target`` ranks by before it compiles. A plan the compiler refuses for memory is printed with no
@@ -31,7 +32,7 @@ Usage:
     python benchmarks/bench_planner_memory.py [--model small|medium] [--match TEXT] [--every N]
         [--offset K] [--quick]
     python benchmarks/bench_planner_memory.py --tpu 150m|350m|1b|7b|d512|d768|d512_pp|150m_pp|1b_pp|d2048_pp
-        [--match TEXT] [--global-batch N] [--scheduler-off]
+        |350m_dcn [--match TEXT] [--global-batch N] [--scheduler-off]
 """
 
 from __future__ import annotations
@@ -114,6 +115,12 @@ TPU_SETS = {
         "pp data=2 stage=4 zb_h1 m=4 acc=1", "pp data=2 stage=4 interleaved v=2 m=4 acc=1",
         "pp fsdp=2 stage=4 1f1b m=4 zero1 acc=1", "pp fsdp=4 stage=2 1f1b m=4 zero3 acc=1",
     )),
+    # two slices over DCN, gradients compressed over the data axis across them
+    "350m_dcn": ("demo:350m", "v5e-32", 256, (
+        "zero1 data=2 fsdp=32 acc=4", "zero1 data=2 fsdp=32 int8@data acc=4",
+        "zero2 data=2 fsdp=32 int8@data acc=2", "zero3 data=2 fsdp=32 int8@data acc=1",
+        "zero1 data=2 fsdp=32 topk@data acc=4", "zero1 data=2 fsdp=32 powersgd@data acc=4",
+    ), 2),
 }  # fmt: skip
 
 
@@ -196,13 +203,17 @@ def tpu_rows(name: str, match: str, global_batch: int | None = None) -> list[dic
     from torsh_jax.planner.space import candidates
     from torsh_jax.targets import parse_target, target_devices
 
-    model, target_name, set_batch, labels = TPU_SETS[name]
+    model, target_name, set_batch, labels, *rest = TPU_SETS[name]
+    slices = rest[0] if rest else 1  # a set's fifth field: its target's slices
     global_batch = global_batch or set_batch
-    shape, machine, target = parse_model(model), Machine.from_target(target_name), parse_target(target_name)
-    by_label = {c.label: c for c in candidates(shape, devices=machine.devices, global_batch=global_batch)}
+    shape = parse_model(model)
+    machine = Machine.from_target(target_name, slices=slices)
+    target = parse_target(target_name, slices=slices)
+    found = candidates(shape, devices=machine.devices, global_batch=global_batch, slices=slices)
+    by_label = {c.label: c for c in found}
     devices, rows = target_devices(target), []
     scheduler = "off" if SCHEDULER_OFF in os.environ.get("LIBTPU_INIT_ARGS", "") else "on"
-    context = {"target": target_name, "global_batch": global_batch, "scheduler": scheduler}
+    context = {"target": target_name, "slices": slices, "global_batch": global_batch, "scheduler": scheduler}
     for label in (label for label in labels if match in label):
         row = compared(by_label[label], shape, machine, devices, model=model, target=target, context=context)
         if row["compiled"] is not None:  # refused for memory: no peak to compare
