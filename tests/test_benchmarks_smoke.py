@@ -321,7 +321,10 @@ def test_every_tpu_set_names_plans_its_target_has():
     from torsh_jax.planner.space import candidates
 
     bench = _load_bench("bench_planner_memory")
-    for name, (model, target, global_batch, labels) in bench.TPU_SETS.items():
-        devices = Machine.from_target(target).devices
-        found = {c.label for c in candidates(parse_model(model), devices=devices, global_batch=global_batch)}
+    for name, (model, target, global_batch, labels, *rest) in bench.TPU_SETS.items():
+        slices = rest[0] if rest else 1
+        devices = Machine.from_target(target, slices=slices).devices
+        shape = parse_model(model)
+        found = candidates(shape, devices=devices, global_batch=global_batch, slices=slices)
+        found = {c.label for c in found}
         assert set(labels) <= found, (name, sorted(set(labels) - found))
