@@ -195,6 +195,13 @@ def _within_range(row: dict) -> bool:
 SCHEDULER_OFF = "--xla_tpu_enable_latency_hiding_scheduler=false"
 
 
+def tpu_set(name: str) -> tuple:
+    """``TPU_SETS[name]`` as ``(model, target, global batch, labels, slices)``: a set's fifth field
+    is its target's slices, 1 where it has none."""
+    model, target, global_batch, labels, *rest = TPU_SETS[name]
+    return model, target, global_batch, labels, rest[0] if rest else 1
+
+
 def tpu_rows(name: str, match: str, global_batch: int | None = None) -> list[dict]:
     """Each plan of ``TPU_SETS[name]`` compiled for its target (at ``global_batch``, else the
     set's) against its prediction."""
@@ -203,8 +210,7 @@ def tpu_rows(name: str, match: str, global_batch: int | None = None) -> list[dic
     from torsh_jax.planner.space import candidates
     from torsh_jax.targets import parse_target, target_devices
 
-    model, target_name, set_batch, labels, *rest = TPU_SETS[name]
-    slices = rest[0] if rest else 1  # a set's fifth field: its target's slices
+    model, target_name, set_batch, labels, slices = tpu_set(name)
     global_batch = global_batch or set_batch
     shape = parse_model(model)
     machine = Machine.from_target(target_name, slices=slices)

@@ -321,8 +321,8 @@ def test_every_tpu_set_names_plans_its_target_has():
     from torsh_jax.planner.space import candidates
 
     bench = _load_bench("bench_planner_memory")
-    for name, (model, target, global_batch, labels, *rest) in bench.TPU_SETS.items():
-        slices = rest[0] if rest else 1
+    for name in bench.TPU_SETS:
+        model, target, global_batch, labels, slices = bench.tpu_set(name)
         devices = Machine.from_target(target, slices=slices).devices
         shape = parse_model(model)
         found = candidates(shape, devices=devices, global_batch=global_batch, slices=slices)

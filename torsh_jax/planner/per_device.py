@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 from torsh_jax.pipeline.schedule import IDLE, build_pipeline_schedule
 from torsh_jax.pipeline.slots import slot_plan
-from torsh_jax.plan.roles import head_backward_first
-from torsh_jax.planner.buffers import tensor_split_elements
+from torsh_jax.plan.roles import compose, head_backward_first
+from torsh_jax.planner.buffers import compressed_buffers, tensor_split_elements
 from torsh_jax.planner.shape import ModelShape
 from torsh_jax.planner.space import Candidate
 from torsh_jax.runtime.pipeline.ends import pairs_end_sums
@@ -70,9 +70,6 @@ def compressed_buffers_of(c: Candidate, shape: ModelShape) -> dict[str, tuple[in
         >>> sum(local_params(c, shape)), sum(compressed_buffers_of(c, shape)["data"])  # a quarter, padded
         (4260160, 1065984)
     """
-    from torsh_jax.plan.roles import compose
-    from torsh_jax.planner.buffers import compressed_buffers
-
     buffers = compressed_buffers(shape, c.plan, c.sizes)
     if buffers:
         return buffers
