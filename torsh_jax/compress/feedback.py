@@ -38,7 +38,7 @@ from torsh_jax.errors import CompressionError
 from torsh_jax.plan.compressors import METHODS
 from torsh_jax.plan.spec import CompressorSpec
 
-__all__ = ["FeedbackState", "init_feedback", "two_phase"]
+__all__ = ["FeedbackState", "feedback_shapes", "init_feedback", "two_phase"]
 
 
 class FeedbackState(NamedTuple):
@@ -78,12 +78,27 @@ def init_feedback(spec: CompressorSpec, /, *, length: int, axis_size: int) -> Fe
             key="length",
             fix="pad the buffer to compress.padded_length(n, axis_size=..., spec=...)",
         )
-    feedback = spec.error_feedback
-    worker = _empty(length) if feedback else _empty(0)
-    server = _empty(length // axis_size) if feedback and two_phase(spec) else _empty(0)
-    warm = (
-        powersgd.initial_q(length, rank=spec.rank)
-        if METHODS[spec.method].all_reduce == "low_rank"
-        else _empty(0, 0)
+    shapes = feedback_shapes(spec, length=length, axis_size=axis_size)
+    low_rank = METHODS[spec.method].all_reduce == "low_rank"
+    warm = powersgd.initial_q(length, rank=spec.rank) if low_rank else _empty(*shapes.warm_start)
+    return FeedbackState(
+        _empty(*shapes.worker), _empty(*shapes.server), warm, jnp.zeros(shapes.step, jnp.int32)
     )
-    return FeedbackState(worker, server, warm, jnp.zeros((1,), jnp.int32))
+
+
+def feedback_shapes(spec: CompressorSpec, /, *, length: int, axis_size: int) -> FeedbackState:
+    """The shapes (tuples) of :func:`init_feedback`'s state for a buffer of ``length`` reduced
+    over ``axis_size`` devices, nothing allocated (the planner counts them).
+
+    Example:
+        >>> from torsh_jax.plan import CompressorSpec
+        >>> feedback_shapes(CompressorSpec(method="int8"), length=4096, axis_size=8)
+        FeedbackState(worker=(4096,), server=(512,), warm_start=(0, 0), step=(1,))
+    """
+    feedback, low_rank = spec.error_feedback, METHODS[spec.method].all_reduce == "low_rank"
+    return FeedbackState(
+        worker=(length,) if feedback else (0,),
+        server=(length // axis_size,) if feedback and two_phase(spec) else (0,),
+        warm_start=powersgd.q_shape(length, rank=spec.rank) if low_rank else (0, 0),
+        step=(1,),
+    )

@@ -36,11 +36,15 @@ __all__ = ["matrix_shape", "initial_q", "orthonormalise", "encode", "decode", "e
 _INIT_SEED = 0x5EED
 
 
+def q_shape(length: int, *, rank: int) -> tuple[int, int]:
+    """``Q``'s shape for a buffer of ``length``: ``[cols, rank]``, the rank at most the matrix's."""
+    rows, cols = matrix_shape(length)
+    return cols, min(rank, rows, cols)
+
+
 def initial_q(length: int, *, rank: int) -> jax.Array:
     """Standard-normal ``Q [cols, rank]`` from a fixed key (identical on every worker)."""
-    rows, cols = matrix_shape(length)
-    rank = min(rank, rows, cols)
-    return jax.random.normal(jax.random.key(_INIT_SEED), (cols, rank), jnp.float32)
+    return jax.random.normal(jax.random.key(_INIT_SEED), q_shape(length, rank=rank), jnp.float32)
 
 
 def orthonormalise(p: jax.Array) -> jax.Array:

@@ -49,11 +49,11 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from torsh_jax.analysis.theory import DTYPE_BYTES, theoretical_memory_per_device
-from torsh_jax.compress import powersgd
-from torsh_jax.plan.compressors import METHODS
+from torsh_jax.compress.feedback import feedback_shapes
 from torsh_jax.plan.roles import compose, head_backward_first, sums_in_place
 from torsh_jax.planner.compilers import PROFILES, apart_bytes, step_memory
 from torsh_jax.planner.machine import Machine, nearest_in_ratio
@@ -331,14 +331,9 @@ def _feedback_bytes(c: Candidate, shape: ModelShape) -> int:
     specs = {a.axis: a.gradients for a in c.plan.compression if a.gradients is not None}
     total = 0
     for axis, lengths in compressed_buffers_of(c, shape).items():
-        spec, n = specs[axis], c.sizes[axis]
-        two_phase = METHODS[spec.method].all_reduce == "two_phase"
         for length in lengths:
-            if spec.error_feedback:
-                total += length + (length // n if two_phase else 0)
-            if METHODS[spec.method].all_reduce == "low_rank":
-                rows, cols = powersgd.matrix_shape(length)
-                total += cols * min(spec.rank, rows, cols)
+            shapes = feedback_shapes(specs[axis], length=length, axis_size=c.sizes[axis])
+            total += sum(math.prod(s) for s in (shapes.worker, shapes.server, shapes.warm_start))
     return total * 4
 
 
