@@ -16,7 +16,9 @@ v5e-32 slices with its gradients compressed over ``data`` across them); needs ``
 "torsh-jax[tpu-aot]"``; about half a minute a plan on 2 cores): the TPU compiler's peak against
 the prediction from the target's figures (:mod:`torsh_jax.planner.compilers`), what ``plan
 --target`` ranks by before it compiles. A plan the compiler refuses for memory is printed with no
-``compiled`` peak and left out of the summaries. ``--global-batch N`` compiles the set's plans at
+``compiled`` peak and left out of the summaries. ``--tpu all`` compiles every set, one after
+the other (over an hour on 2 cores), and prints the summaries over them all.
+``--global-batch N`` compiles the set's plans at
 another global batch; ``--scheduler-off`` compiles with libtpu's latency-hiding scheduler off,
 which keeps no memory for overlapping collectives with compute (docs/planner.md: the scheduler
 takes memory the step does not need when it has room).
@@ -134,13 +136,18 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="the tiny model, every 40th candidate")
     parser.add_argument(
-        "--tpu", choices=sorted(TPU_SETS), help="compile this set of plans for its TPU target"
+        "--tpu",
+        choices=[*sorted(TPU_SETS), "all"],
+        help="compile this set of plans (all: every set) for its TPU target",
     )
     parser.add_argument("--global-batch", type=int, help="with --tpu: this global batch, not the set's")
     parser.add_argument(
         "--scheduler-off", action="store_true", help="with --tpu: libtpu's latency-hiding scheduler off"
     )
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.tpu == "all" and args.global_batch:
+        parser.error("--global-batch: each set has its own; give it with one --tpu SET")
+    return args
 
 
 def cpu_machine():
@@ -268,7 +275,8 @@ def main() -> int:
         if args.scheduler_off:  # read by libtpu when it starts
             given = os.environ.get("LIBTPU_INIT_ARGS", "")
             os.environ["LIBTPU_INIT_ARGS"] = f"{given} {SCHEDULER_OFF}".strip()
-        emit_summaries(tpu_rows(args.tpu, args.match, args.global_batch))
+        names = sorted(TPU_SETS) if args.tpu == "all" else [args.tpu]
+        emit_summaries([row for name in names for row in tpu_rows(name, args.match, args.global_batch)])
         return 0
     common.setup_devices(8)
     import jax
