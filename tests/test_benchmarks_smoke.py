@@ -328,3 +328,17 @@ def test_every_tpu_set_names_plans_its_target_has():
         found = candidates(shape, devices=devices, global_batch=global_batch, slices=slices)
         found = {c.label for c in found}
         assert set(labels) <= found, (name, sorted(set(labels) - found))
+
+
+def test_the_memory_benchmark_refuses_one_global_batch_for_every_tpu_set():
+    """``--tpu all`` compiles each set at its own global batch: given one, it stops with a one-line
+    usage error before anything compiles."""
+    script = BENCHMARKS / "bench_planner_memory.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--tpu", "all", "--global-batch", "8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1].endswith("each set has its own; give it with one --tpu SET")
