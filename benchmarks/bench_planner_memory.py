@@ -35,6 +35,7 @@ Usage:
         [--offset K] [--quick]
     python benchmarks/bench_planner_memory.py --tpu 150m|350m|1b|7b|d512|d768|d512_pp|150m_pp|1b_pp|d2048_pp
         |350m_dcn [--match TEXT] [--global-batch N] [--scheduler-off]
+    python benchmarks/bench_planner_memory.py --tpu all [--match TEXT] [--scheduler-off]
 """
 
 from __future__ import annotations
