@@ -126,12 +126,14 @@ def test_bench_pipeline_quick():
 @pytest.mark.slow
 def test_bench_barrier_quick_runs_one_collective_per_iteration_against_none():
     """The timed programs are what the rows say: each kind's scan runs its collective once per
-    iteration (the compiled program's, not hoisted or dropped), the baseline none."""
-    rows = script_rows("bench_barrier.py", "--quick")
-    assert sorted(row["kind"] for row in rows) == ["all_gather", "ppermute", "psum"]
+    iteration (the compiled program's, not hoisted or dropped) over groups of the row's size, the
+    baseline none."""
+    rows = script_rows("bench_barrier.py", "--quick", "--group-sizes", "8,2")
+    kinds = ["all_gather", "ppermute", "psum"]
+    assert sorted((row["group_size"], row["kind"]) for row in rows) == [(n, k) for n in (2, 8) for k in kinds]
     for row in rows:
         assert row["collectives_per_run"] == 32 and row["baseline_collectives_per_run"] == 0, row
-        assert row["iteration_s"] > 0
+        assert row["compiled_group_size"] == row["group_size"] and row["iteration_s"] > 0, row
 
 
 @pytest.mark.slow
